@@ -1,0 +1,170 @@
+"""The `dsf` command line.
+
+    dsf config --zero-stage 3 --offload-optimizer cpu --precision bf16 --world-size 8 \\
+               --global-batch 256 --micro-batch 4 -o ds_config.json
+    deepspeed --num_gpus 2 $(which dsf) train launch/examples/tiny.yaml --set train.steps=50
+    dsf train launch/examples/tiny.yaml --resume          # a world of one, no launcher
+    dsf export runs/tiny/checkpoints runs/tiny/hf
+    dsf presets
+
+Mistakes in input print one line on stderr (`dsf: error: <field>=<value>: <rule>; <fix>`) and
+exit with code 2, with no traceback.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from dsframework.errors import EXIT_USER_ERROR, UserError
+
+
+def _fail(message: str) -> None:
+    click.echo(f"dsf: error: {' '.join(str(message).split())}", err=True)
+    sys.exit(EXIT_USER_ERROR)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def cli() -> None:
+    """dsframework: plan, configure and run DeepSpeed training of Hugging Face causal LMs."""
+
+
+# --- dsf config ---------------------------------------------------------------------------------
+
+@cli.command("config")
+@click.option("--zero-stage", type=click.IntRange(0, 3), default=0, show_default=True)
+@click.option("--offload-optimizer", type=click.Choice(["none", "cpu", "nvme"]), default="none", show_default=True)
+@click.option("--offload-param", type=click.Choice(["none", "cpu", "nvme"]), default="none", show_default=True,
+              help="ZeRO-3 only")
+@click.option("--nvme-path", default="/local_nvme", show_default=True)
+@click.option("--precision", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp32", show_default=True)
+@click.option("--micro-batch", type=int, help="sequences per rank per forward")
+@click.option("--grad-accum", type=int, help="micro-batches per optimizer step")
+@click.option("--global-batch", type=int, help="sequences per optimizer step over all ranks")
+@click.option("--world-size", type=int, default=1, show_default=True, help="data-parallel ranks")
+@click.option("--optimizer", type=click.Choice(["adamw", "adam"]), default="adamw", show_default=True)
+@click.option("--lr", type=float, default=1e-3, show_default=True)
+@click.option("--weight-decay", type=float, default=0.0, show_default=True)
+@click.option("--grad-clip", type=float, default=1.0, show_default=True, help="0 disables clipping")
+@click.option("--warmup-steps", type=int, default=0, show_default=True)
+@click.option("--steps", type=int, default=200, show_default=True, help="total steps, for the lr schedule")
+@click.option("--lr-schedule", type=click.Choice(["cosine", "linear", "constant"]), default="cosine",
+              show_default=True)
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), help="file; stdout without")
+@click.option("--force", is_flag=True, help="replace an existing --output file")
+def config_cmd(world_size: int, output: Path | None, force: bool, **flags: object) -> None:
+    """Write a DeepSpeed JSON, checked by DeepSpeed's own DeepSpeedConfig at --world-size.
+
+    Give any two of --micro-batch, --grad-accum, --global-batch (the third is derived).
+    """
+    from dsframework.config import build_run_config
+    from dsframework.dsconfig import build_ds_config, dumps, validate_ds_config
+
+    if world_size < 1:
+        raise UserError("--world-size", world_size, "must be >= 1", "pass the number of data-parallel ranks")
+    train_keys = ("micro_batch", "grad_accum", "global_batch", "optimizer", "lr", "weight_decay",
+                  "grad_clip", "warmup_steps", "steps", "lr_schedule", "precision")
+    parallel_keys = ("zero_stage", "offload_optimizer", "offload_param", "nvme_path")
+    sections = {"train": {k: flags[k] for k in train_keys if flags[k] is not None},
+                "parallel": {k: flags[k] for k in parallel_keys}}
+    try:
+        run = build_run_config(sections)
+    except UserError as err:  # name the flag the user typed, not the config field behind it
+        raise UserError(_flag_for(err.field), err.value, err.rule, err.fix) from None
+    ds = build_ds_config(run.train, run.parallel, dp_size=world_size)
+    validate_ds_config(ds, dp_size=world_size)
+    text = dumps(ds)
+    if output is None:
+        click.echo(text, nl=False)
+        return
+    if output.exists() and not force:
+        raise UserError("--output", str(output), "exists", "choose another file or pass --force")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(text)
+    click.echo(f"dsf: wrote {output} (ZeRO-{run.parallel.zero_stage}, dp={world_size})", err=True)
+
+
+def _flag_for(field: str) -> str:
+    """'train.global_batch' -> '--global-batch'; other fields unchanged."""
+    name = field.rsplit(".", 1)[-1]
+    return "--" + name.replace("_", "-") if field.startswith(("train.", "parallel.")) else field
+
+
+# --- dsf train ----------------------------------------------------------------------------------
+
+@cli.command("train", context_settings={"ignore_unknown_options": False})
+@click.argument("run_yaml", type=click.Path(path_type=Path))
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="override a config key, e.g. --set train.steps=20 (repeatable)")
+@click.option("--resume", is_flag=True, help="continue from the latest checkpoint in output_dir")
+@click.option("--overwrite", is_flag=True, help="replace the run already in output_dir")
+def train_cmd(run_yaml: Path, overrides: tuple[str, ...], resume: bool, overwrite: bool) -> None:
+    """Train RUN_YAML; run under `deepspeed --num_gpus N $(which dsf) train ...` for N ranks."""
+    from dsframework.config import load_run_config
+    from dsframework.engine import train
+
+    run = load_run_config(run_yaml, overrides)
+    train(run, resume=resume, overwrite=overwrite)
+
+
+# --- dsf export ---------------------------------------------------------------------------------
+
+@cli.command("export")
+@click.argument("ckpt_dir", type=click.Path(path_type=Path))
+@click.argument("out_dir", type=click.Path(path_type=Path))
+@click.option("--tag", help="checkpoint tag (default: latest)")
+@click.option("--overwrite", is_flag=True, help="replace a non-empty OUT_DIR")
+def export_cmd(ckpt_dir: Path, out_dir: Path, tag: str | None, overwrite: bool) -> None:
+    """Merge a checkpoint (any ZeRO stage) into a transformers directory at OUT_DIR."""
+    from dsframework.export import export_checkpoint
+
+    path = export_checkpoint(ckpt_dir, out_dir, tag=tag, overwrite=overwrite)
+    click.echo(f"dsf: exported {ckpt_dir} -> {path} (load with AutoModelForCausalLM.from_pretrained)")
+
+
+# --- dsf presets --------------------------------------------------------------------------------
+
+@cli.command("presets")
+def presets_cmd() -> None:
+    """List the built-in model presets."""
+    from dsframework.models import PRESETS
+
+    for name, fields in PRESETS.items():
+        shape = {k: fields[k] for k in ("hidden_size", "num_hidden_layers", "n_embd", "n_layer") if k in fields}
+        click.echo(f"{name:12s} {fields['model_type']:6s} " + " ".join(f"{k}={v}" for k, v in shape.items()))
+
+
+def _strip_local_rank(argv: list[str]) -> list[str]:
+    """Drop the `--local_rank=N` the deepspeed launcher puts before the subcommand.
+
+    The launcher also exports LOCAL_RANK, which is what dsf reads.
+    """
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--local_rank", "--local-rank"):
+            skip = True
+        elif not arg.startswith(("--local_rank=", "--local-rank=")):
+            out.append(arg)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the `dsf` console script."""
+    argv = _strip_local_rank(sys.argv[1:] if argv is None else list(argv))
+    try:
+        cli.main(args=argv, prog_name="dsf", standalone_mode=False)
+    except UserError as err:
+        _fail(str(err))
+    except click.exceptions.Abort:
+        _fail("aborted")
+    except click.ClickException as err:  # bad flag or argument: one line, not the usage block
+        _fail(err.format_message())
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,231 @@
+"""The run config: one YAML file, one pydantic model per concern, validated before anything runs.
+
+    run = load_run_config("launch/examples/tiny.yaml", ["parallel.zero_stage=3", "train.steps=20"])
+    run.parallel.zero_stage   # 3
+    run.train.lr              # 0.001
+
+Unknown keys are errors with a close-match suggestion; every error is a one-line `UserError`
+naming the dotted field, its value and the fix. Rules that need the world size (the batch triple)
+are checked later, in `dsconfig.resolve_batch`.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, get_origin
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from dsframework.errors import UserError, did_you_mean
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSpec(_Spec):
+    """Which model to train."""
+
+    name: str = Field("tiny-llama", description="a preset name (see `dsf presets`), a path to a "
+                      "transformers config.json (random init), or a local pretrained directory")
+    overrides: dict[str, Any] = Field(default_factory=dict, description="transformers config "
+                                      "fields to change, e.g. {num_hidden_layers: 4}")
+    tokenizer: str | None = Field(None, description="local tokenizer directory; default: the "
+                                  "pretrained directory's, else one trained locally on the data")
+
+
+class DataSpec(_Spec):
+    """What to train on."""
+
+    dataset: str = Field("addition", description="a built-in task (addition, reverse) or a local "
+                         "path: a json/jsonl/csv/parquet/txt file, a glob, or a save_to_disk dir")
+    text_field: str = Field("text", description="column holding the text in user data")
+    seq_len: int = Field(64, ge=8, description="tokens per packed training block")
+    eval_fraction: float = Field(0.05, gt=0, lt=0.5, description="share of blocks held out for eval")
+    num_examples: int = Field(20000, ge=100, description="examples generated for a built-in task")
+    max_digits: int = Field(3, ge=1, le=12, description="operand length of the built-in tasks")
+    tokenizer_vocab_size: int = Field(512, ge=64, description="vocab of a tokenizer trained on user data")
+    seed: int = Field(1234, description="seed for generating, splitting and shuffling the data")
+
+
+class TrainSpec(_Spec):
+    """How to optimise. Give any two of micro_batch, grad_accum, global_batch (or one, or none):
+    the rest is derived from the data-parallel size when the world is known."""
+
+    steps: int = Field(200, ge=1, description="optimizer steps in total")
+    micro_batch: int | None = Field(None, ge=1, description="sequences per rank per forward pass")
+    grad_accum: int | None = Field(None, ge=1, description="micro-batches per optimizer step")
+    global_batch: int | None = Field(None, ge=1, description="sequences per optimizer step, all ranks")
+    optimizer: Literal["adamw", "adam"] = "adamw"
+    lr: float = Field(1e-3, gt=0, description="peak learning rate")
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, ge=0, description="max global gradient norm; 0 disables clipping")
+    lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final lr / peak lr (cosine)")
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    seed: int = Field(42, description="seed for weight init and dropout")
+
+    @model_validator(mode="after")
+    def _warmup_within_steps(self) -> "TrainSpec":
+        if self.warmup_steps > self.steps:
+            raise ValueError(f"warmup_steps={self.warmup_steps} exceeds steps={self.steps}; "
+                             "lower train.warmup_steps")
+        return self
+
+
+class ParallelSpec(_Spec):
+    """How to split the work across ranks."""
+
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    offload_optimizer: Literal["none", "cpu", "nvme"] = "none"
+    offload_param: Literal["none", "cpu", "nvme"] = Field("none", description="ZeRO-3 only")
+    nvme_path: str = Field("/local_nvme", description="directory for nvme offload")
+
+    @model_validator(mode="after")
+    def _offload_param_needs_stage3(self) -> "ParallelSpec":
+        if self.offload_param != "none" and self.zero_stage != 3:
+            raise ValueError(f"offload_param={self.offload_param} needs zero_stage=3, got "
+                             f"zero_stage={self.zero_stage}; set parallel.zero_stage=3 or "
+                             "parallel.offload_param=none")
+        if self.offload_optimizer != "none" and self.zero_stage == 0:
+            raise ValueError(f"offload_optimizer={self.offload_optimizer} needs zero_stage>=1; "
+                             "set parallel.zero_stage to 1, 2 or 3")
+        return self
+
+
+class CheckpointSpec(_Spec):
+    """When to save (under <output_dir>/checkpoints)."""
+
+    every: int = Field(100, ge=0, description="save every N steps; 0: only at the end")
+    save_final: bool = True
+
+
+class LoggingSpec(_Spec):
+    """What to report."""
+
+    every: int = Field(10, ge=1, description="log loss, lr and tokens/s every N steps")
+    eval_every: int = Field(50, ge=0, description="evaluate every N steps (and at the end); 0: never")
+    progress: bool = Field(True, description="progress bar on rank 0")
+
+
+class RunConfig(_Spec):
+    """A whole training run."""
+
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    data: DataSpec = Field(default_factory=DataSpec)
+    train: TrainSpec = Field(default_factory=TrainSpec)
+    parallel: ParallelSpec = Field(default_factory=ParallelSpec)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    logging: LoggingSpec = Field(default_factory=LoggingSpec)
+    output_dir: str = Field("runs/default", description="metrics, checkpoints and tokenizer go here")
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.output_dir) / "checkpoints"
+
+
+# --- loading -----------------------------------------------------------------------------------
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """The mapping in a YAML file, or a UserError saying what is wrong with the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError("run config", str(path), "no such file", "pass the path of a YAML run config")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise UserError("run config", str(path), f"is not valid YAML{where}",
+                        "fix the syntax (indentation, colons, quotes)") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UserError("run config", str(path), f"holds a {type(data).__name__}, not a mapping",
+                        "write sections such as `model:`, `train:` at the top level")
+    return data
+
+
+def apply_override(data: dict[str, Any], assignment: str) -> None:
+    """Apply one `dotted.key=value` (value parsed as YAML) to a raw config mapping, in place."""
+    key, sep, raw = assignment.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise UserError("--set", assignment, "is not of the form dotted.key=value",
+                        "write e.g. --set train.steps=20")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    parts = key.split(".")
+    model: type[BaseModel] | None = RunConfig  # None below a free-form mapping (model.overrides)
+    node = data
+    for depth, part in enumerate(parts):
+        if model is not None:
+            if part not in model.model_fields:
+                where = ".".join(parts[:depth]) or "the top level"
+                raise UserError("--set", key, f"unknown key {part!r} in {where}",
+                                did_you_mean(part, model.model_fields))
+            annotation = model.model_fields[part].annotation
+        if depth == len(parts) - 1:
+            node[part] = value
+            return
+        if model is not None:
+            if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+                model = annotation
+            elif get_origin(annotation) is dict:
+                model = None
+            else:
+                section = ".".join(parts[: depth + 1])
+                raise UserError("--set", key, f"{section} is a value, not a section",
+                                f"write --set {section}=VALUE")
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = node[part] = {}
+        node = child
+
+
+def _format_validation_error(err: ValidationError) -> UserError:
+    """The first pydantic error as a one-line UserError with the dotted field and the fix."""
+    first = err.errors()[0]
+    loc = [str(p) for p in first["loc"]]
+    field = ".".join(loc) or "run config"
+    if first["type"] == "extra_forbidden":
+        parent: type[BaseModel] = RunConfig
+        for part in loc[:-1]:
+            ann = parent.model_fields[part].annotation
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                parent = ann
+        return UserError(field, None, f"unknown key {loc[-1]!r}", did_you_mean(loc[-1], parent.model_fields))
+    msg = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "value_error":  # our own validators already say value, rule and fix
+        return UserError(field, None, msg)
+    value = first.get("input")
+    if isinstance(value, (dict, list)):
+        value = None
+    fix = "fix the value, or remove the key to use the default" if first["type"] != "missing" else ""
+    return UserError(field, value, msg[0].lower() + msg[1:], fix)
+
+
+def build_run_config(data: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """RunConfig from a raw mapping plus `dotted.key=value` overrides."""
+    data = yaml.safe_load(yaml.safe_dump(data))  # deep copy of plain data
+    for assignment in overrides:
+        apply_override(data, assignment)
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise _format_validation_error(err) from None
+
+
+def load_run_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Read, override and validate a YAML run config."""
+    return build_run_config(read_yaml(path), overrides)
+
+
+def dump_run_config(run: RunConfig) -> str:
+    """The YAML text of a RunConfig; `load_run_config` of it gives the same RunConfig back."""
+    return yaml.safe_dump(run.model_dump(mode="json"), sort_keys=False)

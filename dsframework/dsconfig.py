@@ -1,0 +1,179 @@
+"""Run config -> DeepSpeed JSON, checked by deepspeed's own `DeepSpeedConfig`.
+
+    from dsframework.config import build_run_config
+    run = build_run_config({}, ["parallel.zero_stage=2", "train.global_batch=32", "train.micro_batch=4"])
+    ds = build_ds_config(run.train, run.parallel, dp_size=8)   # grad_accum derived: 32 / (4 * 8) = 1
+    validate_ds_config(ds, dp_size=8)                          # raises UserError if DeepSpeed objects
+
+`dsf config` and `dsf train` both go through `build_ds_config`, so the JSON a user generates is the
+JSON training uses.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+from dsframework.config import ParallelSpec, TrainSpec
+from dsframework.errors import UserError
+
+# Large enough that DeepSpeed never prints its own per-step line; dsf logs progress itself.
+_STEPS_PER_PRINT = 1_000_000_000
+
+
+@dataclass(frozen=True)
+class Batch:
+    """The batch triple; global_batch = micro_batch * grad_accum * dp_size always holds."""
+
+    micro_batch: int
+    grad_accum: int
+    global_batch: int
+    dp_size: int
+
+
+def resolve_batch(micro_batch: int | None, grad_accum: int | None, global_batch: int | None,
+                  *, dp_size: int) -> Batch:
+    """Fill in the batch triple from any two of its values (or fewer, with 1s) and dp_size.
+
+    resolve_batch(4, None, 32, dp_size=4)  -> Batch(4, 2, 32, 4)
+    resolve_batch(4, 2, 16, dp_size=4)     -> UserError: 4 * 2 * 4 = 32 != 16
+    """
+    if dp_size < 1:
+        raise UserError("data-parallel size", dp_size, "must be >= 1", "use at least one rank")
+    if global_batch is None:
+        micro, accum = micro_batch or 1, grad_accum or 1
+        return Batch(micro, accum, micro * accum * dp_size, dp_size)
+    if micro_batch is not None and grad_accum is not None:
+        if micro_batch * grad_accum * dp_size != global_batch:
+            raise UserError("train.global_batch", global_batch,
+                            f"!= micro_batch * grad_accum * dp = {micro_batch} * {grad_accum} * "
+                            f"{dp_size} = {micro_batch * grad_accum * dp_size}",
+                            "give only two of micro_batch, grad_accum, global_batch")
+        return Batch(micro_batch, grad_accum, global_batch, dp_size)
+    fixed_name, fixed = ("micro_batch", micro_batch) if micro_batch is not None else (
+        ("grad_accum", grad_accum) if grad_accum is not None else ("grad_accum", 1))
+    per_step = fixed * dp_size
+    if global_batch % per_step:
+        raise UserError("train.global_batch", global_batch,
+                        f"is not divisible by {fixed_name} * dp = {fixed} * {dp_size} = {per_step}",
+                        f"choose a global batch that is a multiple of {per_step}")
+    other = global_batch // per_step
+    if fixed_name == "micro_batch":
+        return Batch(fixed, other, global_batch, dp_size)
+    return Batch(other, fixed, global_batch, dp_size)
+
+
+def _optimizer_section(train: TrainSpec) -> dict[str, Any]:
+    return {"type": {"adamw": "AdamW", "adam": "Adam"}[train.optimizer],
+            "params": {"lr": train.lr, "betas": list(train.betas), "eps": train.eps,
+                       "weight_decay": train.weight_decay}}
+
+
+def _scheduler_section(train: TrainSpec) -> dict[str, Any]:
+    """DeepSpeed's own schedulers: WarmupCosineLR, WarmupDecayLR (linear) or WarmupLR (constant)."""
+    if train.lr_schedule == "cosine":
+        return {"type": "WarmupCosineLR",
+                "params": {"total_num_steps": train.steps, "warmup_num_steps": train.warmup_steps,
+                           "warmup_min_ratio": 0.0, "cos_min_ratio": train.min_lr_ratio,
+                           "warmup_type": "linear"}}
+    common = {"warmup_min_lr": 0.0, "warmup_max_lr": train.lr,
+              "warmup_num_steps": train.warmup_steps, "warmup_type": "linear"}
+    if train.lr_schedule == "linear":
+        return {"type": "WarmupDecayLR", "params": {"total_num_steps": train.steps, **common}}
+    return {"type": "WarmupLR", "params": common}
+
+
+def _offload(device: str, nvme_path: str) -> dict[str, Any]:
+    section: dict[str, Any] = {"device": device, "pin_memory": True}
+    if device == "nvme":
+        section["nvme_path"] = nvme_path
+    return section
+
+
+def _zero_section(parallel: ParallelSpec) -> dict[str, Any]:
+    zero: dict[str, Any] = {"stage": parallel.zero_stage}
+    if parallel.zero_stage >= 1:
+        # Overlap communication with compute, and contiguous gradients to avoid fragmentation:
+        # the settings DeepSpeed's own tutorials recommend for stages 1-3.
+        zero.update(overlap_comm=True, contiguous_gradients=True,
+                    reduce_bucket_size=50_000_000, allgather_bucket_size=50_000_000)
+    if parallel.zero_stage == 3:
+        zero.pop("allgather_bucket_size")
+        zero.update(stage3_prefetch_bucket_size=50_000_000, stage3_param_persistence_threshold=100_000,
+                    stage3_gather_16bit_weights_on_model_save=False)
+    if parallel.offload_optimizer != "none":
+        zero["offload_optimizer"] = _offload(parallel.offload_optimizer, parallel.nvme_path)
+    if parallel.offload_param != "none":
+        zero["offload_param"] = _offload(parallel.offload_param, parallel.nvme_path)
+    return zero
+
+
+def build_ds_config(train: TrainSpec, parallel: ParallelSpec, *, dp_size: int) -> dict[str, Any]:
+    """The DeepSpeed JSON (as a dict) for a train/parallel spec at a data-parallel size."""
+    batch = resolve_batch(train.micro_batch, train.grad_accum, train.global_batch, dp_size=dp_size)
+    ds: dict[str, Any] = {
+        "train_batch_size": batch.global_batch,
+        "train_micro_batch_size_per_gpu": batch.micro_batch,
+        "gradient_accumulation_steps": batch.grad_accum,
+        "optimizer": _optimizer_section(train),
+        "scheduler": _scheduler_section(train),
+        "zero_optimization": _zero_section(parallel),
+        "steps_per_print": _STEPS_PER_PRINT,
+        "wall_clock_breakdown": False,
+    }
+    if train.grad_clip > 0:
+        ds["gradient_clipping"] = train.grad_clip
+    if train.precision == "bf16":
+        ds["bf16"] = {"enabled": True}
+    elif train.precision == "fp16":
+        # Dynamic loss scaling (loss_scale 0): overflowing steps are skipped and the scale halved.
+        ds["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16,
+                      "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}
+    return ds
+
+
+def dumps(ds: dict[str, Any]) -> str:
+    """The canonical JSON text of a DeepSpeed config (what `dsf config` prints and presets hold)."""
+    return json.dumps(ds, indent=2) + "\n"
+
+
+class _DataParallelOnly:
+    """The one mpu method DeepSpeedConfig asks for: the data-parallel size to check batches at."""
+
+    def __init__(self, dp_size: int):
+        self._dp_size = dp_size
+
+    def get_data_parallel_world_size(self) -> int:
+        return self._dp_size
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _ensure_comm() -> None:
+    """DeepSpeedConfig reads the rank from deepspeed.comm; give it a one-process group if none."""
+    import deepspeed.comm as dist
+
+    if dist.is_initialized():
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    dist.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False,
+                          rank=0, world_size=1)
+
+
+def validate_ds_config(ds: dict[str, Any], *, dp_size: int) -> None:
+    """Run deepspeed's own DeepSpeedConfig over `ds` at `dp_size`; UserError if it objects."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    _ensure_comm()
+    try:
+        DeepSpeedConfig(json.loads(json.dumps(ds)), mpu=_DataParallelOnly(dp_size))
+    except (AssertionError, ValueError, TypeError, KeyError) as err:
+        raise UserError("DeepSpeed config", None, f"rejected by DeepSpeedConfig at dp={dp_size}: {err}",
+                        "check the batch, ZeRO and precision settings") from None

@@ -1,0 +1,256 @@
+"""`dsf train`: a thin loop over `deepspeed.initialize`, one process per rank.
+
+    deepspeed --num_gpus 2 $(which dsf) train launch/examples/tiny.yaml --set train.steps=50
+    # or, in Python, inside each rank:
+    from dsframework.config import load_run_config
+    from dsframework.engine import train
+    train(load_run_config("launch/examples/tiny.yaml"), resume=False)
+
+Reads top to bottom: world -> output dir check -> tokenizer and data -> model (partitioned under
+ZeRO-3) -> deepspeed.initialize -> optional resume -> loop of DeepSpeed steps with logging,
+evaluation and checkpoints. DeepSpeed does gradient accumulation, clipping, the lr schedule and
+ZeRO; this file only feeds it the right blocks and records what happened.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from dsframework import checkpoint as ckpt
+from dsframework.config import RunConfig, dump_run_config
+from dsframework.data import BlockSampler, eval_shard, load_texts, load_tokenizer, pack_splits, train_tokenizer
+from dsframework.dsconfig import Batch, build_ds_config, resolve_batch
+from dsframework.errors import UserError
+from dsframework.models import build_model, count_parameters, resolve_model
+
+
+# --- the world ----------------------------------------------------------------------------------
+
+def init_distributed() -> tuple[int, int]:
+    """(rank, world_size), with a process group up; a plain `dsf train` is a world of one."""
+    import deepspeed
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    if "RANK" not in os.environ:  # not under a launcher: a world of one on a free local port
+        from dsframework.dsconfig import _free_port
+
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    accelerator = get_accelerator()
+    if accelerator.device_name() == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        # N CPU ranks on one host would each take every core; share them out instead.
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
+    deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name(), verbose=False)
+    if accelerator.device_name() != "cpu":
+        accelerator.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+@contextlib.contextmanager
+def rank_zero_first() -> Iterator[None]:
+    """Rank 0 runs the body first (writes caches, trains the tokenizer), then the others."""
+    import torch.distributed as dist
+
+    if dist.get_rank() != 0:
+        dist.barrier()
+    yield
+    if dist.get_rank() == 0:
+        dist.barrier()
+
+
+def mean_over_ranks(value: float) -> float:
+    import torch
+    import torch.distributed as dist
+
+    tensor = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(tensor)
+    return tensor.item() / dist.get_world_size()
+
+
+# --- output directory ---------------------------------------------------------------------------
+
+def check_output_dir(run: RunConfig, *, resume: bool, overwrite: bool) -> None:
+    """Refuse to clobber a previous run: resume it, or overwrite it only when asked to."""
+    if resume and overwrite:
+        raise UserError("--resume/--overwrite", None, "are mutually exclusive", "pass only one")
+    has_checkpoint = ckpt.latest_tag(run.checkpoint_dir) is not None
+    has_metrics = (Path(run.output_dir) / "metrics.jsonl").exists()
+    if resume and not has_checkpoint:
+        raise UserError("output_dir", run.output_dir, "holds no checkpoint to resume from",
+                        "run without --resume to start training")
+    if not resume and not overwrite and (has_checkpoint or has_metrics):
+        raise UserError("output_dir", run.output_dir, "already holds a run",
+                        "pass --resume to continue it, --overwrite to replace it, "
+                        "or --set output_dir=NEW_DIR")
+
+
+# --- the loop -----------------------------------------------------------------------------------
+
+def _prepare_tokenizer(run: RunConfig, source: Any, texts: Any, *, resume: bool) -> Any:
+    """The run's tokenizer, saved next to its checkpoints (so export and resume use the same)."""
+    saved = run.checkpoint_dir / ckpt.TOKENIZER_DIR
+    if resume and saved.is_dir():
+        return load_tokenizer(saved, field="checkpoint tokenizer")
+    if run.model.tokenizer:
+        tokenizer = load_tokenizer(run.model.tokenizer)
+    elif source.tokenizer_dir is not None:
+        tokenizer = load_tokenizer(source.tokenizer_dir, field="model.name")
+    else:
+        tokenizer = train_tokenizer(texts, run.data)
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        tokenizer.save_pretrained(str(saved))
+    return tokenizer
+
+
+def _evaluate(engine: Any, eval_blocks: Any, *, micro_batch: int, dp_size: int, dp_rank: int) -> float:
+    """Mean loss over the held-out blocks, every rank running the same number of forwards."""
+    import torch
+
+    engine.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for indices in eval_shard(len(eval_blocks), micro_batch=micro_batch, dp_size=dp_size,
+                                  dp_rank=dp_rank):
+            input_ids = eval_blocks[indices].to(engine.device)
+            total += engine(input_ids=input_ids, labels=input_ids).loss.item() * len(indices)
+            count += len(indices)
+    engine.train()
+    return mean_over_ranks(total / max(count, 1))
+
+
+class MetricsLog:
+    """`<output_dir>/metrics.jsonl`, one JSON object per logged step, written by rank 0."""
+
+    def __init__(self, path: Path, *, enabled: bool, resume_step: int | None):
+        self.path, self.enabled = path, enabled
+        if enabled and resume_step is not None and path.exists():
+            # Lines past the checkpoint were never saved; the resumed run writes them anew.
+            kept = [line for line in path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] <= resume_step]
+            path.write_text("".join(line + "\n" for line in kept))
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.enabled:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+@dataclass
+class Session:
+    """Everything a rank needs to train: the engine, its data and where in the run it stands."""
+
+    run: RunConfig
+    rank: int
+    world: int
+    batch: Batch
+    engine: Any
+    tokenizer: Any
+    train_blocks: Any
+    eval_blocks: Any
+    step: int = 0
+    consumed_samples: int = 0
+
+
+def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False) -> Session:
+    """World, data, model and DeepSpeed engine; restored from the latest checkpoint on resume."""
+    import deepspeed
+
+    check_output_dir(run, resume=resume, overwrite=overwrite)  # before anything is written
+    rank, world = init_distributed()
+    if overwrite and rank == 0:
+        shutil.rmtree(run.checkpoint_dir, ignore_errors=True)
+        (Path(run.output_dir) / "metrics.jsonl").unlink(missing_ok=True)
+    ds_config = build_ds_config(run.train, run.parallel, dp_size=world)
+    batch = resolve_batch(run.train.micro_batch, run.train.grad_accum, run.train.global_batch, dp_size=world)
+
+    source = resolve_model(run.model)
+    with rank_zero_first():
+        if rank == 0:
+            run.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        texts = load_texts(run.data)
+        tokenizer = _prepare_tokenizer(run, source, texts, resume=resume)
+        train_blocks, eval_blocks = pack_splits(texts, tokenizer, run.data)
+    config = source.config_for(tokenizer)
+    zero3 = ds_config if run.parallel.zero_stage == 3 else None
+    model = build_model(source, config, seed=run.train.seed, zero3_ds_config=zero3)
+    if rank == 0:
+        ckpt.save_run_files(run.checkpoint_dir, config=config, run_yaml=dump_run_config(run))
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config)
+    session = Session(run, rank, world, batch, engine, tokenizer, train_blocks, eval_blocks)
+    if resume:
+        state = ckpt.load(engine, run.checkpoint_dir)
+        session.step, session.consumed_samples = state["step"], state["consumed_samples"]
+    return session
+
+
+def train(run: RunConfig, *, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
+    """Train as configured; returns the last logged metrics (on every rank)."""
+    import torch
+    from tqdm import tqdm
+
+    session = prepare(run, resume=resume, overwrite=overwrite)
+    rank, world, batch, engine = session.rank, session.world, session.batch, session.engine
+    train_blocks, eval_blocks = session.train_blocks, session.eval_blocks
+    step, consumed = session.step, session.consumed_samples
+    out = Path(run.output_dir)
+    sampler = BlockSampler(len(train_blocks), micro_batch=batch.micro_batch, grad_accum=batch.grad_accum,
+                           dp_size=world, dp_rank=rank, seed=run.data.seed)
+    metrics = MetricsLog(out / "metrics.jsonl", enabled=rank == 0, resume_step=step if resume else None)
+    tokens_per_step = batch.global_batch * run.data.seq_len
+    if rank == 0:
+        print(f"dsf: {count_parameters(engine.module):,} parameters | world {world} | "
+              f"ZeRO-{run.parallel.zero_stage} | batch {batch.micro_batch} x {batch.grad_accum} x {world}"
+              f" = {batch.global_batch} | {len(train_blocks):,} train / {len(eval_blocks):,} eval "
+              f"blocks of {run.data.seq_len} tokens", flush=True)
+
+    def evaluate() -> float:
+        return _evaluate(engine, eval_blocks, micro_batch=batch.micro_batch, dp_size=world, dp_rank=rank)
+
+    last: dict[str, Any] = {}
+    if not resume and run.logging.eval_every:
+        last = {"step": 0, "eval_loss": evaluate()}  # the baseline the run is judged against
+        metrics.write(last)
+    bar = tqdm(total=run.train.steps, initial=step, disable=rank != 0 or not run.logging.progress,
+               dynamic_ncols=True, desc="train")
+    window_start, window_steps = time.perf_counter(), 0
+    while step < run.train.steps:
+        step_loss = torch.zeros((), dtype=torch.float64)
+        for indices in sampler.micro_batches(consumed):
+            input_ids = train_blocks[indices].to(engine.device)
+            loss = engine(input_ids=input_ids, labels=input_ids).loss
+            engine.backward(loss)
+            engine.step()  # DeepSpeed steps the optimizer at the accumulation boundary only
+            step_loss += loss.detach().double()
+        step, consumed, window_steps = step + 1, consumed + batch.global_batch, window_steps + 1
+        bar.update(1)
+        done = step == run.train.steps
+        if step % run.logging.every == 0 or done:
+            loss_value = mean_over_ranks(step_loss.item() / batch.grad_accum)
+            elapsed = time.perf_counter() - window_start
+            last = {"step": step, "loss": loss_value, "lr": engine.get_lr()[0],
+                    "tokens_per_s": tokens_per_step * window_steps / elapsed}
+            window_start, window_steps = time.perf_counter(), 0
+            if run.logging.eval_every and (step % run.logging.eval_every == 0 or done):
+                last["eval_loss"] = evaluate()
+            metrics.write(last)
+            bar.set_postfix({k: f"{v:.4g}" for k, v in last.items() if k != "step"}, refresh=False)
+            if rank == 0 and not run.logging.progress:
+                print("dsf: " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                         for k, v in last.items()), flush=True)
+        if (run.checkpoint.every and step % run.checkpoint.every == 0) or (done and run.checkpoint.save_final):
+            ckpt.save(engine, run.checkpoint_dir, step=step, consumed_samples=consumed)
+    bar.close()
+    if rank == 0:
+        print(f"dsf: done at step {step}; checkpoints in {run.checkpoint_dir}", flush=True)
+    return last

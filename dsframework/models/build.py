@@ -1,0 +1,193 @@
+"""Resolve `model.name` to a transformers config and build the model, under ZeRO-3 partitioned.
+
+    source = resolve_model(run.model)                 # preset, config.json, or pretrained dir
+    config = source.config_for(tokenizer)             # vocab and special tokens follow the tokenizer
+    model = build_model(source, config, seed=42, zero3_ds_config=None)
+
+Random initialisation is deterministic per module name and seed, whatever the ZeRO stage: each
+module is (gathered and) re-initialised with transformers' own `_init_weights` under a seed derived
+from its name, so stage 0..3 and a plain PyTorch reference start from the same weights, and under
+ZeRO-3 no rank ever holds more than one module's parameters in full.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dsframework.config import ModelSpec
+from dsframework.errors import UserError, did_you_mean
+from dsframework.models.presets import PRESETS
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+@dataclass
+class ModelSource:
+    """Where a model comes from: its config, and the pretrained directory when there are weights."""
+
+    config: Any  # transformers.PretrainedConfig
+    pretrained_dir: Path | None = None
+    vocab_overridden: bool = False  # model.overrides.vocab_size was given
+
+    @property
+    def tokenizer_dir(self) -> Path | None:
+        """The pretrained directory, when it carries a tokenizer."""
+        if self.pretrained_dir and any((self.pretrained_dir / f).exists() for f in TOKENIZER_FILES):
+            return self.pretrained_dir
+        return None
+
+    def config_for(self, tokenizer: Any) -> Any:
+        """The config with vocab size and special token ids that fit `tokenizer`.
+
+        A random-init model takes the tokenizer's vocabulary size (unless overridden larger);
+        a pretrained model keeps its own, which must cover the tokenizer.
+        """
+        config, vocab = self.config, len(tokenizer)
+        if self.pretrained_dir is not None and config.vocab_size < vocab:
+            raise UserError("model.tokenizer", str(tokenizer.name_or_path),
+                            f"has {vocab} tokens, more than the model's vocab_size={config.vocab_size}",
+                            "use the pretrained model's own tokenizer")
+        if self.pretrained_dir is None and not self.vocab_overridden:
+            config.vocab_size = vocab
+        elif config.vocab_size < vocab:
+            raise UserError("model.overrides.vocab_size", config.vocab_size,
+                            f"is smaller than the tokenizer's {vocab} tokens",
+                            f"set it to at least {vocab} or remove it")
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            token_id = getattr(tokenizer, name, None)
+            if token_id is not None:
+                setattr(config, name, token_id)
+        return config
+
+
+def _config_from_dict(fields: dict[str, Any], *, origin: str) -> Any:
+    from transformers import CONFIG_MAPPING
+
+    fields = dict(fields)
+    model_type = fields.pop("model_type", None)
+    if model_type is None:
+        raise UserError("model.name", origin, "config has no model_type",
+                        "add \"model_type\" (e.g. \"llama\") to the config.json")
+    if model_type not in CONFIG_MAPPING:
+        raise UserError("model.name", origin, f"unknown model_type {model_type!r}",
+                        did_you_mean(model_type, CONFIG_MAPPING.keys()))
+    return CONFIG_MAPPING[model_type](**fields)
+
+
+def _read_json(path: Path, *, field: str) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise UserError(field, str(path), f"is not readable JSON ({type(err).__name__})",
+                        "point to a valid transformers config.json") from None
+    if not isinstance(data, dict):
+        raise UserError(field, str(path), "is not a JSON object", "point to a transformers config.json")
+    return data
+
+
+def resolve_model(spec: ModelSpec) -> ModelSource:
+    """ModelSource for a preset name, a config.json path, or a local pretrained directory."""
+    name, path = spec.name, Path(spec.name).expanduser()
+    if name in PRESETS:
+        source = ModelSource(_config_from_dict(PRESETS[name], origin=name))
+    elif path.is_file():
+        source = ModelSource(_config_from_dict(_read_json(path, field="model.name"), origin=name))
+    elif path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UserError("model.name", name, "directory has no config.json",
+                            "point to a transformers model directory (save_pretrained output)")
+        fields = _read_json(path / "config.json", field="model.name")
+        has_weights = any((path / f).exists() for f in WEIGHT_FILES)
+        source = ModelSource(_config_from_dict(fields, origin=name), path if has_weights else None)
+    else:
+        raise UserError("model.name", name, "is neither a preset, a config.json nor a directory",
+                        did_you_mean(name, PRESETS))
+    _check_causal_lm(source.config, name)
+    for key, value in spec.overrides.items():
+        if not hasattr(source.config, key):
+            raise UserError(f"model.overrides.{key}", value,
+                            f"is not a field of {type(source.config).__name__}",
+                            did_you_mean(key, source.config.to_dict()))
+        setattr(source.config, key, value)
+    source.vocab_overridden = "vocab_size" in spec.overrides
+    return source
+
+
+def causal_lm_class(config: Any) -> type:
+    """The AutoModelForCausalLM class for a config, imported now (not lazily inside zero.Init)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+
+
+def _check_causal_lm(config: Any, name: str) -> None:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise UserError("model.name", name, f"architecture {config.model_type!r} has no causal LM head",
+                        "use a decoder model (llama, mistral, qwen2, gpt2, ...)")
+
+
+def _gathered(params: list, *, modifier_rank: int | None = 0):
+    """Context that makes ZeRO-3 partitioned params whole (no-op for ordinary tensors)."""
+    if params and hasattr(params[0], "ds_id"):
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank)
+    return contextlib.nullcontext()
+
+
+def init_weights_deterministically(model: Any, seed: int) -> None:
+    """Re-initialise every module with transformers' `_init_weights`, seeded by its name."""
+    import torch
+
+    for name, module in model.named_modules():
+        params = list(module.parameters(recurse=False))
+        if not params:
+            continue
+        with _gathered(params), torch.no_grad():
+            for param in params:
+                param._is_hf_initialized = False  # transformers skips tensors flagged as done
+            torch.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+            model._init_weights(module)
+
+
+def build_model(source: ModelSource, config: Any, *, seed: int,
+                zero3_ds_config: dict[str, Any] | None = None) -> Any:
+    """The causal LM, random-init or pretrained; partitioned at construction under ZeRO-3."""
+    import torch
+    from transformers import set_seed
+
+    set_seed(seed)
+    cls = causal_lm_class(config)
+    if source.pretrained_dir is not None:
+        keep_alive = None
+        if zero3_ds_config is not None:
+            # transformers loads under zero.Init, shard by shard, while this object is alive.
+            from transformers.integrations import HfDeepSpeedConfig
+
+            keep_alive = HfDeepSpeedConfig(zero3_ds_config)
+        model = cls.from_pretrained(source.pretrained_dir, config=config, local_files_only=True,
+                                    dtype=torch.float32)
+        model._dsf_hf_ds_config = keep_alive
+        return model
+    if zero3_ds_config is not None:
+        import deepspeed
+
+        with deepspeed.zero.Init(config_dict_or_path=zero3_ds_config):
+            model = cls._from_config(config, dtype=torch.float32)
+    else:
+        model = cls._from_config(config, dtype=torch.float32)
+    init_weights_deterministically(model, seed)
+    return model
+
+
+def count_parameters(model: Any) -> int:
+    """Parameters of a model, counted whole also when ZeRO-3 has partitioned them."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())

@@ -1,0 +1,43 @@
+"""Built-in model presets: transformers config fields by name, no weights and no hub access.
+
+    PRESETS["tiny-llama"]["num_key_value_heads"]   # 2: grouped-query attention even when tiny
+
+The tiny presets train on a CPU in seconds; the real-size ones (llama-7b, llama-70b, ...) exist
+for planning and for GPUs. A randomly initialised model takes the tokenizer's vocabulary size at build time.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+_LLAMA_DEFAULTS = {"model_type": "llama", "hidden_act": "silu", "rms_norm_eps": 1e-5,
+                   "rope_theta": 10000.0, "tie_word_embeddings": False, "attention_dropout": 0.0}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # ~0.2M parameters besides embeddings: for tests and the CPU quickstart.
+    "tiny-llama": {**_LLAMA_DEFAULTS, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 176,
+                   "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                   "max_position_embeddings": 512},
+    "tiny-gpt2": {"model_type": "gpt2", "vocab_size": 512, "n_embd": 64, "n_layer": 2, "n_head": 4,
+                  "n_positions": 512, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+                  "tie_word_embeddings": True},
+    # A few M parameters: still CPU friendly, closer to a real shape.
+    "small-llama": {**_LLAMA_DEFAULTS, "vocab_size": 8192, "hidden_size": 256, "intermediate_size": 688,
+                    "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
+                    "max_position_embeddings": 1024},
+    # Real sizes (Llama-2/3 shapes), described by config only.
+    "llama-1b": {**_LLAMA_DEFAULTS, "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192,
+                 "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+                 "max_position_embeddings": 8192, "rope_theta": 500000.0, "tie_word_embeddings": True},
+    "llama-7b": {**_LLAMA_DEFAULTS, "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
+                 "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+                 "max_position_embeddings": 4096},
+    "llama-13b": {**_LLAMA_DEFAULTS, "vocab_size": 32000, "hidden_size": 5120, "intermediate_size": 13824,
+                  "num_hidden_layers": 40, "num_attention_heads": 40, "num_key_value_heads": 40,
+                  "max_position_embeddings": 4096},
+    "llama-70b": {**_LLAMA_DEFAULTS, "vocab_size": 32000, "hidden_size": 8192, "intermediate_size": 28672,
+                  "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
+                  "max_position_embeddings": 4096},
+    "gpt2-124m": {"model_type": "gpt2", "vocab_size": 50257, "n_embd": 768, "n_layer": 12, "n_head": 12,
+                  "n_positions": 1024, "tie_word_embeddings": True},
+}
+

@@ -1,0 +1,30 @@
+"""dsframework: DeepSpeed-based training of Hugging Face causal language models.
+
+    pip install torch==2.13.0      # or any torch build for your machine; never pinned here
+    pip install -e .[dev]
+    dsf --help
+"""
+from setuptools import find_packages, setup
+
+setup(
+    name="dsframework",
+    version="0.1.0",
+    description="Plan, configure and run DeepSpeed training of Hugging Face causal LMs",
+    packages=find_packages(include=["dsframework", "dsframework.*"]),
+    python_requires=">=3.11",
+    # torch is deliberately unpinned: install the build that matches your machine first.
+    install_requires=[
+        "torch>=2.1",
+        "deepspeed>=0.16",
+        "transformers>=4.46",
+        "datasets>=3.0",
+        "tokenizers>=0.20",
+        "safetensors",
+        "click>=8.1",
+        "pyyaml>=6",
+        "pydantic>=2.5",
+        "tqdm",
+    ],
+    extras_require={"dev": ["pytest>=8", "pytest-timeout"]},
+    entry_points={"console_scripts": ["dsf=dsframework.cli:main"]},
+)

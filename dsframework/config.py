@@ -52,7 +52,9 @@ class TrainSpec(_Spec):
     """How to optimise. Give any two of micro_batch, grad_accum, global_batch (or one, or none):
     the rest is derived from the data-parallel size when the world is known."""
 
-    steps: int = Field(200, ge=1, description="optimizer steps in total")
+    steps: int = Field(200, ge=1, description="optimizer steps in total (the lr schedule spans them)")
+    stop_after: int | None = Field(None, ge=1, description="stop with a checkpoint after this step, "
+                                   "e.g. to fit a time slot; --resume goes on to `steps`")
     micro_batch: int | None = Field(None, ge=1, description="sequences per rank per forward pass")
     grad_accum: int | None = Field(None, ge=1, description="micro-batches per optimizer step")
     global_batch: int | None = Field(None, ge=1, description="sequences per optimizer step, all ranks")

@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -163,9 +164,12 @@ class Session:
 
 def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False) -> Session:
     """World, data, model and DeepSpeed engine; restored from the latest checkpoint on resume."""
+    import datasets
     import deepspeed
 
     check_output_dir(run, resume=resume, overwrite=overwrite)  # before anything is written
+    datasets.disable_progress_bars()  # rank 0's own progress bar is the one that matters
+    warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated")
     rank, world = init_distributed()
     if overwrite and rank == 0:
         shutil.rmtree(run.checkpoint_dir, ignore_errors=True)
@@ -224,7 +228,8 @@ def train(run: RunConfig, *, resume: bool = False, overwrite: bool = False) -> d
     bar = tqdm(total=run.train.steps, initial=step, disable=rank != 0 or not run.logging.progress,
                dynamic_ncols=True, desc="train")
     window_start, window_steps = time.perf_counter(), 0
-    while step < run.train.steps:
+    stop = min(run.train.steps, run.train.stop_after or run.train.steps)
+    while step < stop:
         step_loss = torch.zeros((), dtype=torch.float64)
         for indices in sampler.micro_batches(consumed):
             input_ids = train_blocks[indices].to(engine.device)
@@ -234,7 +239,7 @@ def train(run: RunConfig, *, resume: bool = False, overwrite: bool = False) -> d
             step_loss += loss.detach().double()
         step, consumed, window_steps = step + 1, consumed + batch.global_batch, window_steps + 1
         bar.update(1)
-        done = step == run.train.steps
+        done = step == stop
         if step % run.logging.every == 0 or done:
             loss_value = mean_over_ranks(step_loss.item() / batch.grad_accum)
             elapsed = time.perf_counter() - window_start

@@ -177,15 +177,33 @@ def build_model(source: ModelSource, config: Any, *, seed: int,
                                     dtype=torch.float32)
         model._dsf_hf_ds_config = keep_alive
         return model
+    partitioned = contextlib.nullcontext()
     if zero3_ds_config is not None:
         import deepspeed
 
-        with deepspeed.zero.Init(config_dict_or_path=zero3_ds_config):
-            model = cls._from_config(config, dtype=torch.float32)
-    else:
+        partitioned = deepspeed.zero.Init(config_dict_or_path=zero3_ds_config)
+    with partitioned, _skip_transformers_init():
         model = cls._from_config(config, dtype=torch.float32)
     init_weights_deterministically(model, seed)
     return model
+
+
+@contextlib.contextmanager
+def _skip_transformers_init():
+    """Skip transformers' own init at construction (post_init); tying still happens.
+
+    Under zero.Init each module's parameters are already partitioned (empty) when post_init runs,
+    which transformers' init cannot handle (it indexes padding rows); and every weight is set
+    afterwards by `init_weights_deterministically` anyway.
+    """
+    from transformers import PreTrainedModel
+
+    original = PreTrainedModel.initialize_weights
+    PreTrainedModel.initialize_weights = lambda self: None
+    try:
+        yield
+    finally:
+        PreTrainedModel.initialize_weights = original
 
 
 def count_parameters(model: Any) -> int:

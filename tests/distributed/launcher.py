@@ -1,0 +1,82 @@
+"""Start real multi-process runs with the `deepspeed` launcher (CPU ranks, gloo) from tests.
+
+    metrics = train_run(tmp_path / "z2", ["parallel.zero_stage=2"], num_ranks=2)
+    [m["loss"] for m in metrics if "loss" in m]
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+BIN = Path(sys.executable).parent
+REPO = Path(__file__).resolve().parents[2]
+TINY_YAML = REPO / "launch" / "examples" / "tiny.yaml"
+
+# A tiny, fast, exactly reproducible run: fp32, no dropout, 1 thread per rank.
+BASE_OVERRIDES = [
+    "model.name=tiny-llama", "data.dataset=counting", "data.num_examples=2000", "data.seq_len=32",
+    "train.steps=8", "train.global_batch=8", "train.micro_batch=null", "train.grad_accum=null", "train.lr=3e-3", "train.warmup_steps=2",
+    "train.weight_decay=0.1", "train.grad_clip=1.0", "train.precision=fp32",
+    "logging.every=1", "logging.eval_every=0", "logging.progress=false",
+    "checkpoint.every=0", "checkpoint.save_final=false",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def rank_env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    env.pop("RANK", None)
+    return env
+
+
+def launch(script_and_args: list[str], *, num_ranks: int, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run `deepspeed --num_gpus N <script> <args>`; fail the test with its output if it fails."""
+    cmd = [str(BIN / "deepspeed"), "--num_gpus", str(num_ranks), "--master_port", str(free_port()),
+           *script_and_args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=rank_env(), cwd=REPO)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return proc
+
+
+def dsf(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run `dsf ARGS` as a single process; fail the test with its output if it fails."""
+    proc = subprocess.run([str(BIN / "dsf"), *args], capture_output=True, text=True, timeout=timeout,
+                          env=rank_env(), cwd=REPO)
+    assert proc.returncode == 0, f"dsf {' '.join(args)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return proc
+
+
+def read_metrics(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines() if line]
+
+
+def losses(output_dir: Path) -> dict[int, float]:
+    """step -> training loss, from metrics.jsonl."""
+    return {m["step"]: m["loss"] for m in read_metrics(output_dir) if "loss" in m}
+
+
+def run_overrides(output_dir: Path, overrides: list[str] = ()) -> list[str]:
+    return [*BASE_OVERRIDES, f"output_dir={output_dir}", *overrides]
+
+
+def train_run(output_dir: Path, overrides: list[str] = (), *, num_ranks: int = 2,
+              flags: tuple[str, ...] = ()) -> dict[int, float]:
+    """`deepspeed --num_gpus N dsf train tiny.yaml --set ...`; returns step -> loss."""
+    sets = [arg for o in run_overrides(output_dir, overrides) for arg in ("--set", o)]
+    launch([str(BIN / "dsf"), "train", str(TINY_YAML), *sets, *flags], num_ranks=num_ranks)
+    return losses(output_dir)
+
+
+def assert_close(got: dict[int, float], want: dict[int, float], *, rtol: float, what: str) -> None:
+    assert sorted(got) == sorted(want), f"{what}: steps {sorted(got)} != {sorted(want)}"
+    worst = max(abs(got[s] - want[s]) / abs(want[s]) for s in want)
+    assert worst <= rtol, f"{what}: max relative loss difference {worst:.3g} > {rtol:g}\n{got}\n{want}"

@@ -1,0 +1,48 @@
+"""A single-process, plain PyTorch reference for a dsf run: same weights, batches and optimizer.
+
+    want = reference_losses(run)      # step -> loss, to compare with a distributed run's metrics
+
+It shares with dsf only what defines the problem (the data blocks and their order, the initial
+weights, the tokenizer the run saved); the training step is torch's own: AdamW, clip_grad_norm_,
+and DeepSpeed's lr-schedule class driven by hand, as DeepSpeed's engine drives it.
+"""
+from __future__ import annotations
+
+import torch
+from deepspeed.runtime import lr_schedules
+
+from dsframework.config import RunConfig
+from dsframework.data import BlockSampler, load_texts, load_tokenizer, pack_splits
+from dsframework.dsconfig import build_ds_config
+from dsframework.models import build_model, resolve_model
+
+
+def reference_losses(run: RunConfig, *, steps: int | None = None) -> dict[int, float]:
+    torch.manual_seed(0)
+    tokenizer = load_tokenizer(run.checkpoint_dir / "tokenizer")
+    train_blocks, _ = pack_splits(load_texts(run.data), tokenizer, run.data)
+    source = resolve_model(run.model)
+    model = build_model(source, source.config_for(tokenizer), seed=run.train.seed)
+    model.train()
+    t = run.train
+    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=t.betas, eps=t.eps,
+                                  weight_decay=t.weight_decay)
+    assert t.global_batch, "the reference needs train.global_batch"
+    global_batch = t.global_batch  # one process: the whole global batch in one forward
+    one_process = t.model_copy(update={"micro_batch": None, "grad_accum": None})
+    sched_cfg = build_ds_config(one_process, run.parallel, dp_size=1)["scheduler"]
+    scheduler = getattr(lr_schedules, sched_cfg["type"])(optimizer, **sched_cfg["params"])
+    sampler = BlockSampler(len(train_blocks), micro_batch=global_batch, grad_accum=1, dp_size=1,
+                           dp_rank=0, seed=run.data.seed)
+    out = {}
+    for step in range(1, (steps or t.steps) + 1):
+        input_ids = train_blocks[sampler.global_indices((step - 1) * global_batch)]
+        loss = model(input_ids=input_ids, labels=input_ids).loss
+        loss.backward()
+        if t.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        out[step] = loss.item()
+    return out

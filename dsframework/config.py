@@ -10,6 +10,8 @@ are checked later, in `dsconfig.resolve_batch`.
 """
 from __future__ import annotations
 
+import copy
+import re
 from pathlib import Path
 from typing import Any, Literal, get_origin
 
@@ -131,13 +133,30 @@ class RunConfig(_Spec):
 
 # --- loading -----------------------------------------------------------------------------------
 
+class _Yaml12Loader(yaml.SafeLoader):
+    """SafeLoader that also reads YAML 1.2 floats such as 1e-6 and 3E+2 as floats.
+
+    PyYAML follows YAML 1.1, where a float needs a dot; `lr: 1e-6` would be the string '1e-6'.
+    """
+
+
+_Yaml12Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^[-+]?(?:[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?|\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+                   |[0-9][0-9_]*[eE][-+]?[0-9]+|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."))
+
+
+def parse_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Yaml12Loader)  # noqa: S506 - a SafeLoader subclass
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
     """The mapping in a YAML file, or a UserError saying what is wrong with the file."""
     path = Path(path)
     if not path.is_file():
         raise UserError("run config", str(path), "no such file", "pass the path of a YAML run config")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = parse_yaml(path.read_text())
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -159,7 +178,7 @@ def apply_override(data: dict[str, Any], assignment: str) -> None:
         raise UserError("--set", assignment, "is not of the form dotted.key=value",
                         "write e.g. --set train.steps=20")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = parse_yaml(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
     parts = key.split(".")
@@ -214,7 +233,7 @@ def _format_validation_error(err: ValidationError) -> UserError:
 
 def build_run_config(data: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """RunConfig from a raw mapping plus `dotted.key=value` overrides."""
-    data = yaml.safe_load(yaml.safe_dump(data))  # deep copy of plain data
+    data = copy.deepcopy(data)
     for assignment in overrides:
         apply_override(data, assignment)
     try:

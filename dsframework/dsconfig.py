@@ -74,10 +74,12 @@ def _optimizer_section(train: TrainSpec) -> dict[str, Any]:
 def _scheduler_section(train: TrainSpec) -> dict[str, Any]:
     """DeepSpeed's own schedulers: WarmupCosineLR, WarmupDecayLR (linear) or WarmupLR (constant)."""
     if train.lr_schedule == "cosine":
+        # WarmupCosineLR refuses warmup_num_steps=0: no warmup is one step already at the peak.
+        no_warmup = train.warmup_steps == 0
         return {"type": "WarmupCosineLR",
-                "params": {"total_num_steps": train.steps, "warmup_num_steps": train.warmup_steps,
-                           "warmup_min_ratio": 0.0, "cos_min_ratio": train.min_lr_ratio,
-                           "warmup_type": "linear"}}
+                "params": {"total_num_steps": train.steps, "warmup_num_steps": max(1, train.warmup_steps),
+                           "warmup_min_ratio": 1.0 if no_warmup else 0.0,
+                           "cos_min_ratio": train.min_lr_ratio, "warmup_type": "linear"}}
     common = {"warmup_min_lr": 0.0, "warmup_max_lr": train.lr,
               "warmup_num_steps": train.warmup_steps, "warmup_type": "linear"}
     if train.lr_schedule == "linear":
@@ -168,12 +170,18 @@ def _ensure_comm() -> None:
 
 
 def validate_ds_config(ds: dict[str, Any], *, dp_size: int) -> None:
-    """Run deepspeed's own DeepSpeedConfig over `ds` at `dp_size`; UserError if it objects."""
+    """Run deepspeed's own DeepSpeedConfig over `ds` at `dp_size`, and build its lr scheduler
+    (which DeepSpeedConfig does not check); UserError if DeepSpeed objects to either."""
+    import torch
+    from deepspeed.runtime import lr_schedules
     from deepspeed.runtime.config import DeepSpeedConfig
 
     _ensure_comm()
     try:
         DeepSpeedConfig(json.loads(json.dumps(ds)), mpu=_DataParallelOnly(dp_size))
-    except (AssertionError, ValueError, TypeError, KeyError) as err:
+        if "scheduler" in ds:
+            probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+            getattr(lr_schedules, ds["scheduler"]["type"])(probe, **ds["scheduler"]["params"])
+    except (AssertionError, ValueError, TypeError, KeyError, AttributeError) as err:
         raise UserError("DeepSpeed config", None, f"rejected by DeepSpeedConfig at dp={dp_size}: {err}",
                         "check the batch, ZeRO and precision settings") from None

@@ -184,6 +184,10 @@ def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False) ->
         texts = load_texts(run.data)
         tokenizer = _prepare_tokenizer(run, source, texts, resume=resume)
         train_blocks, eval_blocks = pack_splits(texts, tokenizer, run.data)
+    if run.logging.eval_every and len(eval_blocks) < world:
+        raise UserError("data.eval_fraction", run.data.eval_fraction,
+                        f"leaves {len(eval_blocks)} eval blocks for {world} ranks",
+                        "raise data.eval_fraction or the amount of data, or set logging.eval_every=0")
     config = source.config_for(tokenizer)
     zero3 = ds_config if run.parallel.zero_stage == 3 else None
     model = build_model(source, config, seed=run.train.seed, zero3_ds_config=zero3)

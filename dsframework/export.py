@@ -18,13 +18,17 @@ from typing import Any
 from dsframework import checkpoint as ckpt
 from dsframework.errors import UserError
 
-MODEL_STATES = "mp_rank_00_model_states.pt"
+MODEL_STATES = "mp_rank_00_model_states.pt"  # ZeRO 0-2; ZeRO-3 writes zero_pp_rank_*_<this> per rank
+
+
+def _has_model_states(tag_dir: Path) -> bool:
+    return any(tag_dir.glob(f"*{MODEL_STATES}"))
 
 
 def locate(path: str | Path, tag: str | None = None) -> tuple[Path, str]:
     """(checkpoints dir, tag) for a checkpoints dir (latest tag) or one tag's directory."""
     path = Path(path)
-    if (path / MODEL_STATES).is_file() and tag is None:
+    if _has_model_states(path) and tag is None:
         path, tag = path.parent, path.name
     if not path.is_dir():
         raise UserError("CKPT_DIR", str(path), "is not a directory", "pass <output_dir>/checkpoints")
@@ -32,7 +36,7 @@ def locate(path: str | Path, tag: str | None = None) -> tuple[Path, str]:
     if tag is None:
         raise UserError("CKPT_DIR", str(path), "is not a checkpoint directory (no 'latest' file)",
                         "pass <output_dir>/checkpoints of a dsf run, or a global_step* folder in it")
-    if not (path / tag / MODEL_STATES).is_file():
+    if not _has_model_states(path / tag):
         raise UserError("CKPT_DIR", str(path / tag), f"has no {MODEL_STATES}",
                         "the checkpoint is incomplete; export an earlier tag with --tag")
     if not (path / ckpt.HF_CONFIG_DIR / "config.json").is_file():

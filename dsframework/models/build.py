@@ -91,32 +91,68 @@ def _read_json(path: Path, *, field: str) -> dict[str, Any]:
     return data
 
 
+# Constructor keywords transformers 5 still accepts but folds into other fields (rope_parameters).
+_LEGACY_CONFIG_KWARGS = {"rope_theta", "rope_scaling"}
+
+
+def _check_override_names(fields: dict[str, Any], overrides: dict[str, Any]) -> None:
+    """Every override must be a field of the config class (as attribute or constructor argument)."""
+    import inspect
+
+    from transformers import CONFIG_MAPPING
+
+    config_cls = CONFIG_MAPPING[fields["model_type"]]
+    known = (set(config_cls().to_dict()) | set(inspect.signature(config_cls.__init__).parameters)
+             | set(getattr(config_cls, "attribute_map", {})) | set(fields) | _LEGACY_CONFIG_KWARGS)
+    known -= {"self", "kwargs"}
+    for key, value in overrides.items():
+        if key not in known:
+            raise UserError(f"model.overrides.{key}", value, f"is not a field of {config_cls.__name__}",
+                            did_you_mean(key, known))
+
+
+def _build_with_overrides(fields: dict[str, Any], overrides: dict[str, Any], *, origin: str) -> Any:
+    """The config built from fields + overrides; a rejected override is named in a UserError."""
+    try:
+        return _config_from_dict({**fields, **overrides}, origin=origin)
+    except Exception:  # noqa: BLE001 - huggingface_hub's strict validation error is no ValueError
+        for key, value in overrides.items():  # find the culprit to name it
+            try:
+                _config_from_dict({**fields, key: value}, origin=origin)
+            except Exception as err:  # noqa: BLE001
+                rule = str(err).strip().splitlines()[-1].strip()
+                raise UserError(f"model.overrides.{key}", value, f"rejected by the config: {rule}",
+                                "fix its type or value") from None
+        raise
+
+
 def resolve_model(spec: ModelSpec) -> ModelSource:
-    """ModelSource for a preset name, a config.json path, or a local pretrained directory."""
+    """ModelSource for a preset name, a config.json path, or a local pretrained directory.
+
+    `spec.overrides` are merged into the config's fields before it is built, so derived fields
+    (head_dim from hidden_size, rope parameters) follow them.
+    """
     name, path = spec.name, Path(spec.name).expanduser()
+    pretrained_dir = None
     if name in PRESETS:
-        source = ModelSource(_config_from_dict(PRESETS[name], origin=name))
+        fields = dict(PRESETS[name])
     elif path.is_file():
-        source = ModelSource(_config_from_dict(_read_json(path, field="model.name"), origin=name))
+        fields = _read_json(path, field="model.name")
     elif path.is_dir():
         if not (path / "config.json").is_file():
             raise UserError("model.name", name, "directory has no config.json",
                             "point to a transformers model directory (save_pretrained output)")
         fields = _read_json(path / "config.json", field="model.name")
-        has_weights = any((path / f).exists() for f in WEIGHT_FILES)
-        source = ModelSource(_config_from_dict(fields, origin=name), path if has_weights else None)
+        pretrained_dir = path if any((path / f).exists() for f in WEIGHT_FILES) else None
     else:
         raise UserError("model.name", name, "is neither a preset, a config.json nor a directory",
                         did_you_mean(name, PRESETS))
-    _check_causal_lm(source.config, name)
-    for key, value in spec.overrides.items():
-        if not hasattr(source.config, key):
-            raise UserError(f"model.overrides.{key}", value,
-                            f"is not a field of {type(source.config).__name__}",
-                            did_you_mean(key, source.config.to_dict()))
-        setattr(source.config, key, value)
-    source.vocab_overridden = "vocab_size" in spec.overrides
-    return source
+    config = _config_from_dict(fields, origin=name)  # checks model_type first
+    if spec.overrides:
+        _check_override_names(fields, spec.overrides)
+        config = _build_with_overrides(fields, spec.overrides, origin=name)
+    _check_causal_lm(config, name)
+    return ModelSource(config, pretrained_dir, vocab_overridden="vocab_size" in spec.overrides)
 
 
 def causal_lm_class(config: Any) -> type:

@@ -19,7 +19,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                    "max_position_embeddings": 512},
     "tiny-gpt2": {"model_type": "gpt2", "vocab_size": 512, "n_embd": 64, "n_layer": 2, "n_head": 4,
                   "n_positions": 512, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
-                  "tie_word_embeddings": True},
+                  "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2},
     # A few M parameters: still CPU friendly, closer to a real shape.
     "small-llama": {**_LLAMA_DEFAULTS, "vocab_size": 8192, "hidden_size": 256, "intermediate_size": 688,
                     "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,

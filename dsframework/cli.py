@@ -68,18 +68,18 @@ def config_cmd(world_size: int, output: Path | None, force: bool, **flags: objec
     parallel_keys = ("zero_stage", "offload_optimizer", "offload_param", "nvme_path")
     sections = {"train": {k: flags[k] for k in train_keys if flags[k] is not None},
                 "parallel": {k: flags[k] for k in parallel_keys}}
+    if output is not None and output.exists() and not force:
+        raise UserError("--output", str(output), "exists", "choose another file or pass --force")
     try:
         run = build_run_config(sections)
+        ds = build_ds_config(run.train, run.parallel, dp_size=world_size)
     except UserError as err:  # name the flag the user typed, not the config field behind it
         raise UserError(_flag_for(err.field), err.value, err.rule, err.fix) from None
-    ds = build_ds_config(run.train, run.parallel, dp_size=world_size)
     validate_ds_config(ds, dp_size=world_size)
     text = dumps(ds)
     if output is None:
         click.echo(text, nl=False)
         return
-    if output.exists() and not force:
-        raise UserError("--output", str(output), "exists", "choose another file or pass --force")
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(text)
     click.echo(f"dsf: wrote {output} (ZeRO-{run.parallel.zero_stage}, dp={world_size})", err=True)
@@ -158,6 +158,8 @@ def main(argv: list[str] | None = None) -> None:
         cli.main(args=argv, prog_name="dsf", standalone_mode=False)
     except UserError as err:
         _fail(str(err))
+    except click.exceptions.NoArgsIsHelpError as err:  # bare `dsf`: the help, not an error
+        click.echo(err.ctx.get_help() if err.ctx else "dsf --help")
     except click.exceptions.Abort:
         _fail("aborted")
     except click.ClickException as err:  # bad flag or argument: one line, not the usage block

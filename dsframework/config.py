@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from dsframework.errors import UserError, did_you_mean
 
@@ -72,12 +72,13 @@ class TrainSpec(_Spec):
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     seed: int = Field(42, description="seed for weight init and dropout")
 
-    @model_validator(mode="after")
-    def _warmup_within_steps(self) -> "TrainSpec":
-        if self.warmup_steps > self.steps:
-            raise ValueError(f"warmup_steps={self.warmup_steps} exceeds steps={self.steps}; "
-                             "lower train.warmup_steps")
-        return self
+    @field_validator("warmup_steps")
+    @classmethod
+    def _warmup_within_steps(cls, warmup_steps: int, info: ValidationInfo) -> int:
+        steps = info.data.get("steps")
+        if steps is not None and warmup_steps > steps:
+            raise ValueError(f"exceeds steps={steps}; lower train.warmup_steps")
+        return warmup_steps
 
 
 class ParallelSpec(_Spec):
@@ -88,16 +89,21 @@ class ParallelSpec(_Spec):
     offload_param: Literal["none", "cpu", "nvme"] = Field("none", description="ZeRO-3 only")
     nvme_path: str = Field("/local_nvme", description="directory for nvme offload")
 
-    @model_validator(mode="after")
-    def _offload_param_needs_stage3(self) -> "ParallelSpec":
-        if self.offload_param != "none" and self.zero_stage != 3:
-            raise ValueError(f"offload_param={self.offload_param} needs zero_stage=3, got "
-                             f"zero_stage={self.zero_stage}; set parallel.zero_stage=3 or "
-                             "parallel.offload_param=none")
-        if self.offload_optimizer != "none" and self.zero_stage == 0:
-            raise ValueError(f"offload_optimizer={self.offload_optimizer} needs zero_stage>=1; "
-                             "set parallel.zero_stage to 1, 2 or 3")
-        return self
+    @field_validator("offload_optimizer")
+    @classmethod
+    def _offload_optimizer_needs_zero(cls, device: str, info: ValidationInfo) -> str:
+        if device != "none" and info.data.get("zero_stage") == 0:
+            raise ValueError("needs zero_stage >= 1; set parallel.zero_stage to 1, 2 or 3")
+        return device
+
+    @field_validator("offload_param")
+    @classmethod
+    def _offload_param_needs_stage3(cls, device: str, info: ValidationInfo) -> str:
+        stage = info.data.get("zero_stage")
+        if device != "none" and stage is not None and stage != 3:
+            raise ValueError(f"needs zero_stage=3, got zero_stage={stage}; set parallel.zero_stage=3 "
+                             "or parallel.offload_param=none")
+        return device
 
 
 class CheckpointSpec(_Spec):
@@ -222,8 +228,8 @@ def _format_validation_error(err: ValidationError) -> UserError:
                 parent = ann
         return UserError(field, None, f"unknown key {loc[-1]!r}", did_you_mean(loc[-1], parent.model_fields))
     msg = first["msg"].removeprefix("Value error, ")
-    if first["type"] == "value_error":  # our own validators already say value, rule and fix
-        return UserError(field, None, msg)
+    if first["type"] == "value_error":  # our own validators say the rule and the fix
+        return UserError(field, first.get("input"), msg)
     value = first.get("input")
     if isinstance(value, (dict, list)):
         value = None

@@ -93,11 +93,15 @@ def load_texts(spec: DataSpec) -> Any:
         if len(formats) > 1:
             raise UserError("data.dataset", spec.dataset, f"mixes formats {sorted(formats)}",
                             "point to files of one format")
+        level = datasets.logging.get_verbosity()
+        datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its error log would be a 2nd line
         try:
             loaded = datasets.load_dataset(formats.pop(), data_files=files, split="train")
-        except Exception as err:  # datasets raises many types for a malformed file
+        except Exception as err:  # noqa: BLE001 - datasets raises many types for a malformed file
             raise UserError("data.dataset", spec.dataset, f"could not be read: {type(err).__name__}",
                             "check that the file is valid for its extension") from None
+        finally:
+            datasets.logging.set_verbosity(level)
     if spec.text_field not in loaded.column_names:
         raise UserError("data.text_field", spec.text_field, f"is not a column of {spec.dataset}",
                         did_you_mean(spec.text_field, loaded.column_names))

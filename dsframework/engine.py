@@ -82,7 +82,11 @@ def check_output_dir(run: RunConfig, *, resume: bool, overwrite: bool) -> None:
     """Refuse to clobber a previous run: resume it, or overwrite it only when asked to."""
     if resume and overwrite:
         raise UserError("--resume/--overwrite", None, "are mutually exclusive", "pass only one")
-    has_checkpoint = ckpt.latest_tag(run.checkpoint_dir) is not None
+    tag = ckpt.latest_tag(run.checkpoint_dir)
+    has_checkpoint = tag is not None
+    if resume and has_checkpoint and not (run.checkpoint_dir / tag).is_dir():
+        raise UserError("checkpoint", str(run.checkpoint_dir / "latest"), f"names {tag!r}, which is not there",
+                        "restore that checkpoint folder or point `latest` at one that exists")
     has_metrics = (Path(run.output_dir) / "metrics.jsonl").exists()
     if resume and not has_checkpoint:
         raise UserError("output_dir", run.output_dir, "holds no checkpoint to resume from",
@@ -95,22 +99,37 @@ def check_output_dir(run: RunConfig, *, resume: bool, overwrite: bool) -> None:
 
 # --- the loop -----------------------------------------------------------------------------------
 
-def _prepare_tokenizer(run: RunConfig, source: Any, texts: Any, *, resume: bool) -> Any:
-    """The run's tokenizer, saved next to its checkpoints (so export and resume use the same)."""
+def _obtain_tokenizer(run: RunConfig, source: Any, texts: Any, *, resume: bool, rank: int) -> Any:
+    """The run's tokenizer: the checkpoint's on resume, else the user's or the pretrained model's,
+    else one trained on the data by rank 0 (the other ranks load what rank 0 saved)."""
     saved = run.checkpoint_dir / ckpt.TOKENIZER_DIR
     if resume and saved.is_dir():
         return load_tokenizer(saved, field="checkpoint tokenizer")
     if run.model.tokenizer:
-        tokenizer = load_tokenizer(run.model.tokenizer)
-    elif source.tokenizer_dir is not None:
-        tokenizer = load_tokenizer(source.tokenizer_dir, field="model.name")
-    else:
-        tokenizer = train_tokenizer(texts, run.data)
-    import torch.distributed as dist
+        return load_tokenizer(run.model.tokenizer)
+    if source.tokenizer_dir is not None:
+        return load_tokenizer(source.tokenizer_dir, field="model.name")
+    if rank == 0:
+        return train_tokenizer(texts, run.data)
+    return load_tokenizer(saved, field="checkpoint tokenizer")
 
-    if dist.get_rank() == 0:
-        tokenizer.save_pretrained(str(saved))
-    return tokenizer
+
+def _check_same_model(run: RunConfig, config: Any) -> None:
+    """On resume, the model config must be the checkpoint's (else its weights will not load)."""
+    from transformers import AutoConfig
+
+    saved = run.checkpoint_dir / ckpt.HF_CONFIG_DIR
+    if not (saved / "config.json").is_file():
+        return
+    before = AutoConfig.from_pretrained(str(saved), local_files_only=True).to_dict()
+    now = config.to_dict()
+    changed = sorted(k for k in set(before) | set(now)
+                     if not k.startswith("_") and k not in ("transformers_version", "architectures", "dtype")
+                     and before.get(k) != now.get(k))
+    if changed:
+        key = changed[0]
+        raise UserError(f"model (config.{key})", now.get(key), f"differs from the checkpoint's "
+                        f"{before.get(key)!r}", "resume with the model settings the run started with")
 
 
 def _evaluate(engine: Any, eval_blocks: Any, *, micro_batch: int, dp_size: int, dp_rank: int) -> float:
@@ -167,32 +186,35 @@ def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False) ->
     import datasets
     import deepspeed
 
-    check_output_dir(run, resume=resume, overwrite=overwrite)  # before anything is written
+    # Everything a user can get wrong is checked before the first byte is written or deleted.
+    check_output_dir(run, resume=resume, overwrite=overwrite)
     datasets.disable_progress_bars()  # rank 0's own progress bar is the one that matters
     warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated")
     rank, world = init_distributed()
-    if overwrite and rank == 0:
-        shutil.rmtree(run.checkpoint_dir, ignore_errors=True)
-        (Path(run.output_dir) / "metrics.jsonl").unlink(missing_ok=True)
     ds_config = build_ds_config(run.train, run.parallel, dp_size=world)
     batch = resolve_batch(run.train.micro_batch, run.train.grad_accum, run.train.global_batch, dp_size=world)
-
     source = resolve_model(run.model)
-    with rank_zero_first():
-        if rank == 0:
-            run.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+
+    with rank_zero_first():  # rank 0 validates the data and writes the tokenizer; then the others
         texts = load_texts(run.data)
-        tokenizer = _prepare_tokenizer(run, source, texts, resume=resume)
+        tokenizer = _obtain_tokenizer(run, source, texts, resume=resume, rank=rank)
         train_blocks, eval_blocks = pack_splits(texts, tokenizer, run.data)
-    if run.logging.eval_every and len(eval_blocks) < world:
-        raise UserError("data.eval_fraction", run.data.eval_fraction,
-                        f"leaves {len(eval_blocks)} eval blocks for {world} ranks",
-                        "raise data.eval_fraction or the amount of data, or set logging.eval_every=0")
-    config = source.config_for(tokenizer)
+        if run.logging.eval_every and len(eval_blocks) < world:
+            raise UserError("data.eval_fraction", run.data.eval_fraction,
+                            f"leaves {len(eval_blocks)} eval blocks for {world} ranks",
+                            "raise data.eval_fraction or the amount of data, or set logging.eval_every=0")
+        config = source.config_for(tokenizer)
+        if resume:
+            _check_same_model(run, config)
+        elif rank == 0:
+            if overwrite:
+                shutil.rmtree(run.checkpoint_dir, ignore_errors=True)
+                (Path(run.output_dir) / "metrics.jsonl").unlink(missing_ok=True)
+            run.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+            tokenizer.save_pretrained(str(run.checkpoint_dir / ckpt.TOKENIZER_DIR))
+            ckpt.save_run_files(run.checkpoint_dir, config=config, run_yaml=dump_run_config(run))
     zero3 = ds_config if run.parallel.zero_stage == 3 else None
     model = build_model(source, config, seed=run.train.seed, zero3_ds_config=zero3)
-    if rank == 0:
-        ckpt.save_run_files(run.checkpoint_dir, config=config, run_yaml=dump_run_config(run))
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config)
     session = Session(run, rank, world, batch, engine, tokenizer, train_blocks, eval_blocks)

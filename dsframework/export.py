@@ -60,17 +60,20 @@ def consolidated_state_dict(ckpt_dir: Path, tag: str) -> dict[str, Any]:
 def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path, *, tag: str | None = None,
                       overwrite: bool = False) -> Path:
     """Write config, safetensors weights and tokenizer for `from_pretrained`; returns out_dir."""
+    ckpt_dir, tag = locate(ckpt_path, tag)
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError("OUT_DIR", str(out_dir), "is a file", "choose a directory path")
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+        raise UserError("OUT_DIR", str(out_dir), "exists and is not empty",
+                        "choose a new directory or pass --overwrite")
+
     import torch
     from transformers import AutoConfig
 
     from dsframework.data import load_tokenizer
     from dsframework.models import causal_lm_class
 
-    ckpt_dir, tag = locate(ckpt_path, tag)
-    out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
-        raise UserError("OUT_DIR", str(out_dir), "exists and is not empty",
-                        "choose a new directory or pass --overwrite")
     config = AutoConfig.from_pretrained(str(ckpt_dir / ckpt.HF_CONFIG_DIR), local_files_only=True)
     with torch.device("meta"):
         model = causal_lm_class(config)(config)

@@ -1,0 +1,317 @@
+"""Bad input gets one line on stderr, exit code 2, no traceback, and leaves existing output alone.
+
+    python -m pytest tests/unit/test_bad_input.py -q
+
+Each case runs the real `dsf` command line in a subprocess (a world of one, no launcher) inside its
+own temporary directory, after writing the files the case needs. The contract, for every case:
+
+- exit code 2;
+- stderr is exactly one non-empty line, `dsf: error: ...`, naming the field (and the value, when
+  there is one) and the fix -- nothing else: warnings that a library prints to stderr count too;
+- "Traceback" appears in neither stdout nor stderr;
+- every pre-existing output the case guards (an `-o` file, an export OUT_DIR, an output_dir with
+  a previous run) is byte-for-byte unchanged, with no file added or removed; outputs the case
+  names as absent are not created.
+
+Only the cases that need a real checkpoint (export, resume) share one tiny run trained once per
+module (~10 s); the rest fail while the config is read.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+TINY_YAML = REPO / "launch" / "examples" / "tiny.yaml"
+TIMEOUT_S = 180
+
+# A tiny, fast run (a few seconds on one CPU rank). warmup_steps=1 keeps it independent of how
+# warmup_steps=0 maps onto DeepSpeed's WarmupCosineLR (which rejects warmup_num_steps=0).
+TINY_RUN = ("train.steps=2", "train.warmup_steps=1", "train.global_batch=4", "train.micro_batch=2",
+            "data.num_examples=200", "data.seq_len=16", "logging.eval_every=0", "logging.progress=false",
+            "checkpoint.every=0")
+INLINE_TINY_YAML = """\
+model: {name: tiny-llama}
+data: {dataset: counting}
+parallel: {zero_stage: 2}
+"""
+
+
+def dsf_command() -> list[str]:
+    """The `dsf` console script of this interpreter's environment, else `python -m dsframework.cli`."""
+    script = Path(sys.executable).with_name("dsf")
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "dsframework.cli"]
+
+
+def dsf_env(home: Path) -> dict[str, str]:
+    """A clean single-process environment: no launcher variables, no hub, one thread."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE",
+                        "MASTER_ADDR", "MASTER_PORT", "CROSS_RANK", "CROSS_SIZE")}
+    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", HF_HOME=str(home))
+    return env
+
+
+def run_dsf(args: list[str], *, cwd: Path, home: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(dsf_command() + args, cwd=cwd, env=dsf_env(home), capture_output=True,
+                          text=True, timeout=TIMEOUT_S)
+
+
+def snapshot(path: Path) -> dict[str, bytes] | None:
+    """Every file under `path` (or the file itself) with its bytes; None when it does not exist."""
+    if not path.exists():
+        return None
+    if path.is_file():
+        return {".": path.read_bytes()}
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+# --- the trained run, shared by the cases that need a real checkpoint ----------------------------
+
+@pytest.fixture(scope="module")
+def hf_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("hf_home")
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory: pytest.TempPathFactory, hf_home: Path) -> Path:
+    """output_dir of a 2-step tiny run (ZeRO-2, world of one), trained once for the module."""
+    root = tmp_path_factory.mktemp("trained")
+    yaml_path = TINY_YAML if TINY_YAML.is_file() else root / "tiny.yaml"
+    if not TINY_YAML.is_file():
+        yaml_path.write_text(INLINE_TINY_YAML)
+    out = root / "run"
+    args = ["train", str(yaml_path)] + [a for kv in TINY_RUN + (f"output_dir={out}",) for a in ("--set", kv)]
+    proc = run_dsf(args, cwd=root, home=hf_home)
+    assert proc.returncode == 0, f"tiny training run failed:\n{proc.stdout}\n{proc.stderr}"
+    assert (out / "checkpoints" / "latest").is_file(), "tiny training run wrote no checkpoint"
+    return out
+
+
+# --- the cases -----------------------------------------------------------------------------------
+
+# A previous run in output_dir: the sentinels a bad input must never touch.
+PRIOR_RUN = {
+    "out/checkpoints/latest": "global_step100\n",
+    "out/checkpoints/global_step100/mp_rank_00_model_states.pt": "sentinel weights\n",
+    "out/checkpoints/run.yaml": "sentinel: run config\n",
+    "out/metrics.jsonl": '{"step": 100, "loss": 1.25}\n',
+}
+# An output_dir that exists but holds no run (so the run gets past the output-dir check).
+NOT_A_RUN = {"out/notes.txt": "keep me\n"}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One bad input: the dsf arguments, the files to create first, what the error line must say.
+
+    Strings in `args` and `files` may use {tmp} (the case's directory), {ckpt} (the shared trained
+    run's checkpoints dir) and {run} (a private copy of the trained run's output_dir).
+    """
+
+    id: str
+    args: tuple[str, ...]
+    expect: tuple[str | tuple[str, ...], ...]  # each item: a substring, or a tuple of alternatives
+    files: dict[str, str] = field(default_factory=dict)
+    guard: tuple[str, ...] = ()     # paths (relative to {tmp}, or {ckpt}/{run}) that must not change
+    absent: tuple[str, ...] = ()    # paths (relative to {tmp}) that must not be created
+    needs_ckpt: bool = False        # uses {ckpt}
+    needs_run_copy: bool = False    # uses {run}
+    xfail: str | None = None        # a known source bug: the reason
+
+
+def train_case(id: str, yaml_text: str | None, *extra: str, files: dict[str, str] | None = None,
+               guard: tuple[str, ...] = ("out",), **kw) -> Case:
+    """A `dsf train {tmp}/run.yaml ...` case; `yaml_text` None means no run.yaml is written."""
+    all_files = dict(files or {})
+    if yaml_text is not None:
+        all_files["run.yaml"] = yaml_text
+    return Case(id, ("train", "{tmp}/run.yaml", *extra), files=all_files, guard=guard, **kw)
+
+
+def sets(*assignments: str) -> tuple[str, ...]:
+    return tuple(a for kv in assignments for a in ("--set", kv))
+
+
+OUT = "output_dir: {tmp}/out\n"
+# TINY_RUN as YAML, for cases that get as far as building the engine.
+TINY_YAML_SETTINGS = """\
+data: {num_examples: 200, seq_len: 16}
+train: {steps: 2, warmup_steps: 1, global_batch: 4, micro_batch: 2}
+logging: {eval_every: 0, progress: false}
+"""
+
+CASES = [
+    # --- dsf train: the run config itself -------------------------------------------------------
+    train_case("train-broken-yaml", OUT + "model:\n  name: [unclosed\ntrain: {steps: 3\n",
+               expect=("run config", "run.yaml", "YAML"), files=PRIOR_RUN),
+    train_case("train-yaml-not-a-mapping", "- model\n- train\n",
+               expect=("run config", "run.yaml", "mapping"), files=PRIOR_RUN),
+    train_case("train-unknown-top-level-key", OUT + "epochs: 3\n",
+               expect=("epochs", "unknown key"), files=PRIOR_RUN),
+    train_case("train-mistyped-nested-key", OUT + "train:\n  stpes: 3\n",
+               expect=("train.stpes", "'steps'"), files=PRIOR_RUN),
+    train_case("train-missing-run-config", None,
+               expect=("run config", "run.yaml", "no such file"), files=PRIOR_RUN),
+    train_case("train-wrong-value-type", OUT + "train:\n  steps: many\n",
+               expect=("train.steps", "many"), files=PRIOR_RUN),
+    train_case("train-offload-param-below-stage3", OUT + "parallel:\n  zero_stage: 2\n  offload_param: cpu\n",
+               expect=("offload_param", "cpu", "zero_stage"), files=PRIOR_RUN),
+    train_case("train-warmup-exceeds-steps", OUT + "train:\n  steps: 5\n  warmup_steps: 10\n",
+               expect=("warmup_steps", "10"), files=PRIOR_RUN),
+    # --- dsf train: --set overrides ---------------------------------------------------------------
+    train_case("train-negative-lr", OUT, *sets("train.lr=-0.1"),
+               expect=("train.lr", "-0.1"), files=PRIOR_RUN),
+    train_case("train-set-without-equals", OUT, *sets("train.steps"),
+               expect=("--set", "train.steps", "key=value"), files=PRIOR_RUN),
+    train_case("train-set-unknown-key", OUT, *sets("train.stepz=3"),
+               expect=("--set", "train.stepz", "'steps'"), files=PRIOR_RUN),
+    train_case("train-set-into-a-value", OUT, *sets("train.lr.peak=1"),
+               expect=("--set", "train.lr"), files=PRIOR_RUN),
+    train_case("train-set-zero-stage-5", OUT, *sets("parallel.zero_stage=5"),
+               expect=("parallel.zero_stage", "5"), files=PRIOR_RUN),
+    train_case("train-unknown-flag", OUT, "--resum",
+               expect=("--resum",), files=PRIOR_RUN),
+    # --- dsf train: the output directory ----------------------------------------------------------
+    train_case("train-existing-run-without-resume-or-overwrite", OUT,
+               expect=("output_dir", "{tmp}/out", "--resume", "--overwrite"), files=PRIOR_RUN),
+    train_case("train-resume-and-overwrite", OUT, "--resume", "--overwrite",
+               expect=("--resume", "--overwrite"), files=PRIOR_RUN),
+    train_case("train-resume-without-checkpoint", OUT, "--resume",
+               expect=("output_dir", "{tmp}/out", "no checkpoint"), files=NOT_A_RUN),
+    train_case("train-resume-latest-names-missing-tag", OUT + TINY_YAML_SETTINGS, "--resume",
+               expect=("checkpoint", "global_step100"),
+               files={"out/checkpoints/latest": "global_step100\n", "out/metrics.jsonl": '{"step": 100}\n'}),
+    train_case("train-overwrite-with-bad-batch-triple",
+               OUT + "train: {micro_batch: 4, grad_accum: 2, global_batch: 7}\n", "--overwrite",
+               expect=("train.global_batch", "7"), files=PRIOR_RUN),
+    Case("train-resume-with-mismatched-model",
+         ("train", "{run}/checkpoints/run.yaml", "--resume",
+          *sets("model.overrides.num_hidden_layers=3", "output_dir={run}")),
+         expect=("num_hidden_layers", "3", "differs from the checkpoint"), guard=("{run}",), needs_run_copy=True),
+    # --- dsf train: model and data ----------------------------------------------------------------
+    train_case("train-unknown-preset", OUT + "model:\n  name: tiny-lama\n",
+               expect=("model.name", "tiny-lama", "'tiny-llama'"), files=NOT_A_RUN),
+    train_case("train-unknown-model-type", OUT + "model:\n  name: {tmp}/config.json\n",
+               expect=("model.name", "config.json", "lama", "'llama'"),
+               files={**NOT_A_RUN, "config.json": '{"model_type": "lama", "hidden_size": 64}\n'}),
+    train_case("train-unknown-model-override", OUT, *sets("model.overrides.hiden_size=32"),
+               expect=("model.overrides.hiden_size", "32", "'hidden_size'"), files=NOT_A_RUN),
+    train_case("train-inconsistent-batch-triple",
+               OUT + "train:\n  micro_batch: 4\n  grad_accum: 2\n  global_batch: 7\n",
+               expect=("global_batch", "7"), files=NOT_A_RUN),
+    train_case("train-missing-dataset", OUT + "data:\n  dataset: {tmp}/nope.jsonl\n",
+               expect=("data.dataset", "nope.jsonl"), files=NOT_A_RUN),
+    train_case("train-text-field-not-a-column",
+               OUT + "data:\n  dataset: {tmp}/docs.jsonl\n  text_field: contnet\n",
+               expect=("data.text_field", "contnet", "'content'"),
+               files={**NOT_A_RUN, "docs.jsonl": "".join(f'{{"id": {i}, "content": "document number {i}"}}\n'
+                                                         for i in range(20))}),
+    train_case("train-malformed-jsonl", OUT + "data:\n  dataset: {tmp}/bad.jsonl\n",
+               expect=("data.dataset", "bad.jsonl"),
+               files={**NOT_A_RUN, "bad.jsonl": '{"text": "a"\n{broken\n'}),
+    # --- dsf config -------------------------------------------------------------------------------
+    Case("config-offload-param-below-stage3",
+         ("config", "--offload-param", "cpu", "--zero-stage", "2", "-o", "{tmp}/ds.json"),
+         expect=(("--offload-param", "offload_param"), "cpu"), absent=("ds.json",)),
+    Case("config-offload-optimizer-at-stage0", ("config", "--offload-optimizer", "cpu", "-o", "{tmp}/ds.json"),
+         expect=(("--offload-optimizer", "offload_optimizer"), "cpu"), absent=("ds.json",)),
+    Case("config-inconsistent-batch-triple",
+         ("config", "--micro-batch", "4", "--grad-accum", "2", "--global-batch", "7", "--world-size", "2",
+          "-o", "{tmp}/ds.json"),
+         expect=(("--global-batch", "global_batch"), "7"), absent=("ds.json",)),
+    Case("config-global-batch-not-divisible",
+         ("config", "--micro-batch", "4", "--global-batch", "6", "--world-size", "2", "-o", "{tmp}/ds.json"),
+         expect=(("--global-batch", "global_batch"), "6"), absent=("ds.json",)),
+    Case("config-negative-lr", ("config", "--lr", "-1", "-o", "{tmp}/ds.json"),
+         expect=("--lr", "-1"), absent=("ds.json",)),
+    Case("config-zero-stage-5", ("config", "--zero-stage", "5", "-o", "{tmp}/ds.json"),
+         expect=("--zero-stage", "5"), absent=("ds.json",)),
+    Case("config-world-size-0", ("config", "--world-size", "0", "-o", "{tmp}/ds.json"),
+         expect=("--world-size", "0"), absent=("ds.json",)),
+    Case("config-warmup-exceeds-steps", ("config", "--warmup-steps", "5", "--steps", "2", "-o", "{tmp}/ds.json"),
+         expect=("warmup_steps", "5"), absent=("ds.json",)),
+    Case("config-output-exists-without-force", ("config", "--zero-stage", "2", "-o", "{tmp}/ds.json"),
+         expect=("--output", "ds.json", "--force"), files={"ds.json": '{"sentinel": true}\n'},
+         guard=("ds.json",)),
+    Case("config-unknown-flag", ("config", "--zero-stag", "2"), expect=("--zero-stag",)),
+    # --- dsf export -------------------------------------------------------------------------------
+    Case("export-empty-ckpt-dir", ("export", "{tmp}/empty", "{tmp}/hf"),
+         expect=("CKPT_DIR", "empty"), files={"empty/.keep": ""}, absent=("hf",)),
+    Case("export-ckpt-dir-of-random-files", ("export", "{tmp}/junk", "{tmp}/hf"),
+         expect=("CKPT_DIR", "junk"), files={"junk/notes.txt": "hello\n", "junk/data.bin": "xyz"},
+         guard=("junk",), absent=("hf",)),
+    Case("export-missing-ckpt-dir", ("export", "{tmp}/nowhere", "{tmp}/hf"),
+         expect=("CKPT_DIR", "nowhere"), absent=("hf",)),
+    Case("export-latest-names-missing-tag", ("export", "{tmp}/ck", "{tmp}/hf"),
+         expect=("CKPT_DIR", "global_step7"), files={"ck/latest": "global_step7\n", "hf/sentinel": "keep\n"},
+         guard=("ck", "hf")),
+    Case("export-unknown-tag", ("export", "{ckpt}", "{tmp}/hf", "--tag", "global_step99"),
+         expect=("CKPT_DIR", "global_step99"), guard=("{ckpt}",), absent=("hf",), needs_ckpt=True),
+    Case("export-out-dir-not-empty", ("export", "{ckpt}", "{tmp}/hf"),
+         expect=("OUT_DIR", "hf", "--overwrite"), files={"hf/sentinel.txt": "keep me\n", "hf/config.json": "{}\n"},
+         guard=("hf", "{ckpt}"), needs_ckpt=True),
+    Case("export-out-dir-is-a-file", ("export", "{ckpt}", "{tmp}/hf.bin"),
+         expect=("OUT_DIR", "hf.bin"), files={"hf.bin": "not a directory\n"}, guard=("hf.bin", "{ckpt}"),
+         needs_ckpt=True),
+    # --- the command line itself ------------------------------------------------------------------
+    Case("unknown-subcommand", ("trian", "run.yaml"), expect=("trian",)),
+]
+
+
+def _param(case: Case):
+    marks = [pytest.mark.xfail(strict=True, reason=case.xfail)] if case.xfail else []
+    return pytest.param(case, id=case.id, marks=marks)
+
+
+def test_enough_distinct_cases():
+    assert len({c.id for c in CASES}) == len(CASES) >= 15
+
+
+@pytest.mark.parametrize("case", [_param(c) for c in CASES])
+def test_bad_input_is_one_line_exit_2_and_leaves_outputs_alone(case: Case, tmp_path: Path, hf_home: Path,
+                                                                request: pytest.FixtureRequest):
+    places = {"{tmp}": str(tmp_path)}
+    if case.needs_ckpt:
+        places["{ckpt}"] = str(request.getfixturevalue("trained_run") / "checkpoints")
+    if case.needs_run_copy:
+        places["{run}"] = str(tmp_path / "run")
+        shutil.copytree(request.getfixturevalue("trained_run"), tmp_path / "run")
+
+    def fill(text: str) -> str:
+        for placeholder, value in places.items():
+            text = text.replace(placeholder, value)
+        return text
+
+    for rel, text in case.files.items():
+        path = tmp_path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(fill(text))
+    guarded = [Path(fill(g)) if g.startswith("{") else tmp_path / g for g in case.guard]
+    before = {str(p): snapshot(p) for p in guarded}
+    assert all(v is not None for v in before.values()), "a guarded path was not set up"
+
+    proc = run_dsf([fill(a) for a in case.args], cwd=tmp_path, home=hf_home)
+
+    report = f"exit {proc.returncode}\n--- stdout ---\n{proc.stdout[-3000:]}\n--- stderr ---\n{proc.stderr[-3000:]}"
+    assert "Traceback" not in proc.stdout and "Traceback" not in proc.stderr, report
+    assert proc.returncode == 2, report
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].strip(), f"stderr is not exactly one line\n{report}"
+    line = lines[0]
+    assert line.startswith("dsf: error: "), report
+    for expected in case.expect:
+        options = (expected,) if isinstance(expected, str) else expected
+        options = tuple(fill(o) for o in options)
+        assert any(o in line for o in options), f"{' or '.join(map(repr, options))} not in: {line}"
+    for path in guarded:
+        assert snapshot(path) == before[str(path)], f"{path} changed\n{report}"
+    for rel in case.absent:
+        assert not (tmp_path / rel).exists(), f"{rel} was created\n{report}"

@@ -42,7 +42,8 @@ def cli() -> None:
 @click.option("--micro-batch", type=int, help="sequences per rank per forward")
 @click.option("--grad-accum", type=int, help="micro-batches per optimizer step")
 @click.option("--global-batch", type=int, help="sequences per optimizer step over all ranks")
-@click.option("--world-size", type=int, default=1, show_default=True, help="data-parallel ranks")
+@click.option("--world-size", type=int, help="data-parallel ranks; without it train_batch_size is left "
+              "out and DeepSpeed derives it at launch (micro x accum x ranks)")
 @click.option("--optimizer", type=click.Choice(["adamw", "adam"]), default="adamw", show_default=True)
 @click.option("--lr", type=float, default=1e-3, show_default=True)
 @click.option("--weight-decay", type=float, default=0.0, show_default=True)
@@ -53,16 +54,20 @@ def cli() -> None:
               show_default=True)
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), help="file; stdout without")
 @click.option("--force", is_flag=True, help="replace an existing --output file")
-def config_cmd(world_size: int, output: Path | None, force: bool, **flags: object) -> None:
+def config_cmd(world_size: int | None, output: Path | None, force: bool, **flags: object) -> None:
     """Write a DeepSpeed JSON, checked by DeepSpeed's own DeepSpeedConfig at --world-size.
 
-    Give any two of --micro-batch, --grad-accum, --global-batch (the third is derived).
+    Give any two of --micro-batch, --grad-accum, --global-batch (the third is derived; with
+    --global-batch, --world-size is needed too).
     """
     from dsframework.config import build_run_config
     from dsframework.dsconfig import build_ds_config, dumps, validate_ds_config
 
-    if world_size < 1:
+    if world_size is not None and world_size < 1:
         raise UserError("--world-size", world_size, "must be >= 1", "pass the number of data-parallel ranks")
+    if world_size is None and flags["global_batch"] is not None:
+        raise UserError("--global-batch", flags["global_batch"], "needs --world-size to derive the rest",
+                        "pass --world-size, or give --micro-batch and --grad-accum instead")
     train_keys = ("micro_batch", "grad_accum", "global_batch", "optimizer", "lr", "weight_decay",
                   "grad_clip", "warmup_steps", "steps", "lr_schedule", "precision")
     parallel_keys = ("zero_stage", "offload_optimizer", "offload_param", "nvme_path")
@@ -72,17 +77,22 @@ def config_cmd(world_size: int, output: Path | None, force: bool, **flags: objec
         raise UserError("--output", str(output), "exists", "choose another file or pass --force")
     try:
         run = build_run_config(sections)
-        ds = build_ds_config(run.train, run.parallel, dp_size=world_size)
+        ds = build_ds_config(run.train, run.parallel, dp_size=world_size or 1)
     except UserError as err:  # name the flag the user typed, not the config field behind it
         raise UserError(_flag_for(err.field), err.value, err.rule, err.fix) from None
-    validate_ds_config(ds, dp_size=world_size)
+    if world_size is None:
+        del ds["train_batch_size"]  # portable: DeepSpeed derives it from the world it starts in
+        for dp_size in (1, 2, 8):
+            validate_ds_config(ds, dp_size=dp_size)
+    else:
+        validate_ds_config(ds, dp_size=world_size)
     text = dumps(ds)
     if output is None:
         click.echo(text, nl=False)
         return
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(text)
-    click.echo(f"dsf: wrote {output} (ZeRO-{run.parallel.zero_stage}, dp={world_size})", err=True)
+    click.echo(f"dsf: wrote {output} (ZeRO-{run.parallel.zero_stage}, dp={world_size or 'any'})", err=True)
 
 
 def _flag_for(field: str) -> str:

@@ -10,11 +10,14 @@ JSON training uses.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import socket
+import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 from dsframework.config import ParallelSpec, TrainSpec
 from dsframework.errors import UserError
@@ -73,15 +76,16 @@ def _optimizer_section(train: TrainSpec) -> dict[str, Any]:
 
 def _scheduler_section(train: TrainSpec) -> dict[str, Any]:
     """DeepSpeed's own schedulers: WarmupCosineLR, WarmupDecayLR (linear) or WarmupLR (constant)."""
+    # DeepSpeed's schedulers refuse warmup_num_steps=0: no warmup is one step already at the peak.
+    no_warmup = train.warmup_steps == 0
+    warmup_steps = max(1, train.warmup_steps)
     if train.lr_schedule == "cosine":
-        # WarmupCosineLR refuses warmup_num_steps=0: no warmup is one step already at the peak.
-        no_warmup = train.warmup_steps == 0
         return {"type": "WarmupCosineLR",
-                "params": {"total_num_steps": train.steps, "warmup_num_steps": max(1, train.warmup_steps),
+                "params": {"total_num_steps": train.steps, "warmup_num_steps": warmup_steps,
                            "warmup_min_ratio": 1.0 if no_warmup else 0.0,
                            "cos_min_ratio": train.min_lr_ratio, "warmup_type": "linear"}}
-    common = {"warmup_min_lr": 0.0, "warmup_max_lr": train.lr,
-              "warmup_num_steps": train.warmup_steps, "warmup_type": "linear"}
+    common = {"warmup_min_lr": train.lr if no_warmup else 0.0, "warmup_max_lr": train.lr,
+              "warmup_num_steps": warmup_steps, "warmup_type": "linear"}
     if train.lr_schedule == "linear":
         return {"type": "WarmupDecayLR", "params": {"total_num_steps": train.steps, **common}}
     return {"type": "WarmupLR", "params": common}
@@ -169,19 +173,40 @@ def _ensure_comm() -> None:
                           rank=0, world_size=1)
 
 
+@contextlib.contextmanager
+def _quiet_deepspeed() -> Iterator[None]:
+    """DeepSpeed logs and JIT-build notes go to stderr at ERROR level only, never to stdout:
+    `dsf config` prints the JSON on stdout, and it must stay parseable."""
+    saved_stdout = os.dup(1)
+    sys.stdout.flush()
+    os.dup2(2, 1)
+    from deepspeed.utils import logger  # importing deepspeed already logs the accelerator it found
+
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved_stdout, 1)
+        os.close(saved_stdout)
+        logger.setLevel(level)
+
+
 def validate_ds_config(ds: dict[str, Any], *, dp_size: int) -> None:
     """Run deepspeed's own DeepSpeedConfig over `ds` at `dp_size`, and build its lr scheduler
     (which DeepSpeedConfig does not check); UserError if DeepSpeed objects to either."""
-    import torch
-    from deepspeed.runtime import lr_schedules
-    from deepspeed.runtime.config import DeepSpeedConfig
-
-    _ensure_comm()
     try:
-        DeepSpeedConfig(json.loads(json.dumps(ds)), mpu=_DataParallelOnly(dp_size))
-        if "scheduler" in ds:
-            probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
-            getattr(lr_schedules, ds["scheduler"]["type"])(probe, **ds["scheduler"]["params"])
+        with _quiet_deepspeed():
+            import torch
+            from deepspeed.runtime import lr_schedules
+            from deepspeed.runtime.config import DeepSpeedConfig
+
+            _ensure_comm()
+            DeepSpeedConfig(json.loads(json.dumps(ds)), mpu=_DataParallelOnly(dp_size))
+            if "scheduler" in ds:
+                probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+                getattr(lr_schedules, ds["scheduler"]["type"])(probe, **ds["scheduler"]["params"])
     except (AssertionError, ValueError, TypeError, KeyError, AttributeError) as err:
         raise UserError("DeepSpeed config", None, f"rejected by DeepSpeedConfig at dp={dp_size}: {err}",
                         "check the batch, ZeRO and precision settings") from None

@@ -165,8 +165,11 @@ def _ensure_comm() -> None:
     """DeepSpeedConfig reads the rank from deepspeed.comm; give it a one-process group if none."""
     import deepspeed.comm as dist
 
+    from dsframework.jit import pin_build_tools
+
     if dist.is_initialized():
         return
+    pin_build_tools()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
     dist.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False,

@@ -28,6 +28,7 @@ from dsframework.config import RunConfig, dump_run_config
 from dsframework.data import BlockSampler, eval_shard, load_texts, load_tokenizer, pack_splits, train_tokenizer
 from dsframework.dsconfig import Batch, build_ds_config, resolve_batch
 from dsframework.errors import UserError
+from dsframework.jit import pin_build_tools
 from dsframework.models import build_model, count_parameters, resolve_model
 
 
@@ -39,6 +40,7 @@ def init_distributed() -> tuple[int, int]:
     import torch
     from deepspeed.accelerator import get_accelerator
 
+    pin_build_tools()
     if "RANK" not in os.environ:  # not under a launcher: a world of one on a free local port
         from dsframework.dsconfig import _free_port
 

@@ -1,6 +1,7 @@
 """A single-process, plain PyTorch reference for a dsf run: same weights, batches and optimizer.
 
     want = reference_losses(run)      # step -> loss, to compare with a distributed run's metrics
+    losses, model = reference_train(run)   # ... and the trained model
 
 It shares with dsf only what defines the problem (the data blocks and their order, the initial
 weights, the tokenizer the run saved); the training step is torch's own: AdamW, clip_grad_norm_,
@@ -18,6 +19,11 @@ from dsframework.models import build_model, resolve_model
 
 
 def reference_losses(run: RunConfig, *, steps: int | None = None) -> dict[int, float]:
+    return reference_train(run, steps=steps)[0]
+
+
+def reference_train(run: RunConfig, *, steps: int | None = None) -> tuple[dict[int, float], torch.nn.Module]:
+    """(step -> loss, the trained model) of the plain PyTorch loop."""
     torch.manual_seed(0)
     tokenizer = load_tokenizer(run.checkpoint_dir / "tokenizer")
     train_blocks, _ = pack_splits(load_texts(run.data), tokenizer, run.data)
@@ -45,4 +51,4 @@ def reference_losses(run: RunConfig, *, steps: int | None = None) -> dict[int, f
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         out[step] = loss.item()
-    return out
+    return out, model

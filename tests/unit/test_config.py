@@ -152,9 +152,9 @@ def test_unknown_key_without_close_match_lists_the_valid_keys():
 
 @pytest.mark.parametrize("overrides, fragments", [
     (["train.steps=10", "train.warmup_steps=11"], ["train", "warmup_steps=11", "steps=10", "train.warmup_steps"]),
-    (["parallel.offload_param=cpu", "parallel.zero_stage=2"], ["parallel", "offload_param=cpu", "zero_stage=3"]),
-    (["parallel.offload_param=nvme"], ["parallel", "offload_param=nvme", "zero_stage=3"]),
-    (["parallel.offload_optimizer=cpu", "parallel.zero_stage=0"], ["parallel", "offload_optimizer=cpu", "zero_stage"]),
+    (["parallel.offload_param=cpu", "parallel.zero_stage=2"], ["parallel", "parallel.offload_param='cpu'", "zero_stage=3"]),
+    (["parallel.offload_param=nvme"], ["parallel", "parallel.offload_param='nvme'", "zero_stage=3"]),
+    (["parallel.offload_optimizer=cpu", "parallel.zero_stage=0"], ["parallel", "parallel.offload_optimizer='cpu'", "zero_stage"]),
     (["train.lr=0"], ["train.lr=0", "greater than 0"]),
     (["train.lr=-0.001"], ["train.lr=-0.001", "greater than 0"]),
     (["train.lr=-3e-4"], ["train.lr=", "greater than 0"]),

@@ -42,8 +42,10 @@ def cli() -> None:
 @click.option("--micro-batch", type=int, help="sequences per rank per forward")
 @click.option("--grad-accum", type=int, help="micro-batches per optimizer step")
 @click.option("--global-batch", type=int, help="sequences per optimizer step over all ranks")
-@click.option("--world-size", type=int, help="data-parallel ranks; without it train_batch_size is left "
-              "out and DeepSpeed derives it at launch (micro x accum x ranks)")
+@click.option("--world-size", type=int, help="all ranks (dp = world / (tp * pp)); without it "
+              "train_batch_size is left out and DeepSpeed derives it at launch")
+@click.option("--tp", type=int, default=1, show_default=True, help="tensor-parallel size")
+@click.option("--pp", type=int, default=1, show_default=True, help="pipeline stages (ZeRO 0/1 only)")
 @click.option("--optimizer", type=click.Choice(["adamw", "adam"]), default="adamw", show_default=True)
 @click.option("--lr", type=float, default=1e-3, show_default=True)
 @click.option("--weight-decay", type=float, default=0.0, show_default=True)
@@ -62,6 +64,7 @@ def config_cmd(world_size: int | None, output: Path | None, force: bool, **flags
     """
     from dsframework.config import build_run_config
     from dsframework.dsconfig import build_ds_config, dumps, validate_ds_config
+    from dsframework.parallel.topology import ParallelDims
 
     if world_size is not None and world_size < 1:
         raise UserError("--world-size", world_size, "must be >= 1", "pass the number of data-parallel ranks")
@@ -70,14 +73,16 @@ def config_cmd(world_size: int | None, output: Path | None, force: bool, **flags
                         "pass --world-size, or give --micro-batch and --grad-accum instead")
     train_keys = ("micro_batch", "grad_accum", "global_batch", "optimizer", "lr", "weight_decay",
                   "grad_clip", "warmup_steps", "steps", "lr_schedule", "precision")
-    parallel_keys = ("zero_stage", "offload_optimizer", "offload_param", "nvme_path")
+    parallel_keys = ("zero_stage", "offload_optimizer", "offload_param", "nvme_path", "tp", "pp")
     sections = {"train": {k: flags[k] for k in train_keys if flags[k] is not None},
                 "parallel": {k: flags[k] for k in parallel_keys}}
     if output is not None and output.exists() and not force:
         raise UserError("--output", str(output), "exists", "choose another file or pass --force")
     try:
         run = build_run_config(sections)
-        ds = build_ds_config(run.train, run.parallel, dp_size=world_size or 1)
+        model_parallel = run.parallel.tp * run.parallel.pp
+        dims = ParallelDims(world=world_size or model_parallel, tp=run.parallel.tp, pp=run.parallel.pp)
+        ds = build_ds_config(run.train, run.parallel, dp_size=dims.dp)
     except UserError as err:  # name the flag the user typed, not the config field behind it
         raise UserError(_flag_for(err.field), err.value, err.rule, err.fix) from None
     if world_size is None:
@@ -85,19 +90,22 @@ def config_cmd(world_size: int | None, output: Path | None, force: bool, **flags
         for dp_size in (1, 2, 8):
             validate_ds_config(ds, dp_size=dp_size)
     else:
-        validate_ds_config(ds, dp_size=world_size)
+        validate_ds_config(ds, dp_size=dims.dp)
     text = dumps(ds)
     if output is None:
         click.echo(text, nl=False)
         return
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(text)
-    click.echo(f"dsf: wrote {output} (ZeRO-{run.parallel.zero_stage}, dp={world_size or 'any'})", err=True)
+    layout = f"tp={dims.tp} pp={dims.pp} dp={dims.dp if world_size else 'any'}"
+    click.echo(f"dsf: wrote {output} (ZeRO-{run.parallel.zero_stage}, {layout})", err=True)
 
 
 def _flag_for(field: str) -> str:
     """'train.global_batch' -> '--global-batch'; other fields unchanged."""
     name = field.rsplit(".", 1)[-1]
+    if field == "world size":
+        return "--world-size"
     return "--" + name.replace("_", "-") if field.startswith(("train.", "parallel.")) else field
 
 

@@ -88,6 +88,13 @@ class ParallelSpec(_Spec):
     offload_optimizer: Literal["none", "cpu", "nvme"] = "none"
     offload_param: Literal["none", "cpu", "nvme"] = Field("none", description="ZeRO-3 only")
     nvme_path: str = Field("/local_nvme", description="directory for nvme offload")
+    tp: int = Field(1, ge=1, description="tensor-parallel size (Megatron-style layers)")
+    pp: int = Field(1, ge=1, description="pipeline stages (DeepSpeed's pipeline engine)")
+    dp: int | None = Field(None, ge=1, description="data-parallel size; default: world / (tp * pp)")
+    partition_method: str = Field("parameters", description="pipeline partition: parameters, "
+                                  "uniform or type:<regex>")
+    activation_checkpointing: Literal["none", "full"] = Field(
+        "none", description="recompute activations in the backward pass: none or full (every layer)")
 
     @field_validator("offload_optimizer")
     @classmethod
@@ -104,6 +111,27 @@ class ParallelSpec(_Spec):
             raise ValueError(f"needs zero_stage=3, got zero_stage={stage}; set parallel.zero_stage=3 "
                              "or parallel.offload_param=none")
         return device
+
+    @field_validator("pp")
+    @classmethod
+    def _pipeline_needs_zero_0_or_1(cls, pp: int, info: ValidationInfo) -> int:
+        stage = info.data.get("zero_stage")
+        if pp > 1 and stage is not None and stage > 1:
+            raise ValueError(f"needs zero_stage 0 or 1 (DeepSpeed's pipeline engine), got zero_stage={stage}; "
+                             "set parallel.zero_stage=1 or parallel.pp=1")
+        return pp
+
+    @field_validator("partition_method")
+    @classmethod
+    def _known_partition_method(cls, method: str) -> str:
+        if method.startswith("type:"):
+            try:
+                re.compile(method[len("type:"):])
+            except re.error as err:
+                raise ValueError(f"has an invalid regex ({err}); write e.g. type:DecoderLayer") from None
+        elif method not in ("parameters", "uniform"):
+            raise ValueError("must be parameters, uniform or type:<regex>")
+        return method
 
 
 class CheckpointSpec(_Spec):

@@ -29,6 +29,7 @@ from dsframework.data import BlockSampler, eval_shard, load_texts, load_tokenize
 from dsframework.dsconfig import Batch, build_ds_config, resolve_batch
 from dsframework.errors import UserError
 from dsframework.jit import pin_build_tools
+from dsframework.parallel.topology import ParallelDims, check_layout
 from dsframework.models import build_model, count_parameters, resolve_model
 
 
@@ -193,9 +194,17 @@ def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False) ->
     datasets.disable_progress_bars()  # rank 0's own progress bar is the one that matters
     warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated")
     rank, world = init_distributed()
-    ds_config = build_ds_config(run.train, run.parallel, dp_size=world)
-    batch = resolve_batch(run.train.micro_batch, run.train.grad_accum, run.train.global_batch, dp_size=world)
     source = resolve_model(run.model)
+    dims = ParallelDims(world=world, tp=run.parallel.tp, pp=run.parallel.pp)
+    check_layout(dims, num_heads=source.config.num_attention_heads,
+                 num_kv_heads=getattr(source.config, "num_key_value_heads", None) or source.config.num_attention_heads,
+                 num_layers=source.config.num_hidden_layers, dp=run.parallel.dp,
+                 ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    if dims.tp_enabled or dims.pp_enabled:
+        raise UserError("parallel.tp/pp", f"{dims.tp}/{dims.pp}", "tensor and pipeline parallel training "
+                        "is not in dsf train yet (dsf config writes their JSON)", "train with tp=1 and pp=1")
+    ds_config = build_ds_config(run.train, run.parallel, dp_size=dims.dp)
+    batch = resolve_batch(run.train.micro_batch, run.train.grad_accum, run.train.global_batch, dp_size=dims.dp)
 
     with rank_zero_first():  # rank 0 validates the data and writes the tokenizer; then the others
         texts = load_texts(run.data)
@@ -217,6 +226,9 @@ def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False) ->
             ckpt.save_run_files(run.checkpoint_dir, config=config, run_yaml=dump_run_config(run))
     zero3 = ds_config if run.parallel.zero_stage == 3 else None
     model = build_model(source, config, seed=run.train.seed, zero3_ds_config=zero3)
+    if run.parallel.activation_checkpointing == "full":
+        # Non-reentrant checkpointing: works with ZeRO-3's parameter hooks and frozen inputs.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config)
     session = Session(run, rank, world, batch, engine, tokenizer, train_blocks, eval_blocks)

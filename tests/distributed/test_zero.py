@@ -18,6 +18,7 @@ STAGES = {
     "zero3": ["parallel.zero_stage=3"],
     "zero2_offload": ["parallel.zero_stage=2", "parallel.offload_optimizer=cpu"],
     "zero3_offload": ["parallel.zero_stage=3", "parallel.offload_optimizer=cpu"],
+    "zero3_checkpointing": ["parallel.zero_stage=3", "parallel.activation_checkpointing=full"],
 }
 
 

@@ -1,0 +1,1 @@
+"""Parallel layouts: the rank grid (topology), tensor-parallel layers, pipeline stages."""

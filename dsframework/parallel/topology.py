@@ -1,0 +1,92 @@
+"""The rank grid: tensor (innermost) x data x pipe, on DeepSpeed's own topology classes.
+
+    dims = ParallelDims(world=8, tp=2, pp=2)          # dp = 8 / (2 * 2) = 2
+    check_layout(dims, num_heads=32, num_kv_heads=8, num_layers=32, ranks_per_node=8)
+    topo = build_topology(dims)                        # PipeModelDataParallelTopology
+    topo.get_coord(rank=3)                             # ProcessCoord(pipe=0, data=1, model=1)
+    grid = build_grid(dims)                            # needs torch.distributed: the mpu for
+                                                       # deepspeed.initialize(mpu=grid)
+
+Tensor-parallel ranks are adjacent (the 'model' axis is innermost), so a tensor-parallel group
+sits on one node, where its per-layer all-reduces use the fast link. ZeRO shards only across the
+data-parallel group, which the grid hands to DeepSpeed.
+
+Checks are pure (no torch.distributed, no disk): `check_layout` is called by `dsf config`, by
+`dsf train` before any process group exists, and by the planner.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dsframework.errors import UserError
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """How `world` ranks split into tensor x pipeline x data parallel."""
+
+    world: int
+    tp: int = 1
+    pp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("world", "tp", "pp"):
+            if getattr(self, name) < 1:
+                raise UserError(f"parallel.{name}", getattr(self, name), "must be >= 1", "use a positive size")
+        if self.world % (self.tp * self.pp):
+            sizes = sorted({d for d in range(1, self.world + 1) if self.world % d == 0})
+            raise UserError("world size", self.world, f"is not divisible by tp*pp = {self.tp}*{self.pp} = "
+                            f"{self.tp * self.pp}", f"choose tp*pp in {{{', '.join(map(str, sizes))}}}")
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel size: the ranks left after tensor and pipeline parallelism."""
+        return self.world // (self.tp * self.pp)
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+
+def _divisors(n: int) -> str:
+    return "{" + ", ".join(str(d) for d in range(1, n + 1) if n % d == 0) + "}"
+
+
+def check_layout(dims: ParallelDims, *, num_heads: int, num_kv_heads: int, num_layers: int,
+                 ranks_per_node: int | None = None, dp: int | None = None) -> None:
+    """UserError unless the layout fits the model and the nodes (each rule names the fix)."""
+    if dp is not None and dp != dims.dp:
+        raise UserError("parallel.dp", dp, f"but world {dims.world} / (tp*pp = {dims.tp * dims.pp}) = {dims.dp}",
+                        f"set parallel.dp={dims.dp} or leave it out, or run on "
+                        f"{dp * dims.tp * dims.pp} ranks")
+    if num_heads % dims.tp:
+        raise UserError("parallel.tp", dims.tp, f"does not divide num_attention_heads={num_heads}",
+                        f"choose tp in {_divisors(num_heads)}")
+    if num_kv_heads % dims.tp:
+        raise UserError("parallel.tp", dims.tp, f"does not divide num_key_value_heads={num_kv_heads}",
+                        f"choose tp in {_divisors(num_kv_heads)}")
+    if dims.pp > num_layers:
+        raise UserError("parallel.pp", dims.pp, f"exceeds num_hidden_layers={num_layers}",
+                        f"choose pp in 1..{num_layers}")
+    if ranks_per_node is not None and dims.tp > ranks_per_node:
+        raise UserError("parallel.tp", dims.tp, f"exceeds the {ranks_per_node} ranks on one node",
+                        f"tensor-parallel ranks must share a node: choose tp <= {ranks_per_node}")
+
+
+def build_topology(dims: ParallelDims):
+    """DeepSpeed's PipeModelDataParallelTopology for `dims` (axes pipe, data, model)."""
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    return PipeModelDataParallelTopology(num_pp=dims.pp, num_mp=dims.tp, num_dp=dims.dp)
+
+
+def build_grid(dims: ParallelDims):
+    """DeepSpeed's PipelineParallelGrid over the topology: the `mpu` for deepspeed.initialize,
+    with the tensor-parallel group as its 'slice' group. Needs torch.distributed initialised."""
+    from deepspeed.runtime.pipe.topology import PipelineParallelGrid
+
+    return PipelineParallelGrid(topology=build_topology(dims))

@@ -1,0 +1,80 @@
+"""The rank grid: every factorization of the world, tensor-parallel ranks innermost, and the
+layout rules with their one-line errors."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from dsframework.config import build_run_config
+from dsframework.errors import UserError
+from dsframework.parallel.topology import ParallelDims, build_topology, check_layout
+
+
+def _factorizations(world):
+    for tp, pp in itertools.product(range(1, world + 1), repeat=2):
+        if world % (tp * pp) == 0:
+            yield tp, pp, world // (tp * pp)
+
+
+LAYOUTS = [(w, *f) for w in (1, 2, 4, 8) for f in _factorizations(w)]
+
+
+@pytest.mark.parametrize("world,tp,pp,dp", LAYOUTS)
+def test_every_factorization_builds_a_grid_with_tp_innermost(world, tp, pp, dp):
+    dims = ParallelDims(world=world, tp=tp, pp=pp)
+    assert dims.dp == dp and dims.tp_enabled == (tp > 1) and dims.pp_enabled == (pp > 1)
+    topo = build_topology(dims)
+    assert topo.world_size() == world
+    assert (topo.get_dim("pipe"), topo.get_dim("data"), topo.get_dim("model")) == (pp, dp, tp)
+    for rank in range(world):
+        coord = topo.get_coord(rank)
+        # tensor-parallel peers are consecutive ranks: rank = ((pipe * dp) + data) * tp + model
+        assert rank == (coord.pipe * dp + coord.data) * tp + coord.model
+    tp_groups = topo.get_axis_comm_lists("model")
+    if tp > 1:
+        assert all(group == list(range(group[0], group[0] + tp)) for group in tp_groups)
+
+
+@pytest.mark.parametrize("world,tp,pp", [(8, 3, 1), (6, 2, 2), (2, 4, 1)])
+def test_world_not_divisible_names_the_choices(world, tp, pp):
+    with pytest.raises(UserError, match=r"not divisible by tp\*pp") as err:
+        ParallelDims(world=world, tp=tp, pp=pp)
+    assert "\n" not in str(err.value)
+
+
+LLAMA = dict(num_heads=4, num_kv_heads=2, num_layers=2)
+
+
+@pytest.mark.parametrize("dims,kwargs,match", [
+    (ParallelDims(world=4, tp=4), dict(LLAMA), r"parallel.tp=4: does not divide num_key_value_heads=2; choose tp in \{1, 2\}"),
+    (ParallelDims(world=3, tp=3), dict(LLAMA), r"parallel.tp=3: does not divide num_attention_heads=4; choose tp in \{1, 2, 4\}"),
+    (ParallelDims(world=4, pp=4), dict(LLAMA), r"parallel.pp=4: exceeds num_hidden_layers=2; choose pp in 1..2"),
+    (ParallelDims(world=4, tp=2), dict(LLAMA, ranks_per_node=1), r"parallel.tp=2: exceeds the 1 ranks on one node"),
+    (ParallelDims(world=8, tp=2, pp=2), dict(LLAMA, dp=4), r"parallel.dp=4: but world 8 / \(tp\*pp = 4\) = 2"),
+])
+def test_layout_rules(dims, kwargs, match):
+    with pytest.raises(UserError, match=match):
+        check_layout(dims, **kwargs)
+
+
+def test_a_fitting_layout_passes():
+    check_layout(ParallelDims(world=8, tp=2, pp=2), num_heads=32, num_kv_heads=8, num_layers=32,
+                 ranks_per_node=8, dp=2)
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["parallel.pp=2", "parallel.zero_stage=2"], "parallel.pp=2: needs zero_stage 0 or 1"),
+    (["parallel.pp=2", "parallel.zero_stage=3"], "parallel.pp=2: needs zero_stage 0 or 1"),
+    (["parallel.partition_method=best"], "must be parameters, uniform or type:<regex>"),
+    (["parallel.partition_method=type:("], "invalid regex"),
+    (["parallel.tp=0"], "parallel.tp=0"),
+])
+def test_static_parallel_rules(overrides, match):
+    with pytest.raises(UserError, match=match):
+        build_run_config({}, overrides)
+
+
+def test_pipeline_with_zero_1_and_regex_partition_is_fine():
+    run = build_run_config({}, ["parallel.pp=2", "parallel.zero_stage=1", "parallel.partition_method=type:Decoder"])
+    assert run.parallel.pp == 2 and run.parallel.partition_method == "type:Decoder"

@@ -29,8 +29,9 @@ from dsframework.data import BlockSampler, eval_shard, load_texts, load_tokenize
 from dsframework.dsconfig import Batch, build_ds_config, resolve_batch
 from dsframework.errors import UserError
 from dsframework.jit import pin_build_tools
-from dsframework.parallel.topology import ParallelDims, check_layout
+from dsframework.parallel.topology import ParallelDims, build_grid, check_layout
 from dsframework.models import build_model, count_parameters, resolve_model
+from dsframework.models.tensor_parallel import apply_tensor_parallel
 
 
 # --- the world ----------------------------------------------------------------------------------
@@ -174,12 +175,14 @@ class Session:
 
     run: RunConfig
     rank: int
-    world: int
+    dims: ParallelDims
+    dp_rank: int
     batch: Batch
     engine: Any
     tokenizer: Any
     train_blocks: Any
     eval_blocks: Any
+    num_parameters: int
     step: int = 0
     consumed_samples: int = 0
 
@@ -200,9 +203,16 @@ def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False) ->
                  num_kv_heads=getattr(source.config, "num_key_value_heads", None) or source.config.num_attention_heads,
                  num_layers=source.config.num_hidden_layers, dp=run.parallel.dp,
                  ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-    if dims.tp_enabled or dims.pp_enabled:
-        raise UserError("parallel.tp/pp", f"{dims.tp}/{dims.pp}", "tensor and pipeline parallel training "
-                        "is not in dsf train yet (dsf config writes their JSON)", "train with tp=1 and pp=1")
+    if dims.pp_enabled:
+        raise UserError("parallel.pp", dims.pp, "pipeline parallel training is not in dsf train yet "
+                        "(dsf config writes its JSON)", "train with pp=1")
+    if dims.tp_enabled and run.parallel.zero_stage == 3:
+        raise UserError("parallel.zero_stage", 3, "with tensor parallelism is not supported yet",
+                        "use zero_stage 0, 1 or 2 with parallel.tp > 1")
+    # The grid hands DeepSpeed its data-parallel group (ZeRO shards and gradients are reduced
+    # across it only) and our layers their tensor-parallel group.
+    grid = build_grid(dims) if dims.tp_enabled else None
+    dp_rank = grid.get_data_parallel_rank() if grid else rank
     ds_config = build_ds_config(run.train, run.parallel, dp_size=dims.dp)
     batch = resolve_batch(run.train.micro_batch, run.train.grad_accum, run.train.global_batch, dp_size=dims.dp)
 
@@ -210,9 +220,9 @@ def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False) ->
         texts = load_texts(run.data)
         tokenizer = _obtain_tokenizer(run, source, texts, resume=resume, rank=rank)
         train_blocks, eval_blocks = pack_splits(texts, tokenizer, run.data)
-        if run.logging.eval_every and len(eval_blocks) < world:
+        if run.logging.eval_every and len(eval_blocks) < dims.dp:
             raise UserError("data.eval_fraction", run.data.eval_fraction,
-                            f"leaves {len(eval_blocks)} eval blocks for {world} ranks",
+                            f"leaves {len(eval_blocks)} eval blocks for {dims.dp} data-parallel ranks",
                             "raise data.eval_fraction or the amount of data, or set logging.eval_every=0")
         config = source.config_for(tokenizer)
         if resume:
@@ -226,12 +236,17 @@ def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False) ->
             ckpt.save_run_files(run.checkpoint_dir, config=config, run_yaml=dump_run_config(run))
     zero3 = ds_config if run.parallel.zero_stage == 3 else None
     model = build_model(source, config, seed=run.train.seed, zero3_ds_config=zero3)
+    num_parameters = count_parameters(model)
     if run.parallel.activation_checkpointing == "full":
         # Non-reentrant checkpointing: works with ZeRO-3's parameter hooks and frozen inputs.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if dims.tp_enabled:
+        model = apply_tensor_parallel(model, group=grid.get_slice_parallel_group())
     engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config)
-    session = Session(run, rank, world, batch, engine, tokenizer, train_blocks, eval_blocks)
+        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config,
+        mpu=grid)
+    session = Session(run, rank, dims, dp_rank, batch, engine, tokenizer, train_blocks, eval_blocks,
+                      num_parameters)
     if resume:
         state = ckpt.load(engine, run.checkpoint_dir)
         session.step, session.consumed_samples = state["step"], state["consumed_samples"]
@@ -244,22 +259,23 @@ def train(run: RunConfig, *, resume: bool = False, overwrite: bool = False) -> d
     from tqdm import tqdm
 
     session = prepare(run, resume=resume, overwrite=overwrite)
-    rank, world, batch, engine = session.rank, session.world, session.batch, session.engine
+    rank, dims, batch, engine = session.rank, session.dims, session.batch, session.engine
     train_blocks, eval_blocks = session.train_blocks, session.eval_blocks
     step, consumed = session.step, session.consumed_samples
     out = Path(run.output_dir)
     sampler = BlockSampler(len(train_blocks), micro_batch=batch.micro_batch, grad_accum=batch.grad_accum,
-                           dp_size=world, dp_rank=rank, seed=run.data.seed)
+                           dp_size=dims.dp, dp_rank=session.dp_rank, seed=run.data.seed)
     metrics = MetricsLog(out / "metrics.jsonl", enabled=rank == 0, resume_step=step if resume else None)
     tokens_per_step = batch.global_batch * run.data.seq_len
     if rank == 0:
-        print(f"dsf: {count_parameters(engine.module):,} parameters | world {world} | "
-              f"ZeRO-{run.parallel.zero_stage} | batch {batch.micro_batch} x {batch.grad_accum} x {world}"
+        print(f"dsf: {session.num_parameters:,} parameters | world {dims.world} = tp {dims.tp} x pp {dims.pp} "
+              f"x dp {dims.dp} | ZeRO-{run.parallel.zero_stage} | batch {batch.micro_batch} x {batch.grad_accum} x {dims.dp}"
               f" = {batch.global_batch} | {len(train_blocks):,} train / {len(eval_blocks):,} eval "
               f"blocks of {run.data.seq_len} tokens", flush=True)
 
     def evaluate() -> float:
-        return _evaluate(engine, eval_blocks, micro_batch=batch.micro_batch, dp_size=world, dp_rank=rank)
+        return _evaluate(engine, eval_blocks, micro_batch=batch.micro_batch, dp_size=dims.dp,
+                         dp_rank=session.dp_rank)
 
     last: dict[str, Any] = {}
     if not resume and run.logging.eval_every:

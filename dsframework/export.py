@@ -39,6 +39,9 @@ def locate(path: str | Path, tag: str | None = None) -> tuple[Path, str]:
     if not _has_model_states(path / tag):
         raise UserError("CKPT_DIR", str(path / tag), f"has no {MODEL_STATES}",
                         "the checkpoint is incomplete; export an earlier tag with --tag")
+    if any((path / tag).glob("*mp_rank_01_model_states.pt")):
+        raise UserError("CKPT_DIR", str(path / tag), "holds tensor-parallel shards (mp_rank_01, ...)",
+                        "merging tensor-parallel shards is not in dsf export yet; export a tp=1 run")
     if not (path / ckpt.HF_CONFIG_DIR / "config.json").is_file():
         raise UserError("CKPT_DIR", str(path), f"has no {ckpt.HF_CONFIG_DIR}/config.json",
                         "export checkpoints written by dsf train")

@@ -1,0 +1,113 @@
+"""Tensor parallelism for Hugging Face causal LMs: swap dense layers for their Megatron shards.
+
+    model = build_model(source, config, seed=42)                 # the dense model, every rank
+    tp_model = apply_tensor_parallel(model, group=tp_group)      # same function, 1/tp of the weights
+    out = tp_model(input_ids=ids, labels=ids)                    # out.loss: vocab-parallel CE
+
+Plans (which module becomes which shard):
+
+| architecture            | column-parallel                      | row-parallel       | vocab-parallel          |
+|-------------------------|--------------------------------------|--------------------|-------------------------|
+| llama, mistral, qwen2   | q/k/v_proj, gate/up_proj             | o_proj, down_proj  | embed_tokens, lm_head   |
+| gpt2                    | c_attn (split per head into q, k, v), c_fc | attn/mlp c_proj | wte, lm_head (tied)  |
+
+Attention heads and key/value heads are split across ranks (grouped-query attention keeps its
+heads-per-kv-head ratio). Norms and GPT-2's position embedding stay replicated. The loss never
+gathers the full logits: the head emits this rank's vocab slice into `vocab_parallel_cross_entropy`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from dsframework.errors import UserError, divide
+from dsframework.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                                         VocabParallelLMHead, shard_index, tensor_parallel_rank,
+                                         tensor_parallel_size, vocab_parallel_cross_entropy)
+
+LLAMA_FAMILY = ("llama", "mistral", "qwen2")
+SUPPORTED = (*LLAMA_FAMILY, "gpt2")
+
+
+def _llama_plan(model: Any, group: Any) -> None:
+    config = model.config
+    tp = tensor_parallel_size(group)
+    divide(config.num_attention_heads, tp, what="parallel.tp vs num_attention_heads")
+    divide(config.num_key_value_heads, tp, what="parallel.tp vs num_key_value_heads")
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for name in ("q_proj", "k_proj", "v_proj"):
+            setattr(attn, name, ColumnParallelLinear.from_dense(getattr(attn, name), group=group))
+        attn.o_proj = RowParallelLinear.from_dense(attn.o_proj, group=group)
+        for name in ("gate_proj", "up_proj"):
+            setattr(mlp, name, ColumnParallelLinear.from_dense(getattr(mlp, name), group=group))
+        mlp.down_proj = RowParallelLinear.from_dense(mlp.down_proj, group=group)
+    embedding = VocabParallelEmbedding.from_dense(model.model.embed_tokens, group=group)
+    model.model.embed_tokens = embedding
+    if config.tie_word_embeddings:
+        model.lm_head = VocabParallelLMHead.tied_to(embedding)
+    else:
+        model.lm_head = VocabParallelLMHead.from_dense(model.lm_head, group=group)
+
+
+def _gpt2_plan(model: Any, group: Any) -> None:
+    config = model.config
+    tp, rank = tensor_parallel_size(group), tensor_parallel_rank(group)
+    heads, hidden = config.n_head, config.n_embd
+    head_dim = divide(hidden, heads, what="n_embd vs n_head")
+    divide(heads, tp, what="parallel.tp vs num_attention_heads")
+    # c_attn's output is [q | k | v], each `heads` heads wide: this rank takes its heads of each.
+    qkv_rows = shard_index([heads] * 3, rank=rank, tp=tp, unit=head_dim, what="n_head")
+    for block in model.transformer.h:
+        attn, mlp = block.attn, block.mlp
+        attn.c_attn = ColumnParallelLinear.from_dense_weight(  # Conv1D weights are [in, out]
+            attn.c_attn.weight.t(), attn.c_attn.bias, group=group, out_index=qkv_rows)
+        attn.c_proj = RowParallelLinear.from_dense_weight(attn.c_proj.weight.t(), attn.c_proj.bias, group=group)
+        attn.split_size = hidden // tp  # GPT2Attention splits the fused output into q, k, v by this
+        attn.embed_dim, attn.num_heads = hidden // tp, heads // tp
+        mlp.c_fc = ColumnParallelLinear.from_dense_weight(mlp.c_fc.weight.t(), mlp.c_fc.bias, group=group)
+        mlp.c_proj = RowParallelLinear.from_dense_weight(mlp.c_proj.weight.t(), mlp.c_proj.bias, group=group)
+    embedding = VocabParallelEmbedding.from_dense(model.transformer.wte, group=group)
+    model.transformer.wte = embedding
+    model.lm_head = VocabParallelLMHead.tied_to(embedding)
+
+
+class TensorParallelOutput(dict):
+    """`.loss` and `.logits` (this rank's vocab slice), like a transformers model output."""
+
+    __getattr__ = dict.__getitem__
+
+
+class TensorParallelCausalLM(nn.Module):
+    """A causal LM whose layers are tensor-parallel shards; forward(input_ids, labels) -> loss."""
+
+    def __init__(self, model: Any, *, group: Any):
+        super().__init__()
+        self.model, self.group = model, group
+        self.config = model.config
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, **kwargs: Any):
+        hidden = self.model.base_model(input_ids=input_ids, use_cache=False, **kwargs).last_hidden_state
+        logits = self.model.lm_head(hidden)
+        loss = None
+        if labels is not None:  # transformers' causal LM loss: next-token, mean over counted tokens
+            shift_labels = labels[..., 1:].contiguous()
+            per_token = vocab_parallel_cross_entropy(logits[..., :-1, :].contiguous(), shift_labels,
+                                                     group=self.group, vocab_size=self.config.vocab_size)
+            loss = per_token.sum() / (shift_labels != -100).sum().clamp(min=1)
+        return TensorParallelOutput(loss=loss, logits=logits)
+
+
+def apply_tensor_parallel(model: Any, *, group: Any) -> TensorParallelCausalLM:
+    """Shard `model` (a dense transformers causal LM, identical on every rank) across `group`."""
+    model_type = model.config.model_type
+    if model_type in LLAMA_FAMILY:
+        _llama_plan(model, group)
+    elif model_type == "gpt2":
+        _gpt2_plan(model, group)
+    else:
+        raise UserError("parallel.tp", tensor_parallel_size(group), f"has no plan for {model_type!r}",
+                        f"use tp=1 (ZeRO) or a supported architecture: {', '.join(SUPPORTED)}")
+    return TensorParallelCausalLM(model, group=group)

@@ -1,0 +1,25 @@
+"""Tensor-parallel layouts are exact: per-step losses of tp2 (world 2) and tp2 x dp2 (world 4,
+ZeRO-1 over the data-parallel group) equal the single-process reference, for a grouped-query
+Llama and a tied-embedding GPT-2."""
+from __future__ import annotations
+
+import pytest
+
+from dsframework.config import build_run_config
+from tests.distributed.launcher import assert_close, run_overrides, train_run
+from tests.distributed.reference import reference_losses
+
+LAYOUTS = {
+    "tp2": (["parallel.tp=2", "parallel.zero_stage=0"], 2),
+    "tp2_dp2_zero1": (["parallel.tp=2", "parallel.zero_stage=1"], 4),
+}
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-gpt2"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_tensor_parallel_layout_matches_reference(tmp_path, model, layout):
+    overrides, world = LAYOUTS[layout]
+    overrides = [f"model.name={model}", *overrides]
+    got = train_run(tmp_path / layout, overrides, num_ranks=world)
+    want = reference_losses(build_run_config({}, run_overrides(tmp_path / layout, overrides)))
+    assert_close(got, want, rtol=1e-4, what=f"{model} {layout} vs single process")

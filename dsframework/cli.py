@@ -120,9 +120,10 @@ def _flag_for(field: str) -> str:
 def train_cmd(run_yaml: Path, overrides: tuple[str, ...], resume: bool, overwrite: bool) -> None:
     """Train RUN_YAML; run under `deepspeed --num_gpus N $(which dsf) train ...` for N ranks."""
     from dsframework.config import load_run_config
+
+    run = load_run_config(run_yaml, overrides)  # config errors before torch is even imported
     from dsframework.engine import train
 
-    run = load_run_config(run_yaml, overrides)
     train(run, resume=resume, overwrite=overwrite)
 
 

@@ -29,7 +29,8 @@ from dsframework.data import BlockSampler, eval_shard, load_texts, load_tokenize
 from dsframework.dsconfig import Batch, build_ds_config, resolve_batch
 from dsframework.errors import UserError
 from dsframework.jit import pin_build_tools
-from dsframework.parallel.topology import ParallelDims, build_grid, check_layout
+from dsframework.parallel.pipeline import build_pipeline_module, stage_table
+from dsframework.parallel.topology import ParallelDims, build_grid, build_topology, check_layout
 from dsframework.models import build_model, count_parameters, resolve_model
 from dsframework.models.tensor_parallel import apply_tensor_parallel
 
@@ -136,20 +137,41 @@ def _check_same_model(run: RunConfig, config: Any) -> None:
                         f"{before.get(key)!r}", "resume with the model settings the run started with")
 
 
-def _evaluate(engine: Any, eval_blocks: Any, *, micro_batch: int, dp_size: int, dp_rank: int) -> float:
-    """Mean loss over the held-out blocks, every rank running the same number of forwards."""
+def _train_step(engine: Any, micro_batches: list, *, pipeline: bool) -> Any:
+    """One optimizer step over this rank's micro-batches; their mean loss (a float64 tensor)."""
     import torch
 
+    if pipeline:  # DeepSpeed's pipeline engine runs the 1F1B schedule over all micro-batches
+        data = iter([(ids, ids) for ids in micro_batches])
+        return engine.train_batch(data_iter=data).detach().double()
+    total = torch.zeros((), dtype=torch.float64)
+    for input_ids in micro_batches:
+        input_ids = input_ids.to(engine.device)
+        loss = engine(input_ids=input_ids, labels=input_ids).loss
+        engine.backward(loss)
+        engine.step()  # DeepSpeed steps the optimizer at the accumulation boundary only
+        total += loss.detach().double()
+    return total / len(micro_batches)
+
+
+def _evaluate(engine: Any, eval_blocks: Any, *, micro_batch: int, dp_size: int, dp_rank: int,
+              pipeline: bool) -> float:
+    """Mean loss over the held-out blocks, every rank running the same number of forwards
+    (all micro-batches hold the same number of blocks)."""
+    import torch
+
+    batches = [eval_blocks[indices] for indices in
+               eval_shard(len(eval_blocks), micro_batch=micro_batch, dp_size=dp_size, dp_rank=dp_rank)]
     engine.eval()
-    total, count = 0.0, 0
     with torch.no_grad():
-        for indices in eval_shard(len(eval_blocks), micro_batch=micro_batch, dp_size=dp_size,
-                                  dp_rank=dp_rank):
-            input_ids = eval_blocks[indices].to(engine.device)
-            total += engine(input_ids=input_ids, labels=input_ids).loss.item() * len(indices)
-            count += len(indices)
+        if pipeline:
+            mean = engine.eval_batch(iter([(ids, ids) for ids in batches]),
+                                     num_micro_batches=len(batches)).item()
+        else:
+            mean = sum(engine(input_ids=ids.to(engine.device), labels=ids.to(engine.device)).loss.item()
+                       for ids in batches) / max(len(batches), 1)
     engine.train()
-    return mean_over_ranks(total / max(count, 1))
+    return mean_over_ranks(mean)
 
 
 class MetricsLog:
@@ -203,16 +225,16 @@ def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False) ->
                  num_kv_heads=getattr(source.config, "num_key_value_heads", None) or source.config.num_attention_heads,
                  num_layers=source.config.num_hidden_layers, dp=run.parallel.dp,
                  ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-    if dims.pp_enabled:
-        raise UserError("parallel.pp", dims.pp, "pipeline parallel training is not in dsf train yet "
-                        "(dsf config writes its JSON)", "train with pp=1")
+    if dims.pp_enabled and dims.tp_enabled:
+        raise UserError("parallel.tp/pp", f"{dims.tp}/{dims.pp}", "tensor x pipeline composition is not "
+                        "in dsf train yet (dsf config writes its JSON)", "use tp=1 or pp=1")
     if dims.tp_enabled and run.parallel.zero_stage == 3:
         raise UserError("parallel.zero_stage", 3, "with tensor parallelism is not supported yet",
                         "use zero_stage 0, 1 or 2 with parallel.tp > 1")
     # The grid hands DeepSpeed its data-parallel group (ZeRO shards and gradients are reduced
     # across it only) and our layers their tensor-parallel group.
     grid = build_grid(dims) if dims.tp_enabled else None
-    dp_rank = grid.get_data_parallel_rank() if grid else rank
+    dp_rank = build_topology(dims).get_coord(rank).data
     ds_config = build_ds_config(run.train, run.parallel, dp_size=dims.dp)
     batch = resolve_batch(run.train.micro_batch, run.train.grad_accum, run.train.global_batch, dp_size=dims.dp)
 
@@ -237,7 +259,14 @@ def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False) ->
     zero3 = ds_config if run.parallel.zero_stage == 3 else None
     model = build_model(source, config, seed=run.train.seed, zero3_ds_config=zero3)
     num_parameters = count_parameters(model)
-    if run.parallel.activation_checkpointing == "full":
+    checkpointing = run.parallel.activation_checkpointing == "full"
+    if dims.pp_enabled:  # each rank keeps its stage's layers of the dense model
+        model = build_pipeline_module(model, num_stages=dims.pp, partition_method=run.parallel.partition_method,
+                                      activation_checkpoint_interval=int(checkpointing),
+                                      topology=build_topology(dims))
+        if rank == 0:
+            print("dsf: pipeline stages\n" + stage_table(model), flush=True)
+    elif checkpointing:
         # Non-reentrant checkpointing: works with ZeRO-3's parameter hooks and frozen inputs.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if dims.tp_enabled:
@@ -275,7 +304,7 @@ def train(run: RunConfig, *, resume: bool = False, overwrite: bool = False) -> d
 
     def evaluate() -> float:
         return _evaluate(engine, eval_blocks, micro_batch=batch.micro_batch, dp_size=dims.dp,
-                         dp_rank=session.dp_rank)
+                         dp_rank=session.dp_rank, pipeline=dims.pp_enabled)
 
     last: dict[str, Any] = {}
     if not resume and run.logging.eval_every:
@@ -286,18 +315,13 @@ def train(run: RunConfig, *, resume: bool = False, overwrite: bool = False) -> d
     window_start, window_steps = time.perf_counter(), 0
     stop = min(run.train.steps, run.train.stop_after or run.train.steps)
     while step < stop:
-        step_loss = torch.zeros((), dtype=torch.float64)
-        for indices in sampler.micro_batches(consumed):
-            input_ids = train_blocks[indices].to(engine.device)
-            loss = engine(input_ids=input_ids, labels=input_ids).loss
-            engine.backward(loss)
-            engine.step()  # DeepSpeed steps the optimizer at the accumulation boundary only
-            step_loss += loss.detach().double()
+        step_loss = _train_step(engine, [train_blocks[i] for i in sampler.micro_batches(consumed)],
+                                pipeline=dims.pp_enabled)
         step, consumed, window_steps = step + 1, consumed + batch.global_batch, window_steps + 1
         bar.update(1)
         done = step == stop
         if step % run.logging.every == 0 or done:
-            loss_value = mean_over_ranks(step_loss.item() / batch.grad_accum)
+            loss_value = mean_over_ranks(step_loss.item())
             elapsed = time.perf_counter() - window_start
             last = {"step": step, "loss": loss_value, "lr": engine.get_lr()[0],
                     "tokens_per_s": tokens_per_step * window_steps / elapsed}

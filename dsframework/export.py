@@ -25,6 +25,16 @@ def _has_model_states(tag_dir: Path) -> bool:
     return any(tag_dir.glob(f"*{MODEL_STATES}"))
 
 
+def _trained_with_tensor_parallelism(ckpt_dir: Path) -> bool:
+    import yaml
+
+    run_yaml = ckpt_dir / ckpt.RUN_YAML
+    if not run_yaml.is_file():
+        return False
+    run = yaml.safe_load(run_yaml.read_text()) or {}
+    return int((run.get("parallel") or {}).get("tp", 1)) > 1
+
+
 def locate(path: str | Path, tag: str | None = None) -> tuple[Path, str]:
     """(checkpoints dir, tag) for a checkpoints dir (latest tag) or one tag's directory."""
     path = Path(path)
@@ -39,7 +49,7 @@ def locate(path: str | Path, tag: str | None = None) -> tuple[Path, str]:
     if not _has_model_states(path / tag):
         raise UserError("CKPT_DIR", str(path / tag), f"has no {MODEL_STATES}",
                         "the checkpoint is incomplete; export an earlier tag with --tag")
-    if any((path / tag).glob("*mp_rank_01_model_states.pt")):
+    if _trained_with_tensor_parallelism(path):
         raise UserError("CKPT_DIR", str(path / tag), "holds tensor-parallel shards (mp_rank_01, ...)",
                         "merging tensor-parallel shards is not in dsf export yet; export a tp=1 run")
     if not (path / ckpt.HF_CONFIG_DIR / "config.json").is_file():
@@ -48,10 +58,17 @@ def locate(path: str | Path, tag: str | None = None) -> tuple[Path, str]:
     return path, tag
 
 
-def consolidated_state_dict(ckpt_dir: Path, tag: str) -> dict[str, Any]:
-    """The full fp32 state dict of a checkpoint, whatever its ZeRO stage."""
+def consolidated_state_dict(ckpt_dir: Path, tag: str, config: Any) -> dict[str, Any]:
+    """The full state dict of a checkpoint under transformers names, whatever its ZeRO stage or
+    pipeline split (fp32 runs: the pipeline's per-layer files hold the weights as trained)."""
     import torch
 
+    if any((ckpt_dir / tag).glob("layer_*-model_states.pt")):  # DeepSpeed's pipeline engine
+        from dsframework.parallel.pipeline import (pipeline_layer_specs, pipeline_state_dict_to_hf,
+                                                   read_layer_states)
+
+        state = pipeline_state_dict_to_hf(read_layer_states(ckpt_dir / tag), pipeline_layer_specs(config))
+        return {name: tensor.float() for name, tensor in state.items()}
     if any((ckpt_dir / tag).glob("*zero_pp_rank_*optim_states.pt")):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -80,7 +97,7 @@ def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path, *, tag: str | 
     config = AutoConfig.from_pretrained(str(ckpt_dir / ckpt.HF_CONFIG_DIR), local_files_only=True)
     with torch.device("meta"):
         model = causal_lm_class(config)(config)
-    state = consolidated_state_dict(ckpt_dir, tag)
+    state = consolidated_state_dict(ckpt_dir, tag, config)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()  # tied heads share the embedding, which the checkpoint holds once
     still_meta = [name for name, p in model.named_parameters() if p.device.type == "meta"]

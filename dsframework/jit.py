@@ -1,7 +1,9 @@
 """DeepSpeed JIT-builds some ops (shm comm on CPU, fused/CPU Adam) with the `ninja` on PATH and
-caches them in ~/.cache/torch_extensions. A different ninja from one run to the next (the venv's
-when it is activated, the system's when not) rebuilds them, about a minute each time. dsf pins the
-one installed beside its interpreter before anything is built.
+caches them in ~/.cache/torch_extensions. Two things made that cache rebuild (about a minute per
+op) or, worse, wait forever: a different ninja from one run to the next (the venv's when it is
+activated, the system's when not), and two environments (say a checkout and a fresh CI clone)
+building the same op into the same folder, each invalidating and locking the other's build.
+dsf pins the ninja beside its interpreter and gives each environment its own build folder.
 
     from dsframework.jit import pin_build_tools
     pin_build_tools()      # before deepspeed.init_distributed / deepspeed.initialize
@@ -14,7 +16,9 @@ from pathlib import Path
 
 
 def pin_build_tools() -> None:
-    """Put the interpreter's bin directory (with pip's ninja) first on PATH, once."""
+    """The interpreter's bin directory (pip's ninja) first on PATH, and TORCH_EXTENSIONS_DIR
+    inside this environment (sys.prefix) unless the user chose one."""
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
     bin_dir = str(Path(sys.executable).parent)
     path = os.environ.get("PATH", "").split(os.pathsep)
     if (Path(bin_dir) / "ninja").exists() and path[:1] != [bin_dir]:

@@ -39,13 +39,16 @@ def test_zero3_export_round_trip(tmp_path):
     assert json.loads((hf_dir / "config.json").read_text())["vocab_size"] == len(tokenizer)
 
 
-@pytest.mark.parametrize("stage", [0, 1])
-def test_export_holds_the_trained_weights(tmp_path, stage):
-    """Stage 0 (whole module in the checkpoint) and stage 1 (fp32 partitions): the exported model
-    equals the single-process reference after the same 3 steps."""
+@pytest.mark.parametrize("layout", ["zero0", "zero1", "pp2_zero1"])
+def test_export_holds_the_trained_weights(tmp_path, layout):
+    """Stage 0 (whole module in the checkpoint), stage 1 (fp32 partitions) and two pipeline
+    stages (per-layer files): the exported model equals the single-process reference after the
+    same 3 steps."""
     from transformers import AutoModelForCausalLM
 
-    overrides = [f"parallel.zero_stage={stage}", "train.steps=3", "checkpoint.save_final=true"]
+    parallel = {"zero0": ["parallel.zero_stage=0"], "zero1": ["parallel.zero_stage=1"],
+                "pp2_zero1": ["parallel.zero_stage=1", "parallel.pp=2", "train.micro_batch=2"]}[layout]
+    overrides = [*parallel, "train.steps=3", "checkpoint.save_final=true"]
     train_run(tmp_path / "run", overrides)
     dsf("export", str(tmp_path / "run" / "checkpoints"), str(tmp_path / "hf"))
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True).eval()

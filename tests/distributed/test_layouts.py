@@ -1,6 +1,6 @@
-"""Tensor-parallel layouts are exact: per-step losses of tp2 (world 2) and tp2 x dp2 (world 4,
-ZeRO-1 over the data-parallel group) equal the single-process reference, for a grouped-query
-Llama and a tied-embedding GPT-2."""
+"""Parallel layouts are exact: per-step losses of tp2 and pp2 (world 2), tp2 x dp2 and pp2 x dp2
+(world 4, ZeRO-1 over the data-parallel group) equal the single-process reference, for a
+grouped-query Llama and a tied-embedding GPT-2."""
 from __future__ import annotations
 
 import pytest
@@ -12,6 +12,9 @@ from tests.distributed.reference import reference_losses
 LAYOUTS = {
     "tp2": (["parallel.tp=2", "parallel.zero_stage=0"], 2),
     "tp2_dp2_zero1": (["parallel.tp=2", "parallel.zero_stage=1"], 4),
+    # pipeline: several micro-batches per step, so the 1F1B schedule has something to overlap
+    "pp2": (["parallel.pp=2", "parallel.zero_stage=0", "train.micro_batch=2"], 2),
+    "pp2_dp2_zero1": (["parallel.pp=2", "parallel.zero_stage=1", "train.micro_batch=1"], 4),
 }
 
 

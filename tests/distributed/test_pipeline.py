@@ -34,13 +34,7 @@ RTOL = 5e-6  # observed: ~1e-7
 PARTS = {"parameters": [0, 2, 5], "uniform": [0, 3, 5]}  # 5 layers: embed, 2 decoder layers, norm, head
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The reference runs here: one thread, like each rank (and immune to a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

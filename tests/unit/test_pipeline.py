@@ -22,13 +22,7 @@ from dsframework.parallel.pipeline import (build_pipeline_module, causal_lm_loss
 VOCAB, SEED = 64, 5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls: one thread is fastest, and immune to a busy machine's thread contention."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _preset(name: str, **overrides):

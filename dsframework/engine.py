@@ -233,8 +233,9 @@ def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False) ->
                         "use zero_stage 0, 1 or 2 with parallel.tp > 1")
     # The grid hands DeepSpeed its data-parallel group (ZeRO shards and gradients are reduced
     # across it only) and our layers their tensor-parallel group.
+    topology = build_topology(dims)
     grid = build_grid(dims) if dims.tp_enabled else None
-    dp_rank = build_topology(dims).get_coord(rank).data
+    dp_rank = topology.get_coord(rank).data
     ds_config = build_ds_config(run.train, run.parallel, dp_size=dims.dp)
     batch = resolve_batch(run.train.micro_batch, run.train.grad_accum, run.train.global_batch, dp_size=dims.dp)
 
@@ -260,10 +261,11 @@ def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False) ->
     model = build_model(source, config, seed=run.train.seed, zero3_ds_config=zero3)
     num_parameters = count_parameters(model)
     checkpointing = run.parallel.activation_checkpointing == "full"
-    if dims.pp_enabled:  # each rank keeps its stage's layers of the dense model
+    if dims.pp_enabled:
+        # Each stage takes its layers from the dense model every rank built (same init as one
+        # process; building only a stage's layers is what large models will need).
         model = build_pipeline_module(model, num_stages=dims.pp, partition_method=run.parallel.partition_method,
-                                      activation_checkpoint_interval=int(checkpointing),
-                                      topology=build_topology(dims))
+                                      activation_checkpoint_interval=int(checkpointing), topology=topology)
         if rank == 0:
             print("dsf: pipeline stages\n" + stage_table(model), flush=True)
     elif checkpointing:

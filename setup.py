@@ -17,6 +17,7 @@ setup(
         "torch>=2.1",
         "deepspeed>=0.16",
         "transformers>=4.46",
+        "accelerate>=0.26",  # transformers' DeepSpeed integration (HfDeepSpeedConfig) needs it
         "datasets>=3.0",
         "tokenizers>=0.20",
         "safetensors",

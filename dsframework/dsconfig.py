@@ -165,7 +165,7 @@ def _ensure_comm() -> None:
     """DeepSpeedConfig reads the rank from deepspeed.comm; give it a one-process group if none."""
     import deepspeed.comm as dist
 
-    from dsframework.jit import pin_build_tools
+    from dsframework.jit import pin_build_tools, release_shm_buffers
 
     if dist.is_initialized():
         return
@@ -174,6 +174,7 @@ def _ensure_comm() -> None:
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
     dist.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False,
                           rank=0, world_size=1)
+    release_shm_buffers()
 
 
 @contextlib.contextmanager

@@ -28,7 +28,7 @@ from dsframework.config import RunConfig, dump_run_config
 from dsframework.data import BlockSampler, eval_shard, load_texts, load_tokenizer, pack_splits, train_tokenizer
 from dsframework.dsconfig import Batch, build_ds_config, resolve_batch
 from dsframework.errors import UserError
-from dsframework.jit import pin_build_tools
+from dsframework.jit import pin_build_tools, release_shm_buffers
 from dsframework.parallel.pipeline import build_pipeline_module, stage_table
 from dsframework.parallel.topology import ParallelDims, build_grid, build_topology, check_layout
 from dsframework.models import build_model, count_parameters, resolve_model
@@ -55,6 +55,7 @@ def init_distributed() -> tuple[int, int]:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
     deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name(), verbose=False)
+    release_shm_buffers()
     if accelerator.device_name() != "cpu":
         accelerator.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     return torch.distributed.get_rank(), torch.distributed.get_world_size()

@@ -23,3 +23,22 @@ def pin_build_tools() -> None:
     path = os.environ.get("PATH", "").split(os.pathsep)
     if (Path(bin_dir) / "ninja").exists() and path[:1] != [bin_dir]:
         os.environ["PATH"] = os.pathsep.join([bin_dir, *[p for p in path if p != bin_dir]])
+
+
+def release_shm_buffers() -> None:
+    """Unlink this rank's DeepSpeed shm all-reduce buffer now that every rank has mapped it.
+
+    DeepSpeed's CPU comm op creates a 69 MB /dev/shm file per rank and job
+    (deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>) and never removes it: a machine that
+    runs many jobs fills /dev/shm and then its memory. All ranks open all buffers while
+    init_distributed runs, so after a barrier the names can go; the memory stays mapped until the
+    processes exit, and is freed then even if they crash.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    dist.barrier()
+    name = (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+            f"{os.environ.get('MASTER_PORT', '')}_{dist.get_rank()}")
+    (Path("/dev/shm") / name).unlink(missing_ok=True)

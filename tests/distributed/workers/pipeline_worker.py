@@ -117,12 +117,13 @@ def main(argv: list[str]) -> None:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    from dsframework.jit import pin_build_tools
+    from dsframework.jit import pin_build_tools, release_shm_buffers
 
     args = [a for a in argv if not a.startswith("--local_rank")]
     pin_build_tools()  # the same ninja as every other run, or DeepSpeed rebuilds its CPU ops
     out_dir, cases = Path(args[0]), [Case.parse(a) for a in args[1:]]
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), verbose=False)
+    release_shm_buffers()  # DeepSpeed never removes its /dev/shm buffers
     for case in cases:
         run_case(case, out_dir)
 

@@ -391,6 +391,8 @@ def build_pipeline_module(model: Any, *, num_stages: int, partition_method: str 
 
     if num_stages < 1:
         raise UserError("parallel.pp", num_stages, "must be >= 1", "use a positive number of stages")
+    specs = pipeline_layer_specs(model)  # the model's own limits first, then the world's
+    _check_parts(partition_layers(specs, num_stages, partition_method), specs, partition_method)
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else None
     if topology is None and world is not None and world % num_stages:
         raise UserError("parallel.pp", num_stages, f"does not divide the world size {world}",
@@ -401,8 +403,6 @@ def build_pipeline_module(model: Any, *, num_stages: int, partition_method: str 
     if activation_checkpoint_interval < 0:
         raise UserError("activation_checkpoint_interval", activation_checkpoint_interval, "must be >= 0",
                         "use 0 (off) or k >= 1 (recompute every k layers)")
-    specs = pipeline_layer_specs(model)
-    _check_parts(partition_layers(specs, num_stages, partition_method), specs, partition_method)
     decoder_types = sorted({spec.typename.__name__ for spec in specs if is_decoder_layer(spec)})
     pipe = PipelineModule(layers=specs, num_stages=None if topology is not None else num_stages,
                           topology=topology, loss_fn=causal_lm_loss, partition_method=partition_method,

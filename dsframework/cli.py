@@ -122,9 +122,10 @@ def train_cmd(run_yaml: Path, overrides: tuple[str, ...], resume: bool, overwrit
     from dsframework.config import load_run_config
 
     run = load_run_config(run_yaml, overrides)  # config errors before torch is even imported
-    from dsframework.engine import train
+    from dsframework.engine import shutdown_distributed, train
 
     train(run, resume=resume, overwrite=overwrite)
+    shutdown_distributed()
 
 
 # --- dsf export ---------------------------------------------------------------------------------

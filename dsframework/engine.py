@@ -61,6 +61,20 @@ def init_distributed() -> tuple[int, int]:
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
 
 
+def shutdown_distributed() -> None:
+    """Tear the process group down in step on every rank before the interpreter exits.
+
+    Left to interpreter shutdown, gloo's worker threads can be destroyed while another rank is
+    still talking to them, and a rank that trained fine dies with `terminate called without an
+    active exception` (SIGABRT), failing the whole launch (seen in CI at pp2 x dp2).
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 @contextlib.contextmanager
 def rank_zero_first() -> Iterator[None]:
     """Rank 0 runs the body first (writes caches, trains the tokenizer), then the others."""

@@ -32,7 +32,7 @@ from dsframework.jit import pin_build_tools, release_shm_buffers
 from dsframework.parallel.pipeline import build_pipeline_module, stage_table
 from dsframework.parallel.topology import ParallelDims, build_grid, build_topology, check_layout
 from dsframework.models import build_model, count_parameters, resolve_model
-from dsframework.models.tensor_parallel import apply_tensor_parallel
+from dsframework.models.tensor_parallel import TensorParallelCausalLM, shard_model
 
 
 # --- the world ----------------------------------------------------------------------------------
@@ -240,12 +240,6 @@ def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False) ->
                  num_kv_heads=getattr(source.config, "num_key_value_heads", None) or source.config.num_attention_heads,
                  num_layers=source.config.num_hidden_layers, dp=run.parallel.dp,
                  ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-    if dims.pp_enabled and dims.tp_enabled:
-        raise UserError("parallel.tp/pp", f"{dims.tp}/{dims.pp}", "tensor x pipeline composition is not "
-                        "in dsf train yet (dsf config writes its JSON)", "use tp=1 or pp=1")
-    if dims.tp_enabled and run.parallel.zero_stage == 3:
-        raise UserError("parallel.zero_stage", 3, "with tensor parallelism is not supported yet",
-                        "use zero_stage 0, 1 or 2 with parallel.tp > 1")
     # The grid hands DeepSpeed its data-parallel group (ZeRO shards and gradients are reduced
     # across it only) and our layers their tensor-parallel group.
     topology = build_topology(dims)
@@ -272,25 +266,32 @@ def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False) ->
             run.checkpoint_dir.mkdir(parents=True, exist_ok=True)
             tokenizer.save_pretrained(str(run.checkpoint_dir / ckpt.TOKENIZER_DIR))
             ckpt.save_run_files(run.checkpoint_dir, config=config, run_yaml=dump_run_config(run))
-    zero3 = ds_config if run.parallel.zero_stage == 3 else None
+    # Under ZeRO-3 the model is built partitioned (no rank holds it whole), except with tensor
+    # parallelism: the shards are sliced from the dense layers first and DeepSpeed partitions
+    # them over the data-parallel group at initialize.
+    zero3 = ds_config if run.parallel.zero_stage == 3 and not dims.tp_enabled else None
     model = build_model(source, config, seed=run.train.seed, zero3_ds_config=zero3)
     num_parameters = count_parameters(model)
     checkpointing = run.parallel.activation_checkpointing == "full"
+    if dims.tp_enabled:  # every rank keeps its shard of each layer (sliced from the dense weights)
+        model = shard_model(model, group=grid.get_slice_parallel_group())
     if dims.pp_enabled:
-        # Each stage takes its layers from the dense model every rank built (same init as one
-        # process; building only a stage's layers is what large models will need).
+        # Each stage takes its layers from the model every rank built (same init as one process;
+        # building only a stage's layers is what large models will need).
         model = build_pipeline_module(model, num_stages=dims.pp, partition_method=run.parallel.partition_method,
                                       activation_checkpoint_interval=int(checkpointing), topology=topology)
         if rank == 0:
-            print("dsf: pipeline stages\n" + stage_table(model), flush=True)
-    elif checkpointing:
-        # Non-reentrant checkpointing: works with ZeRO-3's parameter hooks and frozen inputs.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if dims.tp_enabled:
-        model = apply_tensor_parallel(model, group=grid.get_slice_parallel_group())
+            print("dsf: pipeline stages" + (f" (parameters per tensor rank of {dims.tp})" if dims.tp_enabled
+                                            else "") + "\n" + stage_table(model), flush=True)
+    else:
+        if checkpointing:  # non-reentrant: works with ZeRO-3's parameter hooks and frozen inputs
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if dims.tp_enabled:
+            model = TensorParallelCausalLM(model, group=grid.get_slice_parallel_group())
+    # A PipelineModule brings its own grid (DeepSpeed refuses an mpu beside it).
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config,
-        mpu=grid)
+        mpu=None if dims.pp_enabled else grid)
     session = Session(run, rank, dims, dp_rank, batch, engine, tokenizer, train_blocks, eval_blocks,
                       num_parameters)
     if resume:

@@ -11,3 +11,7 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: the one world-8 run (about a minute here); deselect with -m 'not slow'")

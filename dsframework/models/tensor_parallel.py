@@ -74,6 +74,16 @@ def _gpt2_plan(model: Any, group: Any) -> None:
     model.lm_head = VocabParallelLMHead.tied_to(embedding)
 
 
+def vocab_parallel_causal_lm_loss(logits_shard: torch.Tensor, labels: torch.Tensor, *, group: Any,
+                                  vocab_size: int) -> torch.Tensor:
+    """transformers' causal LM loss (token t predicts label t+1, mean over labels != -100) from
+    this rank's vocab slice of the logits; the full logits are never gathered."""
+    shift_labels = labels[..., 1:].contiguous()
+    per_token = vocab_parallel_cross_entropy(logits_shard[..., :-1, :].contiguous(), shift_labels,
+                                             group=group, vocab_size=vocab_size)
+    return per_token.sum() / (shift_labels != -100).sum().clamp(min=1)
+
+
 class TensorParallelOutput(dict):
     """`.loss` and `.logits` (this rank's vocab slice), like a transformers model output."""
 
@@ -92,16 +102,18 @@ class TensorParallelCausalLM(nn.Module):
         hidden = self.model.base_model(input_ids=input_ids, use_cache=False, **kwargs).last_hidden_state
         logits = self.model.lm_head(hidden)
         loss = None
-        if labels is not None:  # transformers' causal LM loss: next-token, mean over counted tokens
-            shift_labels = labels[..., 1:].contiguous()
-            per_token = vocab_parallel_cross_entropy(logits[..., :-1, :].contiguous(), shift_labels,
-                                                     group=self.group, vocab_size=self.config.vocab_size)
-            loss = per_token.sum() / (shift_labels != -100).sum().clamp(min=1)
+        if labels is not None:
+            loss = vocab_parallel_causal_lm_loss(logits, labels, group=self.group,
+                                                 vocab_size=self.config.vocab_size)
         return TensorParallelOutput(loss=loss, logits=logits)
 
 
-def apply_tensor_parallel(model: Any, *, group: Any) -> TensorParallelCausalLM:
-    """Shard `model` (a dense transformers causal LM, identical on every rank) across `group`."""
+def shard_model(model: Any, *, group: Any) -> Any:
+    """Swap `model`'s dense layers for this rank's shards, in place (the plan above); returns it.
+
+    The result keeps transformers' module tree and names, so the pipeline can cut it into
+    stages (tp x pp); `apply_tensor_parallel` wraps it for the loss instead (tp x dp).
+    """
     model_type = model.config.model_type
     if model_type in LLAMA_FAMILY:
         _llama_plan(model, group)
@@ -110,4 +122,9 @@ def apply_tensor_parallel(model: Any, *, group: Any) -> TensorParallelCausalLM:
     else:
         raise UserError("parallel.tp", tensor_parallel_size(group), f"has no plan for {model_type!r}",
                         f"use tp=1 (ZeRO) or a supported architecture: {', '.join(SUPPORTED)}")
-    return TensorParallelCausalLM(model, group=group)
+    return model
+
+
+def apply_tensor_parallel(model: Any, *, group: Any) -> TensorParallelCausalLM:
+    """Shard `model` (a dense transformers causal LM, identical on every rank) across `group`."""
+    return TensorParallelCausalLM(shard_model(model, group=group), group=group)

@@ -242,8 +242,28 @@ class LMHeadPipe(nn.Module):
 
 
 def tied_lm_head(embedding: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    """The tied head's forward_fn: logits = hidden @ token_embedding.weight^T (as nn.Linear)."""
+    """The tied head's forward_fn: logits = hidden @ token_embedding.weight^T (as nn.Linear);
+    with a vocab-parallel embedding, this rank's vocab slice of them (VocabParallelLMHead)."""
+    from dsframework.parallel.tensor import VocabParallelEmbedding, VocabParallelLMHead
+
+    if isinstance(embedding.token_embedding, VocabParallelEmbedding):
+        return VocabParallelLMHead.tied_to(embedding.token_embedding)(hidden_states)
     return F.linear(hidden_states, embedding.token_embedding.weight)
+
+
+def pipeline_loss_fn(model: Any) -> Any:
+    """The last stage's loss: `causal_lm_loss`, or its vocab-parallel twin for a model whose
+    layers were sharded by `models.tensor_parallel.shard_model` (tp x pp)."""
+    import functools
+
+    from dsframework.models.tensor_parallel import vocab_parallel_causal_lm_loss
+    from dsframework.parallel.tensor import VocabParallelEmbedding
+
+    embedding = model.get_input_embeddings() if model is not None else None
+    if isinstance(embedding, VocabParallelEmbedding):
+        return functools.partial(vocab_parallel_causal_lm_loss, group=embedding.group,
+                                 vocab_size=embedding.num_embeddings)
+    return causal_lm_loss
 
 
 # --- the layer specs ----------------------------------------------------------------------------
@@ -405,7 +425,8 @@ def build_pipeline_module(model: Any, *, num_stages: int, partition_method: str 
                         "use 0 (off) or k >= 1 (recompute every k layers)")
     decoder_types = sorted({spec.typename.__name__ for spec in specs if is_decoder_layer(spec)})
     pipe = PipelineModule(layers=specs, num_stages=None if topology is not None else num_stages,
-                          topology=topology, loss_fn=causal_lm_loss, partition_method=partition_method,
+                          topology=topology, loss_fn=pipeline_loss_fn(model),
+                          partition_method=partition_method,
                           activation_checkpoint_interval=activation_checkpoint_interval,
                           checkpointable_layers=decoder_types, seed_layers=seed is not None,
                           base_seed=1234 if seed is None else seed)
@@ -423,12 +444,15 @@ def mark_stage_parameters_for_grad_norm(pipe: Any) -> None:
     copy (`ds_pipe_replicated`, counted on the first stage) makes that norm the full-model norm.
     ZeRO-1 and the bf16/fp16 optimizers count by tensor rank, where tensor rank 0 counts all
     parameters anyway, so the mark changes nothing there; tensor-sharded parameters carry their
-    own `tensor_model_parallel` mark.
+    own `tensor_model_parallel` mark, which is taken off the tied copy (tp x pp: the last stage's
+    copy of a vocab-parallel embedding would otherwise be counted twice; ZeRO-1 skips
+    `ds_pipe_replicated` parameters before it looks at that mark).
     """
-    if pipe.mpu().get_slice_parallel_rank() != 0:
-        return
+    tensor_rank = pipe.mpu().get_slice_parallel_rank()
     for param in pipe.parameters():
-        if not getattr(param, "ds_pipe_replicated", False):
+        if getattr(param, "ds_pipe_replicated", False):
+            param.tensor_model_parallel = False
+        elif tensor_rank == 0:
             param.model_parallel = True
 
 

@@ -1,6 +1,7 @@
 """Parallel layouts are exact: per-step losses of tp2 and pp2 (world 2), tp2 x dp2 and pp2 x dp2
-(world 4, ZeRO-1 over the data-parallel group) equal the single-process reference, for a
-grouped-query Llama and a tied-embedding GPT-2."""
+(world 4, ZeRO-1 over the data-parallel group), tp2 x pp2 (world 4) and tp2 x pp2 x dp2 (world 8,
+one slow test) equal the single-process reference, for a grouped-query Llama and a tied-embedding
+GPT-2."""
 from __future__ import annotations
 
 import pytest
@@ -12,9 +13,11 @@ from tests.distributed.reference import reference_losses
 LAYOUTS = {
     "tp2": (["parallel.tp=2", "parallel.zero_stage=0"], 2),
     "tp2_dp2_zero1": (["parallel.tp=2", "parallel.zero_stage=1"], 4),
+    "tp2_dp2_zero3": (["parallel.tp=2", "parallel.zero_stage=3"], 4),
     # pipeline: several micro-batches per step, so the 1F1B schedule has something to overlap
     "pp2": (["parallel.pp=2", "parallel.zero_stage=0", "train.micro_batch=2"], 2),
     "pp2_dp2_zero1": (["parallel.pp=2", "parallel.zero_stage=1", "train.micro_batch=1"], 4),
+    "tp2_pp2": (["parallel.tp=2", "parallel.pp=2", "parallel.zero_stage=0", "train.micro_batch=2"], 4),
 }
 
 
@@ -26,3 +29,13 @@ def test_tensor_parallel_layout_matches_reference(tmp_path, model, layout):
     got = train_run(tmp_path / layout, overrides, num_ranks=world)
     want = reference_losses(build_run_config({}, run_overrides(tmp_path / layout, overrides)))
     assert_close(got, want, rtol=1e-4, what=f"{model} {layout} vs single process")
+
+
+@pytest.mark.slow
+def test_3d_layout_at_world_8_matches_reference(tmp_path):
+    """tp2 x pp2 x dp2 (ZeRO-1 over the data-parallel pairs): 8 ranks, the full 3D grid."""
+    overrides = ["model.name=tiny-llama", "parallel.tp=2", "parallel.pp=2", "parallel.zero_stage=1",
+                 "train.micro_batch=2"]
+    got = train_run(tmp_path / "3d", overrides, num_ranks=8)
+    want = reference_losses(build_run_config({}, run_overrides(tmp_path / "3d", overrides)))
+    assert_close(got, want, rtol=1e-4, what="tiny-llama tp2 x pp2 x dp2 vs single process")

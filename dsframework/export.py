@@ -4,7 +4,9 @@
     model = AutoModelForCausalLM.from_pretrained("runs/tiny/hf")
 
 ZeRO 1-3 shards are merged to fp32 by deepspeed's own `zero_to_fp32`; a stage-0 checkpoint holds
-the whole module already. The directory is written under a temporary name and renamed into place,
+the whole module already; a pipeline checkpoint holds one file per layer. With tensor
+parallelism, each tensor rank's part is read that way on its own (mp_rank_YY files), and the
+ranks' shards are merged into dense tensors (`merge_tensor_parallel_shards`). The directory is written under a temporary name and renamed into place,
 so a failed export never leaves a half-written OUT_DIR, and an existing one is never replaced
 unless asked.
 """
@@ -25,14 +27,15 @@ def _has_model_states(tag_dir: Path) -> bool:
     return any(tag_dir.glob(f"*{MODEL_STATES}"))
 
 
-def _trained_with_tensor_parallelism(ckpt_dir: Path) -> bool:
+def tensor_parallel_size(ckpt_dir: Path) -> int:
+    """The run's parallel.tp, from the run.yaml dsf train saved beside the checkpoints."""
     import yaml
 
     run_yaml = ckpt_dir / ckpt.RUN_YAML
     if not run_yaml.is_file():
-        return False
+        return 1
     run = yaml.safe_load(run_yaml.read_text()) or {}
-    return int((run.get("parallel") or {}).get("tp", 1)) > 1
+    return int((run.get("parallel") or {}).get("tp", 1))
 
 
 def locate(path: str | Path, tag: str | None = None) -> tuple[Path, str]:
@@ -49,32 +52,67 @@ def locate(path: str | Path, tag: str | None = None) -> tuple[Path, str]:
     if not _has_model_states(path / tag):
         raise UserError("CKPT_DIR", str(path / tag), f"has no {MODEL_STATES}",
                         "the checkpoint is incomplete; export an earlier tag with --tag")
-    if _trained_with_tensor_parallelism(path):
-        raise UserError("CKPT_DIR", str(path / tag), "holds tensor-parallel shards (mp_rank_01, ...)",
-                        "merging tensor-parallel shards is not in dsf export yet; export a tp=1 run")
+    tp = tensor_parallel_size(path)
+    missing = [r for r in range(tp) if not any((path / tag).glob(f"*mp_rank_{r:02d}_model_states.pt"))]
+    if missing:
+        raise UserError("CKPT_DIR", str(path / tag), f"lacks the files of tensor rank {missing[0]} "
+                        f"(mp_rank_{missing[0]:02d}_*) of a tp={tp} run",
+                        "the checkpoint is incomplete; export an earlier tag with --tag")
     if not (path / ckpt.HF_CONFIG_DIR / "config.json").is_file():
         raise UserError("CKPT_DIR", str(path), f"has no {ckpt.HF_CONFIG_DIR}/config.json",
                         "export checkpoints written by dsf train")
     return path, tag
 
 
-def consolidated_state_dict(ckpt_dir: Path, tag: str, config: Any) -> dict[str, Any]:
-    """The full state dict of a checkpoint under transformers names, whatever its ZeRO stage or
-    pipeline split (fp32 runs: the pipeline's per-layer files hold the weights as trained)."""
+def _one_tensor_rank(tag_dir: Path, rank: int, scratch: Path) -> Path:
+    """A tag directory holding only tensor rank `rank`'s files (symlinks), which is what
+    zero_to_fp32 expects: one model-parallel rank, its data-parallel partitions."""
+    view = scratch / f"mp{rank}" / tag_dir.name
+    view.mkdir(parents=True)
+    for path in tag_dir.glob(f"*mp_rank_{rank:02d}_*"):
+        (view / path.name).symlink_to(path.resolve())
+    return view
+
+
+def _rank_state_dict(ckpt_dir: Path, tag: str, config: Any, *, tensor_rank: int | None,
+                     scratch: Path) -> dict[str, Any]:
+    """One tensor rank's weights (or the whole model's at tp=1) under transformers names."""
     import torch
 
-    if any((ckpt_dir / tag).glob("layer_*-model_states.pt")):  # DeepSpeed's pipeline engine
+    tag_dir = ckpt_dir / tag
+    is_pipeline = any(tag_dir.glob("layer_*-model_states.pt"))
+    if is_pipeline:  # DeepSpeed's pipeline engine
         from dsframework.parallel.pipeline import (pipeline_layer_specs, pipeline_state_dict_to_hf,
                                                    read_layer_states)
 
-        state = pipeline_state_dict_to_hf(read_layer_states(ckpt_dir / tag), pipeline_layer_specs(config))
-        return {name: tensor.float() for name, tensor in state.items()}
-    if any((ckpt_dir / tag).glob("*zero_pp_rank_*optim_states.pt")):
+        state = pipeline_state_dict_to_hf(read_layer_states(tag_dir, tensor_rank=tensor_rank),
+                                          pipeline_layer_specs(config))
+    elif any(tag_dir.glob("*zero_pp_rank_*optim_states.pt")):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        return get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
-    states = torch.load(ckpt_dir / tag / MODEL_STATES, map_location="cpu", weights_only=False)
-    return {name: tensor.float() for name, tensor in states["module"].items()}
+        if tensor_rank is not None:
+            tag_dir = _one_tensor_rank(tag_dir, tensor_rank, scratch)
+        state = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag)
+    else:
+        rank = 0 if tensor_rank is None else tensor_rank
+        state = torch.load(tag_dir / f"mp_rank_{rank:02d}_model_states.pt", map_location="cpu",
+                           weights_only=False)["module"]
+    if tensor_rank is not None and not is_pipeline:  # TensorParallelCausalLM holds it as .model
+        state = {name.removeprefix("model."): tensor for name, tensor in state.items()}
+    return {name: tensor.float() for name, tensor in state.items()}
+
+
+def consolidated_state_dict(ckpt_dir: Path, tag: str, config: Any, *, tp: int = 1) -> dict[str, Any]:
+    """The full state dict of a checkpoint under transformers names, whatever its ZeRO stage,
+    pipeline split or tensor-parallel size (fp32 runs: the pipeline's per-layer files and the
+    stage-0 module hold the weights as trained)."""
+    if tp == 1:
+        return _rank_state_dict(ckpt_dir, tag, config, tensor_rank=None, scratch=ckpt_dir)
+    from dsframework.models.tensor_parallel import merge_tensor_parallel_shards
+
+    with tempfile.TemporaryDirectory(prefix="dsf-export-") as scratch:
+        shards = [_rank_state_dict(ckpt_dir, tag, config, tensor_rank=r, scratch=Path(scratch)) for r in range(tp)]
+    return merge_tensor_parallel_shards(shards, config)
 
 
 def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path, *, tag: str | None = None,
@@ -97,7 +135,7 @@ def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path, *, tag: str | 
     config = AutoConfig.from_pretrained(str(ckpt_dir / ckpt.HF_CONFIG_DIR), local_files_only=True)
     with torch.device("meta"):
         model = causal_lm_class(config)(config)
-    state = consolidated_state_dict(ckpt_dir, tag, config)
+    state = consolidated_state_dict(ckpt_dir, tag, config, tp=tensor_parallel_size(ckpt_dir))
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()  # tied heads share the embedding, which the checkpoint holds once
     still_meta = [name for name, p in model.named_parameters() if p.device.type == "meta"]

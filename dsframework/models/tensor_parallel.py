@@ -17,13 +17,14 @@ gathers the full logits: the head emits this rank's vocab slice into `vocab_para
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from dsframework.errors import UserError, divide
-from dsframework.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+from dsframework.parallel.tensor import (ColumnParallelLinear, LayoutOnlyGroup, RowParallelLinear,
+                                         VocabParallelEmbedding,
                                          VocabParallelLMHead, shard_index, tensor_parallel_rank,
                                          tensor_parallel_size, vocab_parallel_cross_entropy)
 
@@ -69,6 +70,8 @@ def _gpt2_plan(model: Any, group: Any) -> None:
         attn.embed_dim, attn.num_heads = hidden // tp, heads // tp
         mlp.c_fc = ColumnParallelLinear.from_dense_weight(mlp.c_fc.weight.t(), mlp.c_fc.bias, group=group)
         mlp.c_proj = RowParallelLinear.from_dense_weight(mlp.c_proj.weight.t(), mlp.c_proj.bias, group=group)
+        for layer in (attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj):
+            layer.weight.dense_transposed = True  # transformers stores a Conv1D weight as [in, out]
     embedding = VocabParallelEmbedding.from_dense(model.transformer.wte, group=group)
     model.transformer.wte = embedding
     model.lm_head = VocabParallelLMHead.tied_to(embedding)
@@ -128,3 +131,59 @@ def shard_model(model: Any, *, group: Any) -> Any:
 def apply_tensor_parallel(model: Any, *, group: Any) -> TensorParallelCausalLM:
     """Shard `model` (a dense transformers causal LM, identical on every rank) across `group`."""
     return TensorParallelCausalLM(shard_model(model, group=group), group=group)
+
+
+# --- merging shards back (dsf export) ------------------------------------------------------------
+
+def shard_layouts(config: Any, tp: int) -> list[dict[str, tuple[int, torch.Tensor, bool]]]:
+    """Per tensor rank, {transformers parameter name: (partition dim, dense index, transposed)}
+    of every sharded parameter, found by running the plan on a weightless (meta) model; names
+    missing from a rank's dict are replicated. transposed: the dense tensor is stored [in, out]."""
+    from dsframework.models import causal_lm_class
+
+    layouts = []
+    for rank in range(tp):
+        with torch.device("meta"):
+            model = causal_lm_class(config)(config)
+        shard_model(model, group=LayoutOnlyGroup(size=tp, rank=rank))
+        layouts.append({name: (param.partition_dim, param.dense_index,
+                               getattr(param, "dense_transposed", False))
+                        for name, param in model.named_parameters(remove_duplicate=False)
+                        if getattr(param, "tensor_model_parallel", False)})
+    return layouts
+
+
+def merge_tensor_parallel_shards(shards: Sequence[Mapping[str, torch.Tensor]], config: Any) -> dict[str, torch.Tensor]:
+    """The dense state dict (transformers names and shapes) from the tp ranks' state dicts.
+
+        dense = merge_tensor_parallel_shards([rank0_state, rank1_state], config)
+        model.load_state_dict(dense)
+
+    Each shard's slices go back where `dense_index` says (vocab padding dropped, GPT-2's fused
+    q|k|v rows re-interleaved); replicated tensors are taken from rank 0 and must agree on every
+    rank. GPT-2's Conv1D weights are stored [in, out] by transformers: transposed back here.
+    """
+    layouts = shard_layouts(config, len(shards))
+    merged: dict[str, torch.Tensor] = {}
+    for name, first in shards[0].items():
+        if name not in layouts[0]:
+            for rank, shard in enumerate(shards[1:], start=1):
+                if not torch.equal(shard[name], first):
+                    raise ValueError(f"{name}: the replicated tensor differs between tensor ranks 0 and {rank}")
+            merged[name] = first
+            continue
+        dim, _, transposed = layouts[0][name]
+        size = 1 + max(int(layout[name][1].max()) for layout in layouts)
+        shape = list(first.shape)
+        shape[dim] = size
+        dense = first.new_empty(shape)
+        filled = torch.zeros(size, dtype=torch.bool)
+        for layout, shard in zip(layouts, shards):
+            index = layout[name][1]
+            kept = (index >= 0).nonzero().flatten()
+            dense.index_copy_(dim, index[kept], shard[name].index_select(dim, kept))
+            filled[index[kept]] = True
+        if not filled.all():
+            raise ValueError(f"{name}: the shards cover {int(filled.sum())} of {size} slices")
+        merged[name] = dense.t().contiguous() if transposed else dense
+    return merged

@@ -525,17 +525,26 @@ def stage_state_dict_to_hf(module: Any) -> dict[str, torch.Tensor]:
 _LAYER_FILE = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
 
 
-def read_layer_states(tag_dir: str | Path) -> dict[int, dict[str, torch.Tensor]]:
-    """{layer index: state_dict} from a pipeline checkpoint tag directory (layer_XX-*.pt files)."""
+def read_layer_states(tag_dir: str | Path, *, tensor_rank: int | None = None) -> dict[int, dict[str, torch.Tensor]]:
+    """{layer index: state_dict} from a pipeline checkpoint tag directory (layer_XX-*.pt files).
+
+    With tensor parallelism each layer has one file per tensor rank (layer_XX-model_YY-...):
+    pass `tensor_rank` to read that rank's shards.
+    """
     states: dict[int, dict[str, torch.Tensor]] = {}
     for path in sorted(Path(tag_dir).iterdir()):
         match = _LAYER_FILE.match(path.name)
         if not match:
             continue
-        if match.group(2) not in (None, "00") or int(match.group(1)) in states:
-            raise NotImplementedError(f"{path.name}: tensor-parallel layer shards are not merged here")
+        file_rank = None if match.group(2) is None else int(match.group(2))
+        if file_rank is not None and tensor_rank is None:
+            raise UserError("checkpoint", str(tag_dir), "holds tensor-parallel layer files (layer_XX-model_YY)",
+                            "read them one tensor rank at a time (tensor_rank=)")
+        if file_rank != tensor_rank:
+            continue
         states[int(match.group(1))] = torch.load(path, map_location="cpu", weights_only=True)
     if not states:
-        raise UserError("checkpoint", str(tag_dir), "holds no layer_XX-model_states.pt files",
+        which = "" if tensor_rank is None else f" of tensor rank {tensor_rank}"
+        raise UserError("checkpoint", str(tag_dir), f"holds no layer_XX-model_states.pt files{which}",
                         "point to a tag directory of a pipeline-parallel checkpoint")
     return states

@@ -31,6 +31,7 @@ group, and with torch.distributed not initialized every layer is its dense twin.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -47,6 +48,7 @@ __all__ = [
     "scatter_to_tensor_parallel_region", "gather_from_tensor_parallel_region",
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "VocabParallelLMHead",
     "vocab_parallel_cross_entropy", "shard_index", "tensor_parallel_rank", "tensor_parallel_size",
+    "LayoutOnlyGroup",
 ]
 
 
@@ -54,13 +56,32 @@ __all__ = [
 # Private collectives: each returns early when the group has one rank.
 # ---------------------------------------------------------------------------------------------
 
-def tensor_parallel_size(group: ProcessGroup | None) -> int:
+@dataclass(frozen=True)
+class LayoutOnlyGroup:
+    """Stands in for a tensor-parallel group of `size` ranks, seen from `rank`, with no process
+    group behind it: layers built with it hold rank `rank`'s shards, and their parameters'
+    `dense_index` says where those rows sit in the dense tensor. Any collective on it fails.
+
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config)
+        shard_model(model, group=LayoutOnlyGroup(size=2, rank=1))   # rank 1's layout, no weights
+    """
+
+    size: int
+    rank: int
+
+
+def tensor_parallel_size(group: ProcessGroup | LayoutOnlyGroup | None) -> int:
     """Ranks in `group` (1 when torch.distributed is not initialized)."""
+    if isinstance(group, LayoutOnlyGroup):
+        return group.size
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
 
-def tensor_parallel_rank(group: ProcessGroup | None) -> int:
+def tensor_parallel_rank(group: ProcessGroup | LayoutOnlyGroup | None) -> int:
     """This process's rank inside `group` (0 when torch.distributed is not initialized)."""
+    if isinstance(group, LayoutOnlyGroup):
+        return group.rank
     return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
 
 
@@ -211,12 +232,22 @@ def _check_index(index: torch.Tensor, *, size: int, part: int, what: str) -> tor
     return index
 
 
-def _mark_tensor_parallel(param: nn.Parameter, *, partition_dim: int) -> nn.Parameter:
-    """Tag a sharded parameter the way DeepSpeed/Megatron read it (gradient-norm accounting)."""
+def _mark_tensor_parallel(param: nn.Parameter, *, partition_dim: int,
+                          dense_index: torch.Tensor) -> nn.Parameter:
+    """Tag a sharded parameter the way DeepSpeed/Megatron read it (gradient-norm accounting), and
+    with `dense_index`: for each of its slices along `partition_dim`, that slice's index in the
+    dense tensor (-1: vocab padding). Merging shards back (export) needs nothing else."""
     param.tensor_model_parallel = True
     param.partition_dim = partition_dim
     param.partition_stride = 1
+    param.dense_index = dense_index.detach().to("cpu", torch.long)
     return param
+
+
+def _vocab_index(start: int, end: int, num_embeddings: int) -> torch.Tensor:
+    """Dense rows [start, end) of a padded vocabulary; rows past `num_embeddings` are -1."""
+    index = torch.arange(start, end)
+    return index.masked_fill(index >= num_embeddings, -1)
 
 
 def _linear_init_(weight: torch.Tensor, bias: torch.Tensor | None, *, fan_in: int) -> None:
@@ -248,10 +279,14 @@ class ColumnParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         tp = tensor_parallel_size(group)
         self.out_features_per_rank = divide(out_features, tp, what="ColumnParallelLinear out_features")
+        rows = _contiguous_index(out_features, rank=tensor_parallel_rank(group), tp=tp,
+                                 what="ColumnParallelLinear out_features")
         self.weight = _mark_tensor_parallel(nn.Parameter(torch.empty(
-            self.out_features_per_rank, in_features, device=device, dtype=dtype)), partition_dim=0)
+            self.out_features_per_rank, in_features, device=device, dtype=dtype)),
+            partition_dim=0, dense_index=rows)
         self.bias = _mark_tensor_parallel(nn.Parameter(torch.empty(
-            self.out_features_per_rank, device=device, dtype=dtype)), partition_dim=0) if bias else None
+            self.out_features_per_rank, device=device, dtype=dtype)), partition_dim=0,
+            dense_index=rows) if bias else None
         if self.weight.device.type != "meta":
             _linear_init_(self.weight, self.bias, fan_in=in_features)
 
@@ -281,15 +316,17 @@ class ColumnParallelLinear(nn.Module):
         elif gather_output:
             raise ValueError("ColumnParallelLinear: out_index needs gather_output=False "
                              "(the gathered output would not be in the dense order)")
-        index = _check_index(out_index, size=out_features, part=layer.out_features_per_rank,
-                             what="ColumnParallelLinear out_index").to(weight.device)
+        rows = _check_index(out_index, size=out_features, part=layer.out_features_per_rank,
+                            what="ColumnParallelLinear out_index")
+        index = rows.to(weight.device)
         with torch.no_grad():
             layer.weight = _mark_tensor_parallel(nn.Parameter(
-                weight.detach().index_select(0, index).clone(), requires_grad=weight.requires_grad), partition_dim=0)
+                weight.detach().index_select(0, index).clone(), requires_grad=weight.requires_grad),
+                partition_dim=0, dense_index=rows)
             if bias is not None:
                 layer.bias = _mark_tensor_parallel(nn.Parameter(
                     bias.detach().index_select(0, index.to(bias.device)).clone(),
-                    requires_grad=bias.requires_grad), partition_dim=0)
+                    requires_grad=bias.requires_grad), partition_dim=0, dense_index=rows)
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -320,8 +357,11 @@ class RowParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         tp = tensor_parallel_size(group)
         self.in_features_per_rank = divide(in_features, tp, what="RowParallelLinear in_features")
+        columns = _contiguous_index(in_features, rank=tensor_parallel_rank(group), tp=tp,
+                                    what="RowParallelLinear in_features")
         self.weight = _mark_tensor_parallel(nn.Parameter(torch.empty(
-            out_features, self.in_features_per_rank, device=device, dtype=dtype)), partition_dim=1)
+            out_features, self.in_features_per_rank, device=device, dtype=dtype)), partition_dim=1,
+            dense_index=columns)
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
         if self.weight.device.type != "meta":
             _linear_init_(self.weight, self.bias, fan_in=in_features)
@@ -351,11 +391,13 @@ class RowParallelLinear(nn.Module):
         elif not input_is_parallel:
             raise ValueError("RowParallelLinear: in_index needs input_is_parallel=True "
                              "(a replicated input is split into contiguous slices)")
-        index = _check_index(in_index, size=in_features, part=layer.in_features_per_rank,
-                             what="RowParallelLinear in_index").to(weight.device)
+        columns = _check_index(in_index, size=in_features, part=layer.in_features_per_rank,
+                               what="RowParallelLinear in_index")
+        index = columns.to(weight.device)
         with torch.no_grad():
             layer.weight = _mark_tensor_parallel(nn.Parameter(
-                weight.detach().index_select(1, index).clone(), requires_grad=weight.requires_grad), partition_dim=1)
+                weight.detach().index_select(1, index).clone(), requires_grad=weight.requires_grad),
+                partition_dim=1, dense_index=columns)
             if bias is not None:
                 layer.bias = nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad)
         return layer
@@ -410,7 +452,8 @@ class VocabParallelEmbedding(nn.Module):
         self.padded_num_embeddings, self.vocab_start, self.vocab_end = _vocab_layout(
             num_embeddings, group=group, padding_to_multiple=padding_to_multiple)
         self.weight = _mark_tensor_parallel(nn.Parameter(torch.empty(
-            self.vocab_end - self.vocab_start, embedding_dim, device=device, dtype=dtype)), partition_dim=0)
+            self.vocab_end - self.vocab_start, embedding_dim, device=device, dtype=dtype)), partition_dim=0,
+            dense_index=_vocab_index(self.vocab_start, self.vocab_end, num_embeddings))
         if self.weight.device.type != "meta":
             with torch.no_grad():  # nn.Embedding's N(0, 1); padding rows and padding_idx zero
                 self.weight.normal_()
@@ -443,7 +486,7 @@ class VocabParallelEmbedding(nn.Module):
                     padding_idx=padding_idx, device="meta", dtype=weight.dtype)
         layer.weight = _mark_tensor_parallel(nn.Parameter(
             _vocab_shard(weight, layer.vocab_start, layer.vocab_end), requires_grad=weight.requires_grad),
-            partition_dim=0)
+            partition_dim=0, dense_index=layer.weight.dense_index)
         return layer
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -493,7 +536,7 @@ class VocabParallelLMHead(nn.Module):
         if linear.bias is not None:
             bias = _mark_tensor_parallel(nn.Parameter(
                 _vocab_shard(linear.bias.unsqueeze(1), shard.vocab_start, shard.vocab_end).squeeze(1),
-                requires_grad=linear.bias.requires_grad), partition_dim=0)
+                requires_grad=linear.bias.requires_grad), partition_dim=0, dense_index=shard.weight.dense_index)
         return cls(shard, bias)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

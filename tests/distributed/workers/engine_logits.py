@@ -1,26 +1,53 @@
-"""Worker (run under the deepspeed launcher): rebuild a run's engine from its latest checkpoint
-and save the logits it gives on the first eval blocks, as rank 0 sees them.
+"""Worker (run under the deepspeed launcher): build a run's engine - from its latest checkpoint,
+or fresh with --fresh - and save the full logits it gives on the first two eval blocks.
 
-    deepspeed --num_gpus 2 engine_logits.py RUN.yaml OUT.pt --set k=v ...
+    deepspeed --num_gpus 4 engine_logits.py RUN.yaml OUT.pt [--fresh] --set k=v ...
+
+Any layout: a pipeline engine's logits come from its last stage (eval_batch), tensor-parallel
+vocab slices are gathered; one rank (last stage, tensor rank 0, data rank 0) writes OUT.pt.
 """
 import sys
 
 import torch
+import torch.distributed as dist
+from transformers import AutoConfig
 
 from dsframework.config import load_run_config
-from dsframework.engine import prepare
+from dsframework.engine import prepare, shutdown_distributed
+
+
+def full_logits(session, input_ids, vocab_size):
+    """(logits [batch, seq, vocab] or None on ranks that do not hold them, holds them)."""
+    engine, dims = session.engine, session.dims
+    if dims.pp_enabled:
+        _, logits = engine.eval_batch(iter([(input_ids, input_ids)]), return_logits=True, num_micro_batches=1)
+        holds = engine.is_last_stage()
+    else:
+        with torch.no_grad():
+            logits = engine(input_ids=input_ids).logits
+        holds = True
+    if dims.tp_enabled and holds:  # this rank's padded vocab slice -> all of it
+        group = engine.mpu.get_slice_parallel_group()
+        parts = [torch.empty_like(logits) for _ in range(dims.tp)]
+        dist.all_gather(parts, logits.contiguous(), group=group)
+        logits = torch.cat(parts, dim=-1)[..., :vocab_size]  # drop the vocab padding
+    return logits, holds
 
 
 def main(argv):
     args = [a for a in argv if not a.startswith("--local_rank")]
+    fresh = "--fresh" in args
+    args = [a for a in args if a != "--fresh"]
     run_yaml, out, sets = args[0], args[1], [a for a in args[2:] if a != "--set"]
-    session = prepare(load_run_config(run_yaml, sets), resume=True)
+    session = prepare(load_run_config(run_yaml, sets), resume=not fresh)
+    vocab_size = AutoConfig.from_pretrained(str(session.run.checkpoint_dir / "hf_config")).vocab_size
     input_ids = session.eval_blocks[:2]
     session.engine.eval()
-    with torch.no_grad():
-        logits = session.engine(input_ids=input_ids).logits
-    if session.rank == 0:
+    logits, holds = full_logits(session, input_ids, vocab_size)
+    tensor_rank = session.engine.mpu.get_slice_parallel_rank() if session.dims.tp_enabled else 0
+    if holds and tensor_rank == 0 and session.dp_rank == 0:
         torch.save({"input_ids": input_ids, "logits": logits.float()}, out)
+    shutdown_distributed()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,60 @@
+"""Merging tensor-parallel shards (what `dsf export` does for tp > 1) gives back the dense
+weights exactly: the plans' shards of a dense model, merged, equal it bit for bit, including
+vocab padding (a vocabulary not divisible by tp) and GPT-2's per-head q|k|v split."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from dsframework.config import ModelSpec
+from dsframework.models import build_model, resolve_model
+from dsframework.models.tensor_parallel import merge_tensor_parallel_shards, shard_layouts, shard_model
+from dsframework.parallel.tensor import LayoutOnlyGroup
+
+
+def dense_model(name: str, vocab: int = 61):
+    source = resolve_model(ModelSpec(name=name))
+    source.config.vocab_size = vocab  # 61: padded to 62 at tp=2, to 64 at tp=4
+    return build_model(source, source.config, seed=3)
+
+
+def shards_of(model, tp: int) -> list[dict[str, torch.Tensor]]:
+    """Each tensor rank's state dict, as the plan slices it (no process group needed)."""
+    return [shard_model(copy.deepcopy(model), group=LayoutOnlyGroup(size=tp, rank=rank)).state_dict()
+            for rank in range(tp)]
+
+
+@pytest.mark.parametrize("name,tp", [("tiny-llama", 2), ("tiny-gpt2", 2), ("tiny-gpt2", 4)])
+def test_merged_shards_equal_the_dense_model(name, tp):
+    model = dense_model(name)
+    shards = shards_of(model, tp)
+    assert shards[0]["lm_head.weight"].shape[0] == -(-61 // tp), "each rank holds a padded vocab slice"
+    merged = merge_tensor_parallel_shards(shards, model.config)
+    want = model.state_dict()
+    assert sorted(merged) == sorted(want)
+    for key, tensor in want.items():
+        assert merged[key].shape == tensor.shape, key
+        assert torch.equal(merged[key], tensor), key
+
+
+def test_layouts_mark_padding_and_fused_heads():
+    model = dense_model("tiny-gpt2")
+    config = model.config
+    layouts = shard_layouts(config, 2)
+    dim, index, _ = layouts[1]["transformer.wte.weight"]
+    assert dim == 0 and index.tolist() == [*range(31, 61), -1]  # rank 1: rows 31..60 and one pad row
+    dim, rows, transposed = layouts[0]["transformer.h.0.attn.c_attn.weight"]
+    hidden, half = config.n_embd, config.n_embd // 2
+    assert transposed and dim == 0 and rows.tolist() == [*range(0, half), *range(hidden, hidden + half),
+                                          *range(2 * hidden, 2 * hidden + half)]  # q, k, v heads of rank 0
+    assert "transformer.h.0.ln_1.weight" not in layouts[0], "norms are replicated"
+
+
+def test_ranks_disagreeing_on_a_replicated_tensor_is_an_error():
+    model = dense_model("tiny-llama")
+    shards = shards_of(model, 2)
+    shards[1]["model.norm.weight"] = shards[1]["model.norm.weight"] + 1
+    with pytest.raises(ValueError, match="model.norm.weight"):
+        merge_tensor_parallel_shards(shards, model.config)

@@ -1,0 +1,50 @@
+"""A model loaded from a local pretrained directory and sharded tp2 x pp2 over four ranks (the
+`dsf train` path: from_pretrained, tensor-parallel plan, pipeline stages) gives the logits of
+transformers' own model loaded from the same directory."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed.launcher import TINY_YAML, launch, run_overrides
+
+WORKER = Path(__file__).parent / "workers" / "engine_logits.py"
+
+
+def save_pretrained_model(model_type: str, path: Path) -> None:
+    """A small random model with a vocabulary not divisible by tp (so padding is exercised),
+    saved as a transformers directory - what a user's checkpoint looks like."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(11)
+    if model_type == "llama":  # grouped-query attention: 4 heads over 2 kv heads
+        config = LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+        model = LlamaForCausalLM(config)
+    else:  # tied embeddings, fused q|k|v
+        config = GPT2Config(vocab_size=101, n_embd=64, n_layer=3, n_head=4, n_positions=64)
+        model = GPT2LMHeadModel(config)
+    model.save_pretrained(path)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt2"])
+def test_tp2_pp2_logits_equal_transformers(tmp_path, model_type):
+    from transformers import AutoModelForCausalLM
+
+    pretrained = tmp_path / "pretrained"
+    save_pretrained_model(model_type, pretrained)
+    overrides = [f"model.name={pretrained}", "parallel.tp=2", "parallel.pp=2", "parallel.zero_stage=0",
+                 "train.micro_batch=2"]
+    sets = [arg for o in run_overrides(tmp_path / "run", overrides) for arg in ("--set", o)]
+    launch([str(WORKER), str(TINY_YAML), str(tmp_path / "sharded.pt"), "--fresh", *sets], num_ranks=4)
+    sharded = torch.load(tmp_path / "sharded.pt")
+
+    reference = AutoModelForCausalLM.from_pretrained(pretrained, local_files_only=True,
+                                                     dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = reference(input_ids=sharded["input_ids"]).logits
+    assert sharded["logits"].shape == want.shape == (2, 32, 101)
+    assert torch.allclose(sharded["logits"], want, atol=1e-5, rtol=0), (
+        f"max |diff| {(sharded['logits'] - want).abs().max().item():.3g}")

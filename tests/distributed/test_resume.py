@@ -1,4 +1,6 @@
-"""Resume is exact: 10 steps straight == 5 steps, a stop, and `--resume` for 5 more (2 ranks)."""
+"""Resume is exact: 10 steps straight == 5 steps, a stop, and `--resume` for 5 more: ZeRO-1 and
+ZeRO-3 on 2 ranks, tensor parallel on 2 ranks, and tp2 x pp2 on 4 ranks (per-layer files of
+each tensor rank)."""
 from __future__ import annotations
 
 import pytest
@@ -6,21 +8,29 @@ import pytest
 from tests.distributed.launcher import assert_close, read_metrics, train_run
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_resume_is_exact(tmp_path, stage):
-    common = [f"parallel.zero_stage={stage}", "train.steps=10", "train.micro_batch=2",
-              "checkpoint.save_final=true"]
-    straight = train_run(tmp_path / "straight", common)
+LAYOUTS = {  # name: (overrides, ranks)
+    "zero1": (["parallel.zero_stage=1"], 2),
+    "zero3": (["parallel.zero_stage=3"], 2),
+    "tp2_zero1": (["parallel.zero_stage=1", "parallel.tp=2"], 2),
+    "tp2_pp2_zero1": (["parallel.zero_stage=1", "parallel.tp=2", "parallel.pp=2"], 4),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_resume_is_exact(tmp_path, layout):
+    parallel, ranks = LAYOUTS[layout]
+    common = [*parallel, "train.steps=10", "train.micro_batch=2", "checkpoint.save_final=true"]
+    straight = train_run(tmp_path / "straight", common, num_ranks=ranks)
 
     stopped_dir = tmp_path / "stopped"
-    first = train_run(stopped_dir, [*common, "train.stop_after=5"])
+    first = train_run(stopped_dir, [*common, "train.stop_after=5"], num_ranks=ranks)
     assert sorted(first) == [1, 2, 3, 4, 5]
     assert (stopped_dir / "checkpoints" / "latest").read_text().strip() == "global_step5"
-    resumed = train_run(stopped_dir, common, flags=("--resume",))
+    resumed = train_run(stopped_dir, common, num_ranks=ranks, flags=("--resume",))
 
     assert sorted(resumed) == list(range(1, 11)), "metrics.jsonl holds each step once"
     assert_close({s: resumed[s] for s in range(6, 11)}, {s: straight[s] for s in range(6, 11)},
-                 rtol=1e-6, what=f"ZeRO-{stage} resumed steps 6-10 vs straight")
+                 rtol=1e-6, what=f"{layout}: resumed steps 6-10 vs straight")
     # The learning rate schedule continued too, not restarted.
     lrs = {m["step"]: m["lr"] for m in read_metrics(stopped_dir) if "lr" in m}
     straight_lrs = {m["step"]: m["lr"] for m in read_metrics(tmp_path / "straight") if "lr" in m}

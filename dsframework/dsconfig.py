@@ -105,6 +105,8 @@ def _zero_section(parallel: ParallelSpec) -> dict[str, Any]:
         # the settings DeepSpeed's own tutorials recommend for stages 1-3.
         zero.update(overlap_comm=True, contiguous_gradients=True,
                     reduce_bucket_size=50_000_000, allgather_bucket_size=50_000_000)
+    if parallel.zero_stage >= 1 and parallel.pp > 1:
+        zero["overlap_comm"] = False  # the pipeline engine turns it off anyway, with a warning
     if parallel.zero_stage == 3:
         zero.pop("allgather_bucket_size")
         zero.update(stage3_prefetch_bucket_size=50_000_000, stage3_param_persistence_threshold=100_000,
@@ -129,6 +131,13 @@ def build_ds_config(train: TrainSpec, parallel: ParallelSpec, *, dp_size: int) -
         "steps_per_print": _STEPS_PER_PRINT,
         "wall_clock_breakdown": False,
     }
+    if parallel.pp > 1:
+        # DeepSpeed's pipeline engine reads pipe/grad_partitioned (with tensor parallelism, the
+        # activations sent between stages are split over the tensor ranks); the other keys record
+        # the layout `dsf train` builds its PipelineModule with, for whoever reads the JSON.
+        ds["pipeline"] = {"stages": parallel.pp, "partition": parallel.partition_method,
+                          "activation_checkpoint_interval": int(parallel.activation_checkpointing == "full"),
+                          "pipe_partitioned": True, "grad_partitioned": True}
     if train.grad_clip > 0:
         ds["gradient_clipping"] = train.grad_clip
     if train.precision == "bf16":

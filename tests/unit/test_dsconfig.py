@@ -135,6 +135,17 @@ def test_portable_json_leaves_train_batch_size_to_deepspeed():
         validate_ds_config(ds, dp_size=dp)
 
 
+def test_pipeline_json_has_its_section_and_the_batch_of_the_data_parallel_ranks():
+    """world 8 = tp 2 x pp 2 x dp 2: the batch triple counts the 2 data-parallel ranks only."""
+    ds = json.loads(_invoke(["config", "--tp", "2", "--pp", "2", "--world-size", "8", "--zero-stage", "1",
+                             "--micro-batch", "2", "--global-batch", "64"]))
+    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (64, 2, 16)
+    assert ds["pipeline"]["stages"] == 2 and ds["pipeline"]["partition"] == "parameters"
+    assert ds["zero_optimization"]["overlap_comm"] is False
+    validate_ds_config(ds, dp_size=2)
+    assert "pipeline" not in json.loads(_invoke(["config", "--tp", "2", "--micro-batch", "2", "--grad-accum", "1"]))
+
+
 def _preset_commands():
     for line in (PRESET_DIR / "regenerate.sh").read_text().splitlines():
         if line.startswith("dsf config "):
@@ -152,6 +163,7 @@ def test_every_preset_file_has_a_command_and_every_family_is_there():
     for family in ["zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload"]:
         for precision in ["fp32", "bf16"]:
             assert f"{family}_{precision}.json" in files
+    assert {"pp2_zero1_bf16.json", "tp2_pp2_dp2_zero1_bf16.json"} <= set(files), "pipeline and 3D presets"
 
 
 @pytest.mark.parametrize("out,args", PRESETS, ids=[out for out, _ in PRESETS])

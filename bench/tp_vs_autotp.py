@@ -230,7 +230,8 @@ def check_tensor_parallel(ours: dict, autotp: dict) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="tiny-llama", choices=["tiny-llama", "tiny-gpt2"])
+    parser.add_argument("--model", default="tiny-llama", choices=["tiny-llama", "small-llama", "tiny-gpt2"],
+                        help="a preset; small-llama (hidden 256, 4 layers) shows where the math starts to count")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5, help="steps of each run left out of the timing")
     parser.add_argument("--seq-len", type=int, default=64)

@@ -570,10 +570,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         not_here = (target < start) | (target >= start + part) | ignored
         local_target = (target - start).masked_fill(not_here, 0)
         predicted = x.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(not_here, 0.0)
-        predicted = _reduce(predicted, group)
-
         exp = x.exp_()
-        sum_exp = _reduce(exp.sum(dim=-1), group)
+        # One all-reduce for both sums (the target's logit lives on one rank; the exp sums on all).
+        predicted, sum_exp = _reduce(torch.stack([predicted, exp.sum(dim=-1)]), group).unbind(0)
         loss = (sum_exp.log() - predicted).masked_fill(ignored, 0.0)
 
         exp /= sum_exp.unsqueeze(-1)  # softmax over the whole (real) vocabulary

@@ -1,0 +1,102 @@
+"""What the planner needs to know about the machines: GPUs, memory, FLOP/s and links.
+
+    cluster = cluster_preset("h100-80gb", nodes=4, gpus_per_node=8)
+    cluster.world                      # 32
+    cluster.peak_flops["bf16"]         # 989e12 (dense, per GPU)
+    cluster = Cluster.from_dict(json.loads(Path("cpu.json").read_text()))   # `dsf calibrate` output
+
+Presets are the vendors' dense (no sparsity) peak FLOP/s and the usual link speeds; what a job
+really gets is lower, which the speed model's efficiency factors account for. `cpu-local` is a
+placeholder for this kind of machine until `dsf calibrate` measures it.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from dsframework.errors import UserError, did_you_mean
+
+GiB = 1024 ** 3
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Nodes of identical accelerators. Memory in bytes, bandwidth in bytes/s (per direction,
+    per GPU: what one rank can push to its peers), FLOP/s per GPU."""
+
+    name: str
+    nodes: int
+    gpus_per_node: int
+    memory_per_gpu: float
+    peak_flops: dict[str, float] = field(default_factory=dict)  # "fp32", "bf16", "fp16"
+    intra_node_bandwidth: float = 100 * GB
+    inter_node_bandwidth: float = 25 * GB
+    cpu_memory_per_node: float = 512 * GiB
+    host_to_device_bandwidth: float = 25 * GB  # PCIe: what CPU offload pays per GPU
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def flops(self, precision: str) -> float:
+        """Peak FLOP/s per GPU at `precision` (fp16 falls back to bf16's figure and back)."""
+        for key in (precision, {"fp16": "bf16", "bf16": "fp16"}.get(precision, precision)):
+            if key in self.peak_flops:
+                return self.peak_flops[key]
+        raise UserError("cluster.peak_flops", sorted(self.peak_flops), f"has no figure for {precision}",
+                        f"add peak_flops.{precision} to the cluster profile")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, origin: str = "cluster profile") -> "Cluster":
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise UserError(origin, unknown[0], "is not a cluster field", did_you_mean(unknown[0], known))
+        missing = [k for k in ("name", "memory_per_gpu", "peak_flops") if k not in data]
+        if missing:
+            raise UserError(origin, missing[0], "is missing", f"add {missing[0]} (see `dsf calibrate`)")
+        data = {"nodes": 1, "gpus_per_node": 1, **data}
+        return cls(**data)
+
+
+_GPU_PRESETS: dict[str, dict[str, Any]] = {
+    # Dense peak FLOP/s (no sparsity), NVLink per GPU one direction, 200-400 Gb/s NICs per GPU.
+    "a100-40gb": dict(memory_per_gpu=40 * GiB, peak_flops={"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12,
+                                                            "fp16": 312e12},
+                      intra_node_bandwidth=300 * GB, inter_node_bandwidth=25 * GB,
+                      cpu_memory_per_node=1024 * GiB, host_to_device_bandwidth=25 * GB),
+    "a100-80gb": dict(memory_per_gpu=80 * GiB, peak_flops={"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12,
+                                                            "fp16": 312e12},
+                      intra_node_bandwidth=300 * GB, inter_node_bandwidth=25 * GB,
+                      cpu_memory_per_node=1024 * GiB, host_to_device_bandwidth=25 * GB),
+    "h100-80gb": dict(memory_per_gpu=80 * GiB, peak_flops={"fp32": 67e12, "tf32": 495e12, "bf16": 989e12,
+                                                            "fp16": 989e12},
+                      intra_node_bandwidth=450 * GB, inter_node_bandwidth=50 * GB,
+                      cpu_memory_per_node=2048 * GiB, host_to_device_bandwidth=55 * GB),
+    "h200-141gb": dict(memory_per_gpu=141 * GB, peak_flops={"fp32": 67e12, "tf32": 495e12, "bf16": 989e12,
+                                                             "fp16": 989e12},
+                       intra_node_bandwidth=450 * GB, inter_node_bandwidth=50 * GB,
+                       cpu_memory_per_node=2048 * GiB, host_to_device_bandwidth=55 * GB),
+    # This kind of machine (2 cores, 24 GiB), one CPU rank per core; `dsf calibrate` measures it.
+    "cpu-local": dict(memory_per_gpu=10 * GiB, peak_flops={"fp32": 50e9, "bf16": 20e9},
+                      intra_node_bandwidth=2 * GB, inter_node_bandwidth=1 * GB,
+                      cpu_memory_per_node=24 * GiB, host_to_device_bandwidth=10 * GB),
+}
+CLUSTER_PRESETS = tuple(_GPU_PRESETS)
+
+
+def cluster_preset(name: str, *, nodes: int = 1, gpus_per_node: int = 8) -> Cluster:
+    """A preset GPU type on `nodes` x `gpus_per_node`."""
+    if name not in _GPU_PRESETS:
+        raise UserError("--cluster", name, "is not a cluster preset or profile file",
+                        did_you_mean(name, CLUSTER_PRESETS) + " (or a file written by dsf calibrate)")
+    return Cluster(name=name, nodes=nodes, gpus_per_node=gpus_per_node, **_GPU_PRESETS[name])
+
+
+def resize(cluster: Cluster, *, nodes: int | None = None, gpus_per_node: int | None = None) -> Cluster:
+    """The same machines, a different count."""
+    return replace(cluster, nodes=nodes or cluster.nodes, gpus_per_node=gpus_per_node or cluster.gpus_per_node)

@@ -1,0 +1,329 @@
+"""Bytes per rank of a layout: parameters, gradients, optimizer states, activations, buffers.
+
+    layout = Layout(dp=8, tp=2, pp=1, zero_stage=3, micro_batch=2, grad_accum=4)
+    mem = memory_per_rank(desc, layout, Job(seq_len=4096, global_batch=64, precision="bf16"))
+    mem.total / 2**30                  # GiB on the busiest rank
+    mem.cpu_per_rank                   # offloaded bytes in host memory, per rank
+
+Model states follow what DeepSpeed (0.19) really allocates, which is more than the ZeRO paper's
+2 + 2 + 12 bytes per parameter in places (checked against live engines in
+tests/distributed/test_planner_memory.py). P is this rank's parameters after tensor and pipeline
+splitting, w the parameter bytes (4 fp32, 2 bf16/fp16), d the data-parallel size:
+
+    stage  params            grads                          optimizer (AdamW)
+    0      w P               w P  (+4 P fp32 accumulators    8 P fp32 (m, v); bf16: BF16_Optimizer's
+                                   with bf16)                 12 P / d (fp32 master + m + v, split
+                                                              over d); fp16: 12 P
+    1      w P               w P while accumulating          12 P / d: fp32 master partition (a copy
+                             (grad_accum > 1), else w P / d    even in fp32 training) + m + v
+    2      w P               w P / d                         12 P / d
+    3      w P / d + the     w P / d                         12 P / d
+           persistent ones
+           (<= 1e5 elements,
+           kept whole)
+
+Offloading the optimizer moves its 12 P / d (and, for ZeRO 2-3, the fp32 gradient partition) to
+host memory; offloading parameters (ZeRO-3) moves the w P / d partition there too.
+
+Activations (bytes saved for backward, per micro-batch) follow Korthikanti et al., "Reducing
+Activation Recomputation in Large Transformer Models" (2022), section 4: per layer
+s b h (34 + 5 a s / h) bytes for GPT with fp16 activations and dropout, and
+s b h (10 + 24 / t + 5 a s / (h t)) with tensor parallelism t (no sequence parallelism). Their
+34 = 10 (the layer's replicated inputs: two LayerNorm inputs, QKV and MLP inputs at 2 bytes, two
+dropout masks at 1 byte) + 24 (the t-split part: Q, K, V, attention output, MLP 4h input,
+GeLU input, ...), and 5 a s / h is the attention score matrix, its softmax and dropout mask.
+Here the same bookkeeping is redone for the kernels these models run: PyTorch's
+scaled_dot_product_attention (flash/memory-efficient) stores no s x s matrix, only Q, K, V, the
+output and a log-sum-exp per head, so the 5 a s / h term is gone unless attention dropout forces
+the math kernel; and the layers are transformers' own. Per layer, in elements of b s:
+
+    Llama family (RMSNorm, SwiGLU, GQA):   2 norms x 3 h (input upcast to fp32, normalized,
+                                           scaled) + 2 (rsqrt, fp32)
+                                         + [Q h + K kv + V kv + out h + lse a + MLP 4 f] / t
+    GPT-2 (LayerNorm, gelu_new, fused QKV): 2 norms x 2 h (input, output) + 2 x 2 (mean, rstd)
+                                         + [Q h + QKV 3h + V h + out h + lse a + MLP 5 f] / t
+                                         (+ 2 h bytes of dropout masks, + 5 a s / t with attention
+                                         dropout, as in Korthikanti)
+
+With full activation checkpointing a layer keeps only its input (h elements); its full
+activations exist again, one layer at a time, during the backward recompute (counted as a
+buffer). Selective recomputation (Korthikanti section 4.2) recomputes exactly the s x s term that
+sdpa never stores, so it equals `none` here and is not offered. The first and last stages also
+keep the embedding's token ids, the final norm's inputs and the fp32 logits the loss reads (b s V
+/ t x 4 bytes). Under 1F1B, stage i holds min(pp - i, grad_accum) micro-batches in flight.
+
+Buffers: ZeRO's communication buckets (reduce 5e7 elements, all-gather 5e7 at stages 1-2,
+ZeRO-3's prefetch bucket and the gathered working set of two layers), the fp32 gradient
+partition made at the optimizer step, DeepSpeed's 5e8-element all-reduce bucket at stage 0, the
+logits and their gradient, pipeline send/receive buffers, and the recompute working set.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Literal
+
+from dsframework.planner.model import ModelDesc
+
+# DeepSpeed settings the JSON we write uses (dsconfig.py), in elements.
+REDUCE_BUCKET = 50_000_000
+ALLGATHER_BUCKET = 50_000_000
+STAGE0_ALLREDUCE_BUCKET = 500_000_000
+ZERO3_PREFETCH_BUCKET = 50_000_000
+ZERO3_PERSISTENCE_THRESHOLD = 100_000
+ADAM_STATE_BYTES = 8  # fp32 exp_avg + exp_avg_sq
+MASTER_BYTES = 4  # fp32 master copy of the parameters
+
+
+@dataclass(frozen=True)
+class Job:
+    """What is trained: tokens per sequence, sequences per step, arithmetic precision."""
+
+    seq_len: int
+    global_batch: int
+    precision: Literal["fp32", "bf16", "fp16"] = "bf16"
+
+    @property
+    def param_bytes(self) -> int:
+        return 4 if self.precision == "fp32" else 2
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run the job: the rank grid, ZeRO, offload, batch split and checkpointing."""
+
+    dp: int
+    tp: int = 1
+    pp: int = 1
+    zero_stage: int = 0
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    micro_batch: int = 1
+    grad_accum: int = 1
+    activation_checkpointing: Literal["none", "full"] = "none"
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes on one rank (the busiest one), and what it puts in host memory."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    buffers: float
+    cpu_per_rank: float = 0.0
+    stage: int = 0  # the pipeline stage this is (the busiest)
+    parts: dict = field(default_factory=dict, compare=False)  # details: elements per rank etc.
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+
+    def as_dict(self) -> dict[str, float]:
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
+                "activations": self.activations, "buffers": self.buffers, "total": self.total}
+
+
+# --- parameters per stage -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StageShape:
+    """Parameters (elements, on one tensor rank) and layers of one pipeline stage."""
+
+    params: int
+    persistent: int  # tensors small enough that ZeRO-3 keeps them whole (<= threshold)
+    layers: int
+    first: bool
+    last: bool
+
+
+def _padded_vocab_rows(vocab: int, tp: int) -> int:
+    return -(-vocab // tp)  # vocab padded to a multiple of tp, split in tp slices
+
+
+def _items(desc: ModelDesc, tp: int) -> list[tuple[int, int, str]]:
+    """The pipeline's layer list as (elements per tensor rank, persistent elements, kind)."""
+    def split(numel: int, sharded: bool) -> int:
+        return numel // tp if sharded else numel
+
+    rows = _padded_vocab_rows(desc.vocab, tp)
+    embed = rows * desc.hidden + desc.position_params
+    embed_persistent = sum(n for n in (rows * desc.hidden, desc.position_params)
+                           if 0 < n <= ZERO3_PERSISTENCE_THRESHOLD)
+    layer = sum(split(n, s) for n, s in desc.layer_tensors)
+    layer_persistent = sum(split(n, s) for n, s in desc.layer_tensors if split(n, s) <= ZERO3_PERSISTENCE_THRESHOLD)
+    head = rows * desc.hidden if (desc.head_params or desc.tied) else 0
+    head_persistent = head if head <= ZERO3_PERSISTENCE_THRESHOLD else 0
+    return ([(embed, embed_persistent, "embed")] + [(layer, layer_persistent, "layer")] * desc.layers
+            + [(desc.final_norm_params, desc.final_norm_params, "norm"), (head, head_persistent, "head")])
+
+
+def _balanced_parts(weights: list[int], parts: int) -> list[int]:
+    """Stage boundaries minimising the largest stage's weight (contiguous), like DeepSpeed's
+    partition_balanced; binary search on the bound with a greedy fill."""
+    if parts >= len(weights):
+        return list(range(parts + 1))[: len(weights) + 1] + [len(weights)] * (parts - len(weights))
+    lo, hi = max(weights), sum(weights)
+    while lo < hi:
+        bound = (lo + hi) // 2
+        count, acc = 1, 0
+        for w in weights:
+            if acc + w > bound:
+                count, acc = count + 1, w
+            else:
+                acc += w
+        lo, hi = (bound + 1, hi) if count > parts else (lo, bound)
+    bounds, acc = [0], 0
+    for i, w in enumerate(weights):
+        if acc + w > lo or len(weights) - i < parts - (len(bounds) - 1):
+            bounds.append(i)
+            acc = w
+        else:
+            acc += w
+    bounds = bounds[:parts] + [len(weights)]
+    while len(bounds) < parts + 1:
+        bounds.insert(-1, bounds[-2] + 1)
+    return bounds
+
+
+@lru_cache(maxsize=4096)
+def stage_shapes(desc: ModelDesc, tp: int, pp: int) -> tuple[StageShape, ...]:
+    """Each pipeline stage's parameters (per tensor rank), balanced by parameters as
+    `partition_method=parameters` does. A tied head on its own stage holds a copy of the
+    embedding; with one stage the tie costs nothing."""
+    items = _items(desc, tp)
+    if desc.tied and pp == 1:
+        items[-1] = (0, 0, "head")
+    bounds = _balanced_parts([n for n, _, _ in items], pp)
+    shapes = []
+    for s in range(pp):
+        chunk = items[bounds[s]:bounds[s + 1]]
+        shapes.append(StageShape(params=sum(n for n, _, _ in chunk), persistent=sum(p for _, p, _ in chunk),
+                                 layers=sum(kind == "layer" for _, _, kind in chunk),
+                                 first=s == 0, last=s == pp - 1))
+    return tuple(shapes)
+
+
+# --- activations ----------------------------------------------------------------------------------
+
+def _rms_norm_bytes(h: int, w: int) -> int:
+    """Per token: transformers' RMSNorm saves its input upcast to fp32 (the same tensor in fp32
+    training), the normalized values cast back to w bytes, the scaled output (the next
+    linear's input), and one fp32 rsqrt."""
+    return h * (4 + w + w) + 4
+
+
+def layer_activation_bytes(desc: ModelDesc, *, micro_batch: int, seq_len: int, tp: int, precision: str) -> float:
+    """Bytes one decoder layer saves for backward, one micro-batch (see the module docstring)."""
+    bs = micro_batch * seq_len
+    h, f, a = desc.hidden, desc.ffn, desc.heads
+    kv = desc.kv_heads * desc.head_dim
+    w = 4 if precision == "fp32" else 2
+    if desc.family == "llama":
+        norms = 2 * _rms_norm_bytes(h, w)
+        split = (h + kv + kv + h + 4 * f) * w + a * 4  # q, k, v, out, MLP; lse in fp32
+        return bs * (norms + split / tp)
+    if desc.family == "gpt2":
+        norms = 2 * (2 * h * w + 2 * 4)
+        split = (6 * h + 5 * f) * w + a * 4
+        extra = 0.0
+        if desc.dropout > 0:  # masks (1 byte); attention dropout forces the s x s math kernel
+            extra = 2 * h + 5 * a * seq_len / tp * w / 2
+        return bs * (norms + split / tp + extra)
+    # Generic: Korthikanti's GPT count at 2-byte activations, scaled to this precision.
+    return bs * h * (10 + 24 / tp + 5 * a * seq_len / (h * tp)) * (w / 2)
+
+
+def _edge_activation_bytes(desc: ModelDesc, shape: StageShape, *, micro_batch: int, seq_len: int, tp: int,
+                           precision: str) -> float:
+    """The first stage's token ids; the last stage's final norm and fp32 logits for the loss."""
+    bs = micro_batch * seq_len
+    w = 4 if precision == "fp32" else 2
+    total = 0.0
+    if shape.first:
+        total += bs * 8 * (2 if desc.family == "gpt2" else 1)  # int64 ids (GPT-2: and positions)
+    if shape.last:
+        h = desc.hidden
+        norm = _rms_norm_bytes(h, w) if desc.family == "llama" else 2 * h * w + 2 * 4
+        total += bs * (norm + _padded_vocab_rows(desc.vocab, tp) * 4 + 8)  # logits fp32, labels
+    return total
+
+
+# --- the breakdown --------------------------------------------------------------------------------
+
+def _model_states(shape: StageShape, layout: Layout, job: Job) -> tuple[float, float, float, float]:
+    """(params, grads, optimizer, cpu) bytes for one rank of a stage."""
+    P, d, w, z = shape.params, layout.dp, job.param_bytes, layout.zero_stage
+    if z == 3:
+        params = w * P / d + w * shape.persistent
+    else:
+        params = w * P
+    if z == 0:
+        grads = w * P + (4 * P if job.precision == "bf16" else 0)
+    elif z == 1:
+        grads = w * P if layout.grad_accum > 1 else w * P / d
+    else:
+        grads = w * P / d
+    if z == 0:
+        optimizer = {"fp32": ADAM_STATE_BYTES * P, "bf16": (MASTER_BYTES + ADAM_STATE_BYTES) * P / d,
+                     "fp16": (MASTER_BYTES + ADAM_STATE_BYTES) * P}[job.precision]
+    else:
+        optimizer = (MASTER_BYTES + ADAM_STATE_BYTES) * P / d
+    cpu = 0.0
+    if layout.offload_optimizer:
+        cpu += optimizer + (4 * P / d if z >= 2 else 0)
+        optimizer = 0.0
+        if z >= 2:
+            grads = 0.0  # the partition lives in host memory; the bucket stays (buffers)
+    if layout.offload_param:
+        cpu += w * P / d
+        params = w * shape.persistent
+    return params, grads, optimizer, cpu
+
+
+def _buffers(desc: ModelDesc, shape: StageShape, layout: Layout, job: Job, layer_act: float) -> float:
+    P, d, w, z = shape.params, layout.dp, job.param_bytes, layout.zero_stage
+    bs = layout.micro_batch * job.seq_len
+    total = 0.0
+    if z == 0 and d > 1:
+        total += min(STAGE0_ALLREDUCE_BUCKET, P) * w
+    if z in (1, 2):
+        total += min(REDUCE_BUCKET, P) * w + min(ALLGATHER_BUCKET, P) * w + 4 * P / d
+    if z == 3:
+        layer_full = sum(n // layout.tp if s else n for n, s in desc.layer_tensors)
+        total += min(REDUCE_BUCKET, P) * w + 2 * layer_full * w + min(ZERO3_PREFETCH_BUCKET, layer_full) * w
+        total += 4 * P / d
+    if shape.last:  # logits (w bytes) and their fp32 gradient in the backward
+        total += bs * _padded_vocab_rows(desc.vocab, layout.tp) * (w + 4)
+    if layout.pp > 1:
+        total += 2 * bs * desc.hidden * w
+    if layout.activation_checkpointing == "full" and shape.layers:
+        total += layer_act  # one layer recomputed at a time
+    return total
+
+
+def memory_per_rank(desc: ModelDesc, layout: Layout, job: Job) -> Memory:
+    """The busiest stage's rank: the one whose total is largest."""
+    layer_act = layer_activation_bytes(desc, micro_batch=layout.micro_batch, seq_len=job.seq_len, tp=layout.tp,
+                                       precision=job.precision)
+    kept_per_layer = (layout.micro_batch * job.seq_len * desc.hidden * job.param_bytes
+                      if layout.activation_checkpointing == "full" else layer_act)
+    best: Memory | None = None
+    for index, shape in enumerate(stage_shapes(desc, layout.tp, layout.pp)):
+        in_flight = min(layout.pp - index, layout.grad_accum) if layout.pp > 1 else 1
+        edge = _edge_activation_bytes(desc, shape, micro_batch=layout.micro_batch, seq_len=job.seq_len,
+                                      tp=layout.tp, precision=job.precision)
+        activations = in_flight * (shape.layers * kept_per_layer + edge)
+        params, grads, optimizer, cpu = _model_states(shape, layout, job)
+        memory = Memory(params=params, grads=grads, optimizer=optimizer, activations=activations,
+                        buffers=_buffers(desc, shape, layout, job, layer_act), cpu_per_rank=cpu, stage=index,
+                        parts={"params_elements": shape.params, "layers": shape.layers})
+        if best is None or memory.total > best.total:
+            best = memory
+    assert best is not None
+    return best

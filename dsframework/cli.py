@@ -5,6 +5,7 @@
     deepspeed --num_gpus 2 $(which dsf) train launch/examples/tiny.yaml --set train.steps=50
     dsf train launch/examples/tiny.yaml --resume          # a world of one, no launcher
     dsf export runs/tiny/checkpoints runs/tiny/hf
+    dsf plan --model llama-7b --cluster h100-80gb --nodes 2 --seq-len 4096 --global-batch 256
     dsf presets
 
 Mistakes in input print one line on stderr (`dsf: error: <field>=<value>: <rule>; <fix>`) and
@@ -107,6 +108,98 @@ def _flag_for(field: str) -> str:
     if field == "world size":
         return "--world-size"
     return "--" + name.replace("_", "-") if field.startswith(("train.", "parallel.")) else field
+
+
+# --- dsf plan -----------------------------------------------------------------------------------
+
+def _load_cluster(name: str, *, nodes: int, gpus_per_node: int):
+    """A preset name, or a profile file written by `dsf calibrate` (JSON)."""
+    import json
+
+    from dsframework.planner.cluster import CLUSTER_PRESETS, Cluster, cluster_preset, resize
+
+    if name in CLUSTER_PRESETS or not Path(name).suffix:
+        return cluster_preset(name, nodes=nodes, gpus_per_node=gpus_per_node)
+    path = Path(name)
+    if not path.is_file():
+        raise UserError("--cluster", name, "is neither a preset nor a file", "pass a preset or a dsf calibrate profile")
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as err:
+        raise UserError("--cluster", name, f"is not valid JSON ({err.msg} at line {err.lineno})",
+                        "write it again with dsf calibrate") from None
+    return resize(Cluster.from_dict(data, origin=f"--cluster {name}"), nodes=nodes, gpus_per_node=gpus_per_node)
+
+
+@cli.command("plan")
+@click.option("--model", "model_name", required=True, help="preset, config.json or pretrained directory")
+@click.option("--cluster", "cluster_name", required=True,
+              help="a100-40gb, a100-80gb, h100-80gb, h200-141gb, cpu-local, or a dsf calibrate profile")
+@click.option("--nodes", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--gpus-per-node", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--seq-len", type=click.IntRange(min=1), required=True)
+@click.option("--global-batch", type=click.IntRange(min=1), required=True)
+@click.option("--precision", type=click.Choice(["fp32", "bf16", "fp16"]), default="bf16", show_default=True)
+@click.option("--top", type=click.IntRange(min=1), default=5, show_default=True)
+@click.option("--tp", type=click.IntRange(min=1), help="pin the tensor-parallel size")
+@click.option("--pp", type=click.IntRange(min=1), help="pin the pipeline size")
+@click.option("--zero-stage", type=click.IntRange(0, 3), help="pin the ZeRO stage")
+@click.option("--json", "as_json", is_flag=True, help="every candidate as JSON (schema in the README)")
+@click.option("-o", "--output-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="write ds_config.json and run.yaml of the best layout here")
+@click.option("--force", is_flag=True, help="replace files already in --output-dir")
+def plan_cmd(model_name: str, cluster_name: str, nodes: int, gpus_per_node: int, seq_len: int, global_batch: int,
+             precision: str, top: int, tp: int | None, pp: int | None, zero_stage: int | None, as_json: bool,
+             output_dir: Path | None, force: bool) -> None:
+    """Rank the layouts that fit MODEL on the cluster by predicted tokens/s, with memory per GPU."""
+    import json
+
+    from dsframework.config import ModelSpec
+    from dsframework.models import resolve_model
+    from dsframework.planner.memory import Job
+    from dsframework.planner.model import describe_model
+    from dsframework.planner.report import plan_table
+    from dsframework.planner.search import search
+
+    cluster = _load_cluster(cluster_name, nodes=nodes, gpus_per_node=gpus_per_node)
+    if output_dir is not None and not force:
+        taken = [name for name in ("ds_config.json", "run.yaml") if (output_dir / name).exists()]
+        if taken:
+            raise UserError("--output-dir", str(output_dir), f"already holds {taken[0]}",
+                            "choose another directory or pass --force")
+    desc = describe_model(resolve_model(ModelSpec(name=model_name)).config, name=model_name)
+    plan = search(desc, cluster, Job(seq_len=seq_len, global_batch=global_batch, precision=precision),
+                  tp=tp, pp=pp, zero_stage=zero_stage)
+    if as_json:
+        click.echo(json.dumps({"model": model_name, "cluster": cluster.to_dict(), "seq_len": seq_len,
+                               "global_batch": global_batch, "precision": precision,
+                               "candidates": [c.as_dict() for c in plan.candidates]}, indent=1))
+    else:
+        click.echo(plan_table(plan, top=top))
+    if output_dir is not None:
+        if plan.best is None:
+            raise UserError("--output-dir", str(output_dir), "has nothing to hold: no layout fits",
+                            "follow the advice above (more GPUs, offload, smaller micro-batch)")
+        _write_plan_files(plan, output_dir, model_name=model_name)
+
+
+def _write_plan_files(plan, output_dir: Path, *, model_name: str) -> None:
+    from dsframework.config import build_run_config, dump_run_config
+    from dsframework.dsconfig import build_ds_config, dumps, validate_ds_config
+    from dsframework.planner.report import run_config_dict
+
+    best, job = plan.best, plan.job
+    run = build_run_config(run_config_dict(best, model_name=model_name, seq_len=job.seq_len,
+                                           global_batch=job.global_batch, precision=job.precision,
+                                           output_dir=str(output_dir / "run")))
+    ds = build_ds_config(run.train, run.parallel, dp_size=best.layout.dp)
+    validate_ds_config(ds, dp_size=best.layout.dp)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "ds_config.json").write_text(dumps(ds))
+    (output_dir / "run.yaml").write_text(dump_run_config(run))
+    click.echo(f"dsf: wrote {output_dir / 'ds_config.json'} and {output_dir / 'run.yaml'} "
+               f"(run: deepspeed --num_gpus {best.layout.world} $(which dsf) train {output_dir / 'run.yaml'})",
+               err=True)
 
 
 # --- dsf train ----------------------------------------------------------------------------------

@@ -1,0 +1,83 @@
+"""A Plan as text (the `dsf plan` table), as JSON records, and as files `dsf train` runs.
+
+    print(plan_table(plan, top=5))
+    records = [c.as_dict() for c in plan.candidates]          # --json
+    run_config_dict(plan.best, model_name="llama-7b", seq_len=4096, global_batch=512, precision="bf16")
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from dsframework.planner.cluster import GiB
+from dsframework.planner.search import Candidate, Plan, family_of
+
+
+def _gib(x: float) -> str:
+    return f"{x / GiB:.1f}"
+
+
+def candidate_row(rank: int, c: Candidate) -> list[str]:
+    lay, mem = c.layout, c.memory
+    offload = "+".join(w for w, on in (("opt", lay.offload_optimizer), ("param", lay.offload_param)) if on) or "-"
+    return [str(rank), str(lay.tp), str(lay.pp), str(lay.dp), str(lay.zero_stage), offload,
+            f"{lay.micro_batch}x{lay.grad_accum}", lay.activation_checkpointing,
+            _gib(mem.params), _gib(mem.grads), _gib(mem.optimizer), _gib(mem.activations), _gib(mem.buffers),
+            _gib(mem.total), _gib(mem.cpu_per_rank), f"{c.time.total:.3g}", f"{c.tokens_per_s:,.0f}", f"{c.mfu:.2f}"]
+
+
+HEADER = ["#", "tp", "pp", "dp", "ZeRO", "offload", "micro x accum", "ckpt", "params", "grads", "optim",
+          "activ", "buffers", "total GiB", "cpu GiB", "step s", "tokens/s", "MFU"]
+
+
+def _markdown(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["| " + " | ".join(cell.rjust(w) for cell, w in zip(row, widths)) + " |" for row in rows]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
+
+
+def plan_table(plan: Plan, *, top: int = 5) -> str:
+    """Heading, the top fitting layouts with their memory per GPU, dropped families, advice."""
+    desc, cluster, job = plan.desc, plan.cluster, plan.job
+    out = [f"{desc.name}: {desc.total_params / 1e9:.3g} B parameters ({desc.layers} layers, hidden {desc.hidden}, "
+           f"{desc.heads} heads / {desc.kv_heads} kv); {cluster.name}: {cluster.nodes} x {cluster.gpus_per_node} "
+           f"GPUs of {_gib(cluster.memory_per_gpu)} GiB; seq {job.seq_len}, global batch {job.global_batch}, "
+           f"{job.precision}; {len(plan.candidates)} layouts, {len(plan.fitting)} fit",
+           "(memory per GPU of the busiest rank, GiB; cpu: offloaded per rank)", ""]
+    fitting = plan.fitting[:top]
+    if fitting:
+        out.append(_markdown([HEADER] + [candidate_row(i + 1, c) for i, c in enumerate(fitting)]))
+    else:
+        out.append("nothing fits.")
+    if plan.dropped_families:
+        out.append("")
+        out.append("dropped:")
+        out += [f"  {family}: {why}" for family, why in plan.dropped_families.items()]
+    if plan.suggestions:
+        out.append("")
+        out.append("what would fit:")
+        out += [f"  {line}" for line in plan.suggestions]
+    best = plan.best
+    if best is not None:
+        out.append("")
+        out.append(f"best: {family_of(best.layout)}, tp {best.layout.tp} x pp {best.layout.pp} x dp {best.layout.dp}, "
+                   f"micro-batch {best.layout.micro_batch} x {best.layout.grad_accum}, checkpointing "
+                   f"{best.layout.activation_checkpointing}: {best.tokens_per_s:,.0f} tokens/s predicted")
+    return "\n".join(out)
+
+
+def run_config_dict(candidate: Candidate, *, model_name: str, seq_len: int, global_batch: int,
+                    precision: str, output_dir: str = "runs/planned") -> dict[str, Any]:
+    """The run config (as `dsf train` reads it) of a candidate."""
+    lay = candidate.layout
+    return {
+        "model": {"name": model_name},
+        "data": {"seq_len": seq_len},
+        "train": {"global_batch": global_batch, "micro_batch": lay.micro_batch, "grad_accum": None,
+                  "precision": precision},
+        "parallel": {"tp": lay.tp, "pp": lay.pp, "zero_stage": lay.zero_stage,
+                     "offload_optimizer": "cpu" if lay.offload_optimizer else "none",
+                     "offload_param": "cpu" if lay.offload_param else "none",
+                     "activation_checkpointing": lay.activation_checkpointing},
+        "output_dir": output_dir,
+    }

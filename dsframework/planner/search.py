@@ -1,0 +1,186 @@
+"""Every valid layout of a job on a cluster, checked against memory and ranked by speed.
+
+    plan = search(desc, cluster, Job(seq_len=4096, global_batch=512, precision="bf16"))
+    plan.best                        # the fastest candidate that fits (None if none does)
+    plan.fitting[:5]                 # ranked by predicted tokens/s
+    plan.dropped_families            # {"ZeRO-2": "needs 92.1 GiB > 80.0 GiB per GPU at best ...", ...}
+    plan.suggestions                 # when nothing fits: what would
+
+The rules (each also enforced by dsf train): dp * tp * pp = world; tp divides the attention and
+key/value heads and stays within a node; pp <= layers; the pipeline only with ZeRO 0/1;
+micro_batch * grad_accum * dp = global batch; parameter offload only with ZeRO-3 and optimizer
+offload; optimizer offload with ZeRO 1-3. A candidate fits when its busiest rank, plus the safety
+margin, stays within the GPU's memory and its offloaded states within the node's host memory.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Iterator
+
+from dsframework.planner.cluster import Cluster, GiB, resize
+from dsframework.planner.memory import Job, Layout, Memory, memory_per_rank
+from dsframework.planner.model import ModelDesc
+from dsframework.planner.speed import MATMUL_EFFICIENCY, StepTime, step_time
+
+MEMORY_HEADROOM = 0.10  # allocator fragmentation and what the model does not count
+RESERVED_PER_GPU = 1.0 * GiB  # CUDA context, NCCL and library workspaces (0 on a CPU cluster)
+HOST_MEMORY_SHARE = 0.80  # of a node's RAM that offloaded states may take
+MAX_MICRO_BATCH = 64
+
+
+@dataclass(frozen=True)
+class Candidate:
+    layout: Layout
+    memory: Memory
+    time: StepTime
+    fits: bool
+    why_not: str = ""  # when it does not fit
+    tokens_per_s: float = 0.0
+    mfu: float = 0.0
+
+    @property
+    def family(self) -> str:
+        return family_of(self.layout)
+
+    def as_dict(self) -> dict:
+        """The `dsf plan --json` record (schema documented in the README)."""
+        lay = self.layout
+        return {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "zero_stage": lay.zero_stage,
+                "offload_optimizer": "cpu" if lay.offload_optimizer else "none",
+                "offload_param": "cpu" if lay.offload_param else "none",
+                "micro_batch": lay.micro_batch, "grad_accum": lay.grad_accum,
+                "activation_checkpointing": lay.activation_checkpointing, "fits": self.fits,
+                "memory": self.memory.as_dict(), "cpu_memory": self.memory.cpu_per_rank * self._ranks_per_node,
+                "step_time_s": self.time.total, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu}
+
+    _ranks_per_node: int = field(default=1, compare=False)
+
+
+@dataclass
+class Plan:
+    desc: ModelDesc
+    cluster: Cluster
+    job: Job
+    candidates: list[Candidate]
+    dropped_families: dict[str, str]
+    suggestions: list[str]
+
+    @property
+    def fitting(self) -> list[Candidate]:
+        return [c for c in self.candidates if c.fits]
+
+    @property
+    def best(self) -> Candidate | None:
+        fitting = self.fitting
+        return fitting[0] if fitting else None
+
+
+def family_of(layout: Layout) -> str:
+    """'ZeRO-2', 'ZeRO-3 + offload (optimizer, params)', ... for the dropped-families report."""
+    name = f"ZeRO-{layout.zero_stage}"
+    offloaded = [what for what, on in (("optimizer", layout.offload_optimizer), ("params", layout.offload_param)) if on]
+    return name + (f" + offload ({', '.join(offloaded)})" if offloaded else "")
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def enumerate_layouts(desc: ModelDesc, cluster: Cluster, job: Job, *, tp: int | None = None,
+                      pp: int | None = None, zero_stage: int | None = None) -> Iterator[Layout]:
+    """Every layout the rules allow (pin tp, pp or zero_stage to restrict)."""
+    world = cluster.world
+    for t in _divisors(cluster.gpus_per_node):
+        if (tp is not None and t != tp) or desc.heads % t or desc.kv_heads % t or world % t:
+            continue
+        for p in _divisors(world // t):
+            if (pp is not None and p != pp) or p > desc.layers:
+                continue
+            d = world // (t * p)
+            if job.global_batch % d:
+                continue
+            per_replica = job.global_batch // d
+            for stage in ((0, 1) if p > 1 else (0, 1, 2, 3)):
+                if zero_stage is not None and stage != zero_stage:
+                    continue
+                offloads = [(False, False)] + ([(True, False)] if stage >= 1 else []) + (
+                    [(True, True)] if stage == 3 else [])
+                for offload_optimizer, offload_param in offloads:
+                    for micro in _divisors(per_replica):
+                        if micro > MAX_MICRO_BATCH:
+                            break
+                        for checkpointing in ("none", "full"):
+                            yield Layout(dp=d, tp=t, pp=p, zero_stage=stage, offload_optimizer=offload_optimizer,
+                                         offload_param=offload_param, micro_batch=micro,
+                                         grad_accum=per_replica // micro, activation_checkpointing=checkpointing)
+
+
+def usable_gpu_memory(cluster: Cluster) -> float:
+    reserved = 0.0 if cluster.name.startswith("cpu") else RESERVED_PER_GPU
+    return cluster.memory_per_gpu - reserved
+
+
+def evaluate(desc: ModelDesc, layout: Layout, job: Job, cluster: Cluster) -> Candidate:
+    """Memory, time and fit of one layout."""
+    memory = memory_per_rank(desc, layout, job)
+    time = step_time(desc, layout, job, cluster)
+    need = memory.total * (1 + MEMORY_HEADROOM)
+    limit = usable_gpu_memory(cluster)
+    ranks_per_node = min(cluster.gpus_per_node, cluster.world)
+    host_need = memory.cpu_per_rank * ranks_per_node
+    host_limit = cluster.cpu_memory_per_node * HOST_MEMORY_SHARE
+    why = ""
+    if need > limit:
+        why = f"{need / GiB:.1f} GiB > {limit / GiB:.1f} GiB per GPU"
+    elif host_need > host_limit:
+        why = f"{host_need / GiB:.1f} GiB offloaded > {host_limit / GiB:.1f} GiB of host memory per node"
+    tokens_per_s = job.global_batch * job.seq_len / time.total
+    peak = cluster.flops(job.precision) * cluster.world
+    mfu = tokens_per_s * desc.flops_per_token(job.seq_len) / peak
+    return Candidate(layout, memory, time, fits=not why, why_not=why, tokens_per_s=tokens_per_s, mfu=mfu,
+                     _ranks_per_node=ranks_per_node)
+
+
+def _describe(layout: Layout) -> str:
+    return (f"tp {layout.tp} pp {layout.pp} dp {layout.dp}, micro-batch {layout.micro_batch}, "
+            f"checkpointing {layout.activation_checkpointing}")
+
+
+def search(desc: ModelDesc, cluster: Cluster, job: Job, *, tp: int | None = None, pp: int | None = None,
+           zero_stage: int | None = None, suggest: bool = True) -> Plan:
+    """All candidates, fitting ones first by predicted tokens/s, then the rest by memory."""
+    candidates = [evaluate(desc, layout, job, cluster)
+                  for layout in enumerate_layouts(desc, cluster, job, tp=tp, pp=pp, zero_stage=zero_stage)]
+    candidates.sort(key=lambda c: (not c.fits, -c.tokens_per_s if c.fits else 0, c.memory.total))
+    dropped: dict[str, str] = {}
+    fitting_families = {c.family for c in candidates if c.fits}
+    for c in candidates:  # the least memory-hungry member of each family that never fits
+        if not c.fits and c.family not in fitting_families and c.family not in dropped:
+            dropped[c.family] = f"needs {c.why_not} at best ({_describe(c.layout)})"
+    plan = Plan(desc, cluster, job, candidates, dropped, [])
+    if suggest and not plan.fitting:
+        plan.suggestions = suggestions(desc, cluster, job, candidates, tp=tp, pp=pp, zero_stage=zero_stage)
+    return plan
+
+
+def suggestions(desc: ModelDesc, cluster: Cluster, job: Job, candidates: list[Candidate], **pins) -> list[str]:
+    """What would make something fit: more nodes, unpinning, and the closest candidate's gap."""
+    out = []
+    if not candidates:
+        return [f"no layout satisfies the rules for {cluster.world} GPUs and global batch {job.global_batch}: "
+                "choose a global batch divisible by the data-parallel sizes, or unpin --tp/--pp/--zero-stage"]
+    closest = min(candidates, key=lambda c: c.memory.total)
+    out.append(f"closest: {family_of(closest.layout)} ({_describe(closest.layout)}) needs {closest.why_not}")
+    for factor in (2, 4, 8, 16, 32, 64):
+        bigger = resize(cluster, nodes=cluster.nodes * factor)
+        if search(desc, bigger, job, suggest=False, **pins).fitting:
+            out.append(f"{bigger.nodes} nodes ({bigger.world} GPUs) would fit")
+            break
+    if any(pins.values()):
+        if search(desc, cluster, job, suggest=False).fitting:
+            out.append("unpinning --tp/--pp/--zero-stage would fit")
+    return out
+
+
+__all__ = ["Candidate", "Plan", "search", "evaluate", "enumerate_layouts", "family_of", "MATMUL_EFFICIENCY"]

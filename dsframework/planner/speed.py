@@ -1,0 +1,103 @@
+"""Step time of a layout: compute at a fraction of peak, plus the communication left exposed.
+
+    t = step_time(desc, layout, job, cluster)
+    t.total, t.compute, t.tp_comm, t.dp_comm, t.pp_bubble, t.pp_comm, t.offload
+    tokens_per_s = job.global_batch * job.seq_len / t.total
+
+Every constant and overlap assumption is named below, in one place. Ring collectives over n ranks
+move 2 (n-1)/n of the buffer per rank for an all-reduce and (n-1)/n for a reduce-scatter or an
+all-gather; a group that spans nodes runs at the inter-node bandwidth.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dsframework.planner.cluster import Cluster
+from dsframework.planner.memory import Job, Layout, stage_shapes
+from dsframework.planner.model import ModelDesc
+
+MATMUL_EFFICIENCY = 0.45  # achieved / peak FLOP/s of a transformer step (MFU of a good run)
+RECOMPUTE_FACTOR = 4 / 3  # full checkpointing runs the forward twice: 4 passes instead of 3
+DP_OVERLAP = 0.5  # share of ZeRO's gradient reduction hidden behind the backward pass
+ZERO3_GATHER_OVERLAP = 0.5  # share of ZeRO-3's parameter all-gathers hidden by prefetching
+TP_OVERLAP = 0.0  # Megatron TP all-reduces sit on the critical path
+CPU_ADAM_PARAMS_PER_S = 1.0e9  # DeepSpeedCPUAdam, parameters updated per second per rank
+COLLECTIVE_LATENCY_S = 20e-6  # fixed cost of one collective call
+
+
+@dataclass(frozen=True)
+class StepTime:
+    compute: float
+    tp_comm: float
+    dp_comm: float
+    pp_bubble: float
+    pp_comm: float
+    offload: float
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.tp_comm + self.dp_comm + self.pp_bubble + self.pp_comm + self.offload
+
+
+def _ring(bytes_: float, ranks: int, bandwidth: float, *, all_reduce: bool) -> float:
+    if ranks <= 1:
+        return 0.0
+    factor = 2 * (ranks - 1) / ranks if all_reduce else (ranks - 1) / ranks
+    return factor * bytes_ / bandwidth + COLLECTIVE_LATENCY_S
+
+
+def _bandwidth(cluster: Cluster, group_span: int) -> float:
+    """Ranks `group_span` apart in the grid: within a node if the whole span fits in one."""
+    return cluster.intra_node_bandwidth if group_span <= cluster.gpus_per_node else cluster.inter_node_bandwidth
+
+
+def step_time(desc: ModelDesc, layout: Layout, job: Job, cluster: Cluster) -> StepTime:
+    """Seconds per optimizer step (see the module docstring for the model)."""
+    w = job.param_bytes
+    tokens_per_rank = job.global_batch * job.seq_len / layout.dp  # each replica's share
+    flops = desc.flops_per_token(job.seq_len) * tokens_per_rank / (layout.tp * layout.pp)
+    if layout.activation_checkpointing == "full":
+        flops *= RECOMPUTE_FACTOR
+    compute = flops / (cluster.flops(job.precision) * MATMUL_EFFICIENCY)
+
+    stages = stage_shapes(desc, layout.tp, layout.pp)
+    busiest = max(stages, key=lambda s: s.params)
+    micro_batches = layout.grad_accum
+    activation_bytes = layout.micro_batch * job.seq_len * desc.hidden * w
+
+    # Tensor parallel: 2 all-reduces forward, 2 backward per layer and micro-batch (+1 recompute).
+    tp_calls = (4 + 2 * (layout.activation_checkpointing == "full")) * busiest.layers * micro_batches
+    tp_comm = (1 - TP_OVERLAP) * tp_calls * _ring(activation_bytes, layout.tp,
+                                                   _bandwidth(cluster, layout.tp), all_reduce=True)
+
+    # Data parallel: the dp group's ranks sit tp apart (tensor ranks are innermost).
+    dp_bw = _bandwidth(cluster, layout.dp * layout.tp)
+    grad_bytes = busiest.params * w
+    if layout.zero_stage <= 1:
+        reduce = _ring(grad_bytes, layout.dp, dp_bw, all_reduce=True)
+        gather = 0.0
+    elif layout.zero_stage == 2:
+        reduce = _ring(grad_bytes, layout.dp, dp_bw, all_reduce=False)
+        gather = _ring(grad_bytes, layout.dp, dp_bw, all_reduce=False)  # updated params
+    else:  # ZeRO-3: gather parameters for forward and backward of every micro-batch
+        reduce = micro_batches * _ring(grad_bytes, layout.dp, dp_bw, all_reduce=False)
+        gather = (1 - ZERO3_GATHER_OVERLAP) * 2 * micro_batches * _ring(grad_bytes, layout.dp, dp_bw,
+                                                                        all_reduce=False)
+    dp_comm = (1 - DP_OVERLAP) * reduce + gather
+
+    # Pipeline: (p - 1) idle micro-batch slots of the 1F1B schedule, and activations sent across.
+    bubble = compute * (layout.pp - 1) / micro_batches if layout.pp > 1 else 0.0
+    pp_comm = 0.0
+    if layout.pp > 1:
+        pp_bw = _bandwidth(cluster, layout.tp * layout.dp * 2)
+        pp_comm = 2 * micro_batches * (activation_bytes / layout.tp / pp_bw + COLLECTIVE_LATENCY_S)
+
+    # Offload: the optimizer step on the CPU, gradients down and parameters up over PCIe.
+    offload = 0.0
+    partition = busiest.params / layout.dp
+    if layout.offload_optimizer:
+        offload += partition / CPU_ADAM_PARAMS_PER_S + 2 * partition * 4 / cluster.host_to_device_bandwidth
+    if layout.offload_param:
+        offload += 2 * micro_batches * partition * w / cluster.host_to_device_bandwidth
+    return StepTime(compute=compute, tp_comm=tp_comm, dp_comm=dp_comm, pp_bubble=bubble, pp_comm=pp_comm,
+                    offload=offload)

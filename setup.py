@@ -26,6 +26,6 @@ setup(
         "pydantic>=2.5",
         "tqdm",
     ],
-    extras_require={"dev": ["pytest>=8", "pytest-timeout"]},
+    extras_require={"dev": ["pytest>=8", "pytest-timeout", "hypothesis"]},
     entry_points={"console_scripts": ["dsf=dsframework.cli:main"]},
 )

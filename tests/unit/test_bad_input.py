@@ -141,6 +141,7 @@ def sets(*assignments: str) -> tuple[str, ...]:
 
 
 OUT = "output_dir: {tmp}/out\n"
+PLAN_ARGS = ("plan", "--model", "llama-7b", "--seq-len", "2048", "--global-batch", "64")
 # TINY_RUN as YAML, for cases that get as far as building the engine.
 TINY_YAML_SETTINGS = """\
 data: {num_examples: 200, seq_len: 16}
@@ -273,6 +274,24 @@ CASES = [
     Case("export-out-dir-is-a-file", ("export", "{ckpt}", "{tmp}/hf.bin"),
          expect=("OUT_DIR", "hf.bin"), files={"hf.bin": "not a directory\n"}, guard=("hf.bin", "{ckpt}"),
          needs_ckpt=True),
+    # --- dsf plan -------------------------------------------------------------------------------
+    Case("plan-unknown-cluster", PLAN_ARGS + ("--cluster", "h100-40gb"), expect=("--cluster", "h100-40gb", "h100-80gb")),
+    Case("plan-corrupt-cluster-profile", PLAN_ARGS + ("--cluster", "{tmp}/cpu.json"),
+         expect=("--cluster", "cpu.json", "JSON"), files={"cpu.json": '{"name": "cpu", "memory_per_gpu": '},
+         guard=("cpu.json",)),
+    Case("plan-profile-unknown-field", PLAN_ARGS + ("--cluster", "{tmp}/cpu.json"),
+         expect=("cpu.json", "memory_per_gpus", "memory_per_gpu"),
+         files={"cpu.json": '{"name": "cpu", "memory_per_gpus": 1e9, "peak_flops": {"fp32": 1e9}}'},
+         guard=("cpu.json",)),
+    Case("plan-unknown-model", ("plan", "--model", "llama-8x", "--cluster", "h100-80gb", "--seq-len", "2048",
+                                "--global-batch", "64"), expect=("model.name", "llama-8x")),
+    Case("plan-output-dir-holds-a-plan", PLAN_ARGS + ("--cluster", "h100-80gb", "-o", "{tmp}/plan"),
+         expect=("--output-dir", "ds_config.json", "--force"),
+         files={"plan/run.yaml": "sentinel\n", "plan/ds_config.json": "{}\n"}, guard=("plan",)),
+    Case("plan-nothing-fits-with-output-dir", ("plan", "--model", "llama-70b", "--cluster", "a100-40gb",
+                                               "--gpus-per-node", "2", "--seq-len", "4096", "--global-batch", "8",
+                                               "-o", "{tmp}/plan"),
+         expect=("--output-dir", "no layout fits"), absent=("plan",)),
     # --- the command line itself ------------------------------------------------------------------
     Case("unknown-subcommand", ("trian", "run.yaml"), expect=("trian",)),
 ]

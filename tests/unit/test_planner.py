@@ -1,0 +1,161 @@
+"""The planner: exact parameter counts, activation bytes against what autograd really saves,
+the search rules, and `dsf plan` (table, JSON schema, files for dsf train, errors)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from dsframework.cli import cli
+from dsframework.config import ModelSpec, load_run_config
+from dsframework.models import build_model, causal_lm_class, resolve_model
+from dsframework.planner.cluster import GiB, cluster_preset
+from dsframework.planner.memory import Job, Layout, memory_per_rank, stage_shapes
+from dsframework.planner.model import _generic, describe_model
+from dsframework.planner.search import enumerate_layouts, search
+
+
+def _configs():
+    from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
+
+    presets = {name: resolve_model(ModelSpec(name=name)).config
+               for name in ("tiny-llama", "tiny-gpt2", "small-llama", "gpt2-124m", "llama-1b", "llama-7b")}
+    small = dict(vocab_size=1000, hidden_size=64, intermediate_size=100, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2)
+    return {**presets, "qwen2": Qwen2Config(**small), "mistral": MistralConfig(**small),
+            "llama-biases-tied": LlamaConfig(**small, attention_bias=True, mlp_bias=True, tie_word_embeddings=True),
+            "gpt2-n_inner": GPT2Config(vocab_size=1000, n_embd=64, n_layer=2, n_head=4, n_inner=100)}
+
+
+CONFIGS = _configs()
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_parameter_counts_are_exact(name):
+    config = CONFIGS[name]
+    with torch.device("meta"):
+        model = causal_lm_class(config)(config)
+    layer = model.base_model.layers[0] if hasattr(model.base_model, "layers") else model.base_model.h[0]
+    desc = describe_model(config, name=name)
+    assert desc.total_params == sum(p.numel() for p in model.parameters())
+    assert desc.layer_params == sum(p.numel() for p in layer.parameters())
+    assert _generic(config, name).total_params == desc.total_params, "the meta-device fallback agrees"
+
+
+def test_flops_per_token_is_six_n_plus_attention():
+    desc = describe_model(CONFIGS["llama-7b"], name="llama-7b")
+    dense = desc.layers * desc.layer_sharded + desc.vocab * desc.hidden
+    assert desc.flops_per_token(2048) == pytest.approx(6 * dense + 12 * desc.layers * 2048 * desc.hidden)
+    assert 6 * 6.5e9 < desc.flops_per_token(2048) < 6 * 8e9
+
+
+def _saved_bytes(model, input_ids) -> int:
+    """Bytes autograd keeps for backward: every distinct storage packed, parameters excluded."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(tensor):
+        ptr = tensor.untyped_storage().data_ptr()
+        if ptr not in params:
+            seen.setdefault(ptr, tensor.untyped_storage().nbytes())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(input_ids=input_ids, labels=input_ids)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "full"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2"])
+def test_activation_bytes_match_what_autograd_saves(one_thread, name, checkpointing):
+    source = resolve_model(ModelSpec(name=name))
+    source.config.vocab_size = 97
+    model = build_model(source, source.config, seed=1).train()
+    if checkpointing == "full":  # what dsf train does with activation_checkpointing=full
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    desc = describe_model(model.config, name=name)
+    for micro_batch, seq_len in [(1, 32), (2, 64), (4, 128), (1, 256)]:
+        measured = _saved_bytes(model, torch.randint(0, 97, (micro_batch, seq_len)))
+        predicted = memory_per_rank(desc, Layout(dp=1, micro_batch=micro_batch, activation_checkpointing=checkpointing),
+                                    Job(seq_len=seq_len, global_batch=micro_batch, precision="fp32")).activations
+        assert abs(predicted - measured) <= 0.15 * measured, (micro_batch, seq_len, predicted, measured)
+
+
+def test_pipeline_stages_cover_the_model_once_and_tp_splits_it():
+    desc = describe_model(CONFIGS["llama-7b"], name="llama-7b")
+    assert sum(s.params for s in stage_shapes(desc, 1, 1)) == desc.total_params
+    assert sum(s.layers for s in stage_shapes(desc, 1, 4)) == desc.layers
+    split = sum(s.params for s in stage_shapes(desc, 2, 1))
+    assert split == pytest.approx(desc.total_params / 2, rel=0.01)  # only norms stay whole
+
+
+def test_zero_stages_shrink_model_states_as_deepspeed_does():
+    desc = describe_model(CONFIGS["llama-7b"], name="llama-7b")
+    job = Job(seq_len=2048, global_batch=64, precision="bf16")
+    states = [memory_per_rank(desc, Layout(dp=8, zero_stage=z, micro_batch=1, grad_accum=8), job) for z in range(4)]
+    P = desc.total_params
+    assert states[1].optimizer == pytest.approx(12 * P / 8) and states[1].grads == pytest.approx(2 * P)
+    assert states[2].grads == pytest.approx(2 * P / 8) and states[2].params == pytest.approx(2 * P)
+    assert states[3].params < 2 * P / 8 * 1.01
+    offloaded = memory_per_rank(desc, Layout(dp=8, zero_stage=3, offload_optimizer=True, offload_param=True), job)
+    assert offloaded.optimizer == 0 and offloaded.cpu_per_rank >= (12 + 2 + 4) * P / 8 * 0.99
+
+
+def test_search_obeys_the_rules():
+    desc = describe_model(CONFIGS["llama-7b"], name="llama-7b")
+    cluster = cluster_preset("a100-80gb", nodes=2, gpus_per_node=8)
+    job = Job(seq_len=2048, global_batch=128)
+    layouts = list(enumerate_layouts(desc, cluster, job))
+    assert layouts and all(lay.world == 16 for lay in layouts)
+    assert all(lay.micro_batch * lay.grad_accum * lay.dp == 128 for lay in layouts)
+    assert all(lay.zero_stage <= 1 for lay in layouts if lay.pp > 1)
+    assert all(desc.heads % lay.tp == 0 and lay.tp <= 8 for lay in layouts)
+    assert all(lay.zero_stage == 3 for lay in layouts if lay.offload_param)
+    assert {lay.tp for lay in layouts} == {1, 2, 4, 8} and max(lay.pp for lay in layouts) == 16
+
+
+def test_a_70b_model_needs_more_than_one_node_and_says_why():
+    desc = describe_model(resolve_model(ModelSpec(name="llama-70b")).config, name="llama-70b")
+    plan = search(desc, cluster_preset("a100-40gb", nodes=1, gpus_per_node=8), Job(seq_len=4096, global_batch=64))
+    assert plan.best is None
+    assert "ZeRO-2" in plan.dropped_families and "GiB >" in plan.dropped_families["ZeRO-2"]
+    assert any("nodes" in line and "would fit" in line for line in plan.suggestions)
+
+
+def _plan(*args):
+    return CliRunner().invoke(cli, ["plan", *args], catch_exceptions=False)
+
+
+def test_dsf_plan_table_and_json_schema():
+    args = ["--model", "llama-7b", "--cluster", "h100-80gb", "--nodes", "2", "--seq-len", "4096",
+            "--global-batch", "256"]
+    table = _plan(*args, "--top", "3")
+    assert table.exit_code == 0 and "tokens/s" in table.output and "| 3 |" in table.output
+    data = json.loads(_plan(*args, "--json").stdout)
+    record = data["candidates"][0]
+    assert set(record) >= {"dp", "tp", "pp", "zero_stage", "offload_optimizer", "offload_param", "micro_batch",
+                           "grad_accum", "activation_checkpointing", "fits", "memory", "cpu_memory",
+                           "step_time_s", "tokens_per_s"}
+    assert set(record["memory"]) == {"params", "grads", "optimizer", "activations", "buffers", "total"}
+    assert record["fits"] and record["memory"]["total"] < 80 * GiB
+    assert record["dp"] * record["tp"] * record["pp"] == 16
+
+
+def test_dsf_plan_writes_a_run_config_dsf_train_reads(tmp_path):
+    out = tmp_path / "plan"
+    result = _plan("--model", "tiny-llama", "--cluster", "cpu-local", "--nodes", "1", "--gpus-per-node", "4",
+                   "--seq-len", "64", "--global-batch", "16", "--precision", "fp32", "-o", str(out))
+    assert result.exit_code == 0, result.output
+    run = load_run_config(out / "run.yaml")
+    ds = json.loads((out / "ds_config.json").read_text())
+    dp = 4 // (run.parallel.tp * run.parallel.pp)
+    assert ds["train_batch_size"] == 16 == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * dp
+    assert ds["zero_optimization"]["stage"] == run.parallel.zero_stage
+
+
+def test_dsf_plan_pins_a_dimension():
+    data = json.loads(_plan("--model", "llama-7b", "--cluster", "h100-80gb", "--seq-len", "2048",
+                            "--global-batch", "64", "--tp", "2", "--zero-stage", "1", "--json").stdout)
+    assert {(c["tp"], c["zero_stage"]) for c in data["candidates"]} == {(2, 1)}

@@ -1,0 +1,63 @@
+"""Property test: whatever the model and cluster, the planner never emits an invalid layout.
+
+For 500 random Llama-family models (heads, kv heads, layers, widths, vocabularies) on random
+clusters (GPU type, nodes, GPUs per node) and jobs (sequence length, global batch, precision),
+every candidate obeys the rules, and the DeepSpeed JSON of the ones `dsf plan` shows (the top
+fitting layouts and the closest misses) passes DeepSpeed's own DeepSpeedConfig at its
+data-parallel size, with the run config `dsf train` would read.
+"""
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dsframework.config import build_run_config
+from dsframework.dsconfig import build_ds_config, validate_ds_config
+from dsframework.planner.cluster import CLUSTER_PRESETS, cluster_preset
+from dsframework.planner.memory import Job
+from dsframework.planner.model import describe_model
+from dsframework.planner.report import run_config_dict
+from dsframework.planner.search import search
+
+SHOWN_FITTING, SHOWN_MISSES = 8, 3
+
+
+@st.composite
+def models(draw):
+    from transformers import LlamaConfig
+
+    kv_heads = draw(st.sampled_from([1, 2, 4, 8]))
+    heads = kv_heads * draw(st.sampled_from([1, 2, 3, 4, 8]))
+    head_dim = draw(st.sampled_from([16, 64, 128]))
+    return LlamaConfig(vocab_size=draw(st.integers(100, 160_000)), hidden_size=heads * head_dim,
+                       intermediate_size=draw(st.integers(1, 64)) * 128,
+                       num_hidden_layers=draw(st.integers(1, 96)), num_attention_heads=heads,
+                       num_key_value_heads=kv_heads, tie_word_embeddings=draw(st.booleans()))
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(config=models(), cluster_name=st.sampled_from(CLUSTER_PRESETS), nodes=st.sampled_from([1, 2, 3, 4, 16, 64]),
+       gpus_per_node=st.sampled_from([1, 2, 4, 8]), seq_len=st.sampled_from([128, 512, 2048, 8192]),
+       batch_factor=st.integers(1, 64), precision=st.sampled_from(["fp32", "bf16", "fp16"]))
+def test_every_candidate_is_valid(config, cluster_name, nodes, gpus_per_node, seq_len, batch_factor, precision):
+    desc = describe_model(config, name="random")
+    cluster = cluster_preset(cluster_name, nodes=nodes, gpus_per_node=gpus_per_node)
+    job = Job(seq_len=seq_len, global_batch=batch_factor * gpus_per_node, precision=precision)
+    plan = search(desc, cluster, job, suggest=False)
+    for c in plan.candidates:
+        lay = c.layout
+        assert lay.dp * lay.tp * lay.pp == cluster.world
+        assert lay.micro_batch * lay.grad_accum * lay.dp == job.global_batch
+        assert lay.pp == 1 or lay.zero_stage <= 1, "the pipeline engine takes ZeRO 0/1 only"
+        assert config.num_attention_heads % lay.tp == 0 and config.num_key_value_heads % lay.tp == 0
+        assert lay.tp <= gpus_per_node and lay.pp <= config.num_hidden_layers
+        assert not lay.offload_param or (lay.zero_stage == 3 and lay.offload_optimizer)
+        assert c.memory.total > 0 and c.time.total > 0
+    misses = [c for c in plan.candidates if not c.fits]
+    for c in plan.fitting[:SHOWN_FITTING] + misses[:SHOWN_MISSES]:
+        run = build_run_config(run_config_dict(c, model_name="tiny-llama", seq_len=seq_len,
+                                               global_batch=job.global_batch, precision=precision))
+        ds = build_ds_config(run.train, run.parallel, dp_size=c.layout.dp)
+        assert ds["train_batch_size"] == (ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"]
+                                          * c.layout.dp)
+        validate_ds_config(ds, dp_size=c.layout.dp)

@@ -22,8 +22,9 @@ splitting, w the parameter bytes (4 fp32, 2 bf16/fp16), d the data-parallel size
            (<= 1e5 elements,
            kept whole)
 
-Offloading the optimizer moves its 12 P / d (and, for ZeRO 2-3, the fp32 gradient partition) to
-host memory; offloading parameters (ZeRO-3) moves the w P / d partition there too.
+Offloading the optimizer moves its 12 P / d and an fp32 gradient partition (4 P / d) to host
+memory (ZeRO-2 then keeps no gradient partition on the device; ZeRO-3 keeps its w P / d one);
+offloading parameters (ZeRO-3) moves the w P / d parameter partition there too.
 
 Activations (bytes saved for backward, per micro-batch) follow Korthikanti et al., "Reducing
 Activation Recomputation in Large Transformer Models" (2022), section 4: per layer
@@ -116,13 +117,19 @@ class Memory:
     optimizer: float
     activations: float
     buffers: float
-    cpu_per_rank: float = 0.0
+    cpu_params: float = 0.0  # offloaded to host memory (ZeRO-Offload / ZeRO-Infinity to CPU)
+    cpu_grads: float = 0.0
+    cpu_optimizer: float = 0.0
     stage: int = 0  # the pipeline stage this is (the busiest)
     parts: dict = field(default_factory=dict, compare=False)  # details: elements per rank etc.
 
     @property
     def total(self) -> float:
         return self.params + self.grads + self.optimizer + self.activations + self.buffers
+
+    @property
+    def cpu_per_rank(self) -> float:
+        return self.cpu_params + self.cpu_grads + self.cpu_optimizer
 
     def as_dict(self) -> dict[str, float]:
         return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
@@ -256,11 +263,11 @@ def _edge_activation_bytes(desc: ModelDesc, shape: StageShape, *, micro_batch: i
 
 # --- the breakdown --------------------------------------------------------------------------------
 
-def _model_states(shape: StageShape, layout: Layout, job: Job) -> tuple[float, float, float, float]:
-    """(params, grads, optimizer, cpu) bytes for one rank of a stage."""
+def _model_states(shape: StageShape, layout: Layout, job: Job) -> dict[str, float]:
+    """Bytes of params, grads, optimizer (on the device) and cpu_* (offloaded) for one rank."""
     P, d, w, z = shape.params, layout.dp, job.param_bytes, layout.zero_stage
-    if z == 3:
-        params = w * P / d + w * shape.persistent
+    if z == 3:  # the partition, plus gathered copies of the persistent ones (one rank: the same)
+        params = w * P / d + (w * shape.persistent if d > 1 else 0)
     else:
         params = w * P
     if z == 0:
@@ -274,16 +281,16 @@ def _model_states(shape: StageShape, layout: Layout, job: Job) -> tuple[float, f
                      "fp16": (MASTER_BYTES + ADAM_STATE_BYTES) * P}[job.precision]
     else:
         optimizer = (MASTER_BYTES + ADAM_STATE_BYTES) * P / d
-    cpu = 0.0
+    states = {"params": params, "grads": grads, "optimizer": optimizer,
+              "cpu_params": 0.0, "cpu_grads": 0.0, "cpu_optimizer": 0.0}
     if layout.offload_optimizer:
-        cpu += optimizer + (4 * P / d if z >= 2 else 0)
-        optimizer = 0.0
-        if z >= 2:
-            grads = 0.0  # the partition lives in host memory; the bucket stays (buffers)
+        states["cpu_optimizer"], states["optimizer"] = optimizer, 0.0
+        if z >= 2:  # the fp32 gradient partition lives in host memory; ZeRO-2 copies reduced
+            states["cpu_grads"] = 4 * P / d  # buckets straight into it, ZeRO-3 keeps its own
+            states["grads"] = 0.0 if z == 2 else states["grads"]  # device partition as well
     if layout.offload_param:
-        cpu += w * P / d
-        params = w * shape.persistent
-    return params, grads, optimizer, cpu
+        states["cpu_params"], states["params"] = w * P / d, (w * shape.persistent if d > 1 else 0)
+    return states
 
 
 def _buffers(desc: ModelDesc, shape: StageShape, layout: Layout, job: Job, layer_act: float) -> float:
@@ -307,23 +314,24 @@ def _buffers(desc: ModelDesc, shape: StageShape, layout: Layout, job: Job, layer
     return total
 
 
-def memory_per_rank(desc: ModelDesc, layout: Layout, job: Job) -> Memory:
-    """The busiest stage's rank: the one whose total is largest."""
+def stage_memories(desc: ModelDesc, layout: Layout, job: Job) -> list[Memory]:
+    """The memory of a rank of each pipeline stage (one entry without a pipeline)."""
     layer_act = layer_activation_bytes(desc, micro_batch=layout.micro_batch, seq_len=job.seq_len, tp=layout.tp,
                                        precision=job.precision)
     kept_per_layer = (layout.micro_batch * job.seq_len * desc.hidden * job.param_bytes
                       if layout.activation_checkpointing == "full" else layer_act)
-    best: Memory | None = None
+    memories = []
     for index, shape in enumerate(stage_shapes(desc, layout.tp, layout.pp)):
         in_flight = min(layout.pp - index, layout.grad_accum) if layout.pp > 1 else 1
         edge = _edge_activation_bytes(desc, shape, micro_batch=layout.micro_batch, seq_len=job.seq_len,
                                       tp=layout.tp, precision=job.precision)
-        activations = in_flight * (shape.layers * kept_per_layer + edge)
-        params, grads, optimizer, cpu = _model_states(shape, layout, job)
-        memory = Memory(params=params, grads=grads, optimizer=optimizer, activations=activations,
-                        buffers=_buffers(desc, shape, layout, job, layer_act), cpu_per_rank=cpu, stage=index,
-                        parts={"params_elements": shape.params, "layers": shape.layers})
-        if best is None or memory.total > best.total:
-            best = memory
-    assert best is not None
-    return best
+        memories.append(Memory(**_model_states(shape, layout, job),
+                               activations=in_flight * (shape.layers * kept_per_layer + edge),
+                               buffers=_buffers(desc, shape, layout, job, layer_act), stage=index,
+                               parts={"params_elements": shape.params, "layers": shape.layers}))
+    return memories
+
+
+def memory_per_rank(desc: ModelDesc, layout: Layout, job: Job) -> Memory:
+    """The busiest stage's rank: the one whose total is largest."""
+    return max(stage_memories(desc, layout, job), key=lambda memory: memory.total)

@@ -1,0 +1,81 @@
+"""The planner's model states match a live DeepSpeed engine: on every rank, the predicted bytes of
+parameters, gradients and optimizer states are within 5% of what the engine holds (see
+workers/model_states.py for what is counted), at world 1, 2 and 4, ZeRO 0-3, with CPU optimizer
+(and parameter) offload, and at tp2 and pp2.
+
+One launch per world size trains every case of that world one step, case after case.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dsframework.config import load_run_config
+from dsframework.dsconfig import resolve_batch
+from dsframework.planner.memory import Job, Layout, stage_memories
+from dsframework.planner.model import describe_model
+from tests.distributed.launcher import TINY_YAML, launch
+
+WORKER = Path(__file__).parent / "workers" / "model_states.py"
+BASE = ["model.name=tiny-llama", "data.dataset=counting", "data.num_examples=400", "data.seq_len=32",
+        "train.global_batch=8", "train.micro_batch=2", "train.precision=fp32", "logging.progress=false",
+        "logging.eval_every=0", "checkpoint.every=0", "checkpoint.save_final=false"]
+CASES = {  # world: {case: overrides}
+    1: {"zero0": "parallel.zero_stage=0", "zero3": "parallel.zero_stage=3"},
+    2: {"zero0": "parallel.zero_stage=0", "zero1": "parallel.zero_stage=1", "zero2": "parallel.zero_stage=2",
+        "zero3": "parallel.zero_stage=3",
+        "zero2_offload": "parallel.zero_stage=2,parallel.offload_optimizer=cpu",
+        "zero3_offload": "parallel.zero_stage=3,parallel.offload_optimizer=cpu,parallel.offload_param=cpu"},
+    4: {"zero1": "parallel.zero_stage=1", "tp2_zero1": "parallel.zero_stage=1,parallel.tp=2",
+        "pp2_zero1": "parallel.zero_stage=1,parallel.pp=2,train.micro_batch=1"},
+}
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    """{(world, case): [per-rank measurement]}, from one launch per world size."""
+    results = {}
+    for world, cases in CASES.items():
+        out = tmp_path_factory.mktemp(f"world{world}")
+        sets = [arg for o in BASE for arg in ("--set", o)]
+        launch([str(WORKER), str(out), str(TINY_YAML), *[f"case:{n}:{o}" for n, o in cases.items()], *sets],
+               num_ranks=world)
+        for name in cases:
+            ranks = sorted(out.glob(f"{name}-rank*.json"))
+            assert len(ranks) == world, f"{name}: {len(ranks)} of {world} ranks reported"
+            results[(world, name)] = (out / name, [json.loads(p.read_text()) for p in ranks])
+    return results
+
+
+def predicted(output_dir: Path, world: int):
+    """The planner's per-stage memory for the run that wrote `output_dir`."""
+    from transformers import AutoConfig
+
+    run = load_run_config(output_dir / "checkpoints" / "run.yaml")
+    desc = describe_model(AutoConfig.from_pretrained(output_dir / "checkpoints" / "hf_config"), name="tiny-llama")
+    par = run.parallel
+    dp = world // (par.tp * par.pp)
+    batch = resolve_batch(run.train.micro_batch, run.train.grad_accum, run.train.global_batch, dp_size=dp)
+    layout = Layout(dp=dp, tp=par.tp, pp=par.pp, zero_stage=par.zero_stage,
+                    offload_optimizer=par.offload_optimizer == "cpu", offload_param=par.offload_param == "cpu",
+                    micro_batch=batch.micro_batch, grad_accum=batch.grad_accum,
+                    activation_checkpointing=par.activation_checkpointing)
+    return stage_memories(desc, layout, Job(seq_len=run.data.seq_len, global_batch=batch.global_batch,
+                                            precision=run.train.precision))
+
+
+@pytest.mark.parametrize("world,case", [(w, c) for w, cases in CASES.items() for c in cases])
+def test_model_states_match_the_live_engine(measured, world, case):
+    output_dir, ranks = measured[(world, case)]
+    stages = predicted(output_dir, world)
+    for got in ranks:
+        want = stages[got["stage"]]
+        # Host and device bytes together: on CPU ranks the offloaded states are host memory too.
+        expected = {"params": want.params + want.cpu_params, "grads": want.grads + want.cpu_grads,
+                    "optimizer": want.optimizer + want.cpu_optimizer}
+        for key, value in expected.items():
+            assert got[key] > 0, f"{case} rank {got['rank']}: measured no {key}"
+            assert abs(value - got[key]) <= 0.05 * got[key], (
+                f"{case} rank {got['rank']} {key}: predicted {value:,.0f} B, engine holds {got[key]:,} B")

@@ -536,11 +536,11 @@ def read_layer_states(tag_dir: str | Path, *, tensor_rank: int | None = None) ->
         match = _LAYER_FILE.match(path.name)
         if not match:
             continue
-        file_rank = None if match.group(2) is None else int(match.group(2))
-        if file_rank is not None and tensor_rank is None:
+        file_rank = int(match.group(2) or 0)  # layer_XX-model_00-...: DeepSpeed names the axis at tp 1 too
+        if file_rank > 0 and tensor_rank is None:
             raise UserError("checkpoint", str(tag_dir), "holds tensor-parallel layer files (layer_XX-model_YY)",
                             "read them one tensor rank at a time (tensor_rank=)")
-        if file_rank != tensor_rank:
+        if file_rank != (tensor_rank or 0):
             continue
         states[int(match.group(1))] = torch.load(path, map_location="cpu", weights_only=True)
     if not states:

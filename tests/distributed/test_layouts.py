@@ -21,8 +21,11 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("model", ["tiny-llama", "tiny-gpt2"])
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+CASES = [(model, layout) for layout in LAYOUTS for model in ("tiny-llama", "tiny-gpt2")
+         if not (layout == "tp2_dp2_zero3" and model == "tiny-gpt2")]  # ZeRO-3 x TP: one model is enough
+
+
+@pytest.mark.parametrize("model,layout", CASES)
 def test_tensor_parallel_layout_matches_reference(tmp_path, model, layout):
     overrides, world = LAYOUTS[layout]
     overrides = [f"model.name={model}", *overrides]

@@ -6,6 +6,7 @@
     dsf train launch/examples/tiny.yaml --resume          # a world of one, no launcher
     dsf export runs/tiny/checkpoints runs/tiny/hf
     dsf plan --model llama-7b --cluster h100-80gb --nodes 2 --seq-len 4096 --global-batch 256
+    dsf calibrate --ranks 2 -o cpu.json      # then: dsf plan --cluster cpu.json --gpus-per-node 2 ...
     dsf presets
 
 Mistakes in input print one line on stderr (`dsf: error: <field>=<value>: <rule>; <fix>`) and
@@ -200,6 +201,30 @@ def _write_plan_files(plan, output_dir: Path, *, model_name: str) -> None:
     click.echo(f"dsf: wrote {output_dir / 'ds_config.json'} and {output_dir / 'run.yaml'} "
                f"(run: deepspeed --num_gpus {best.layout.world} $(which dsf) train {output_dir / 'run.yaml'})",
                err=True)
+
+
+# --- dsf calibrate ------------------------------------------------------------------------------
+
+@cli.command("calibrate")
+@click.option("--ranks", type=click.IntRange(min=1), default=2, show_default=True,
+              help="ranks this machine runs (CPU: each gets cores / ranks threads)")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=Path("cluster.json"),
+              show_default=True)
+@click.option("--force", is_flag=True, help="replace an existing --output file")
+def calibrate_cmd(ranks: int, output: Path, force: bool) -> None:
+    """Measure matmul FLOP/s, all-reduce bandwidth and memory; write a --cluster profile."""
+    import json
+
+    from dsframework.calibrate import calibrate
+
+    if output.exists() and not force:
+        raise UserError("--output", str(output), "exists", "choose another file or pass --force")
+    profile = calibrate(ranks=ranks)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(profile, indent=2) + "\n")
+    flops = ", ".join(f"{k} {v / 1e9:,.1f} GFLOP/s" for k, v in profile["peak_flops"].items())
+    click.echo(f"dsf: wrote {output}: {flops} per rank; all-reduce {profile['intra_node_bandwidth'] / 1e9:.2f} GB/s "
+               f"across {ranks} ranks; {profile['memory_per_gpu'] / 2 ** 30:.1f} GiB per rank")
 
 
 # --- dsf train ----------------------------------------------------------------------------------

@@ -1,0 +1,145 @@
+"""`dsf calibrate`: measure this machine and write a cluster profile that `dsf plan --cluster` reads.
+
+    profile = calibrate(ranks=2)          # {"name": "calibrated-cpu", "peak_flops": {...}, ...}
+    Path("cpu.json").write_text(json.dumps(profile, indent=2))
+    # dsf plan --model tiny-llama --cluster cpu.json --gpus-per-node 2 ...
+
+What is measured, each the best of a few repeats (peaks, as the presets' figures are):
+- matmul FLOP/s per rank, fp32 and bf16, measured in all `ranks` processes at once with the
+  threads one rank of `dsf train` gets (all cores / ranks on CPU), so that ranks sharing cores
+  are measured sharing them; the slowest rank's figure; on a GPU, on its device;
+- all-reduce bus bandwidth across `ranks` local processes through deepspeed.comm (the path the
+  engine uses): 2 (n-1)/n x bytes / seconds, what the planner's ring model divides by;
+- host-to-device copy bandwidth (a plain memory copy on CPU);
+- memory: each rank's share of the node's RAM on CPU (the device's own memory on a GPU).
+One node is all this machine can see, so the inter-node bandwidth is the intra-node figure.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+MATMUL_SIZE = 1024
+ALLREDUCE_BYTES = 16 * 2 ** 20
+REPEATS = 5
+
+
+def _best_seconds(fn, repeats: int = REPEATS) -> float:
+    fn()  # warm up (allocations, kernels, JIT)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def matmul_flops(dtype_name: str, *, size: int = MATMUL_SIZE, threads: int | None = None) -> float:
+    """Peak FLOP/s of one size x size matmul at `dtype_name` on this process's device."""
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if threads and device == "cpu":
+        torch.set_num_threads(threads)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+
+    def run():
+        for _ in range(4):
+            a @ b
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    return 4 * 2 * size ** 3 / _best_seconds(run)
+
+
+def copy_bandwidth(nbytes: int = 256 * 2 ** 20) -> float:
+    """Bytes/s of a host -> device copy (a host memory copy on CPU)."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory() if torch.cuda.is_available() else torch.empty(
+        nbytes, dtype=torch.uint8)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def run():
+        dst.copy_(src)
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    return nbytes / _best_seconds(run)
+
+
+def _rank_worker(rank: int, world: int, port: int, nbytes: int, queue: Any) -> None:
+    """One rank: matmul FLOP/s (all ranks at once), then the all-reduce bandwidth."""
+    import deepspeed
+    import torch
+
+    from dsframework.jit import pin_build_tools, release_shm_buffers
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    threads = max(1, (os.cpu_count() or 1) // world)
+    pin_build_tools()
+    from deepspeed.accelerator import get_accelerator
+
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), verbose=False)
+    release_shm_buffers()
+    import deepspeed.comm as dist
+
+    dist.barrier()
+    flops = {precision: matmul_flops(precision, threads=threads) for precision in ("fp32", "bf16")}
+    torch.set_num_threads(1)
+    tensor = torch.ones(nbytes // 4, dtype=torch.float32, device=get_accelerator().current_device_name())
+
+    def run():
+        dist.all_reduce(tensor)
+        get_accelerator().synchronize()
+        dist.barrier()
+
+    seconds = _best_seconds(run)
+    bus = 2 * (world - 1) / world * nbytes / seconds if world > 1 else float("inf")
+    queue.put({"rank": rank, "flops": flops, "bandwidth": bus})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure_ranks(ranks: int, *, nbytes: int = ALLREDUCE_BYTES) -> tuple[dict[str, float], float]:
+    """(matmul FLOP/s per precision of the slowest rank, all-reduce bus bandwidth in bytes/s;
+    inf for one rank) measured in `ranks` local processes."""
+    import torch.multiprocessing as mp
+
+    from dsframework.dsconfig import _free_port
+
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_rank_worker, args=(ranks, _free_port(), nbytes, queue), nprocs=ranks, join=True,
+                       start_method="spawn")
+    reports = [queue.get() for _ in range(ranks)]
+    flops = {p: min(r["flops"][p] for r in reports) for p in reports[0]["flops"]}
+    return flops, min(r["bandwidth"] for r in reports)
+
+
+def _node_memory_bytes() -> float:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return float(line.split()[1]) * 1024
+    raise OSError("no MemTotal in /proc/meminfo")
+
+
+def calibrate(*, ranks: int, name: str = "calibrated") -> dict[str, Any]:
+    """The cluster profile of this machine run as `ranks` ranks (see the module docstring)."""
+    import torch
+
+    on_gpu = torch.cuda.is_available()
+    flops, bandwidth = measure_ranks(ranks)
+    node_memory = _node_memory_bytes()
+    memory = torch.cuda.get_device_properties(0).total_memory if on_gpu else node_memory / ranks
+    if bandwidth == float("inf"):  # one rank: nothing to all-reduce; any finite figure will do
+        bandwidth = copy_bandwidth()
+    return {"name": f"{name}-{'gpu' if on_gpu else 'cpu'}", "nodes": 1, "gpus_per_node": ranks,
+            "memory_per_gpu": memory, "peak_flops": flops, "intra_node_bandwidth": bandwidth,
+            "inter_node_bandwidth": bandwidth, "cpu_memory_per_node": node_memory,
+            "host_to_device_bandwidth": copy_bandwidth()}

@@ -11,6 +11,8 @@ What is measured, each the best of a few repeats (peaks, as the presets' figures
 - all-reduce bus bandwidth across `ranks` local processes through deepspeed.comm (the path the
   engine uses): 2 (n-1)/n x bytes / seconds, what the planner's ring model divides by;
 - host-to-device copy bandwidth (a plain memory copy on CPU);
+- the fixed cost of one small operator call (an add of 16 numbers) and of one small collective
+  (an all-reduce of 4 bytes): what dominates the step of a small model;
 - memory: each rank's share of the node's RAM on CPU (the device's own memory on a GPU).
 One node is all this machine can see, so the inter-node bandwidth is the intra-node figure.
 """
@@ -101,14 +103,38 @@ def _rank_worker(rank: int, world: int, port: int, nbytes: int, queue: Any) -> N
 
     seconds = _best_seconds(run)
     bus = 2 * (world - 1) / world * nbytes / seconds if world > 1 else float("inf")
-    queue.put({"rank": rank, "flops": flops, "bandwidth": bus})
+    small = torch.ones(1, dtype=torch.float32, device=tensor.device)
+
+    def small_collectives():
+        for _ in range(100):
+            dist.all_reduce(small)
+        get_accelerator().synchronize()
+
+    latency = _best_seconds(small_collectives) / 100
+    queue.put({"rank": rank, "flops": flops, "bandwidth": bus, "latency": latency, "op": op_overhead()})
     dist.barrier()
     dist.destroy_process_group()
 
 
-def measure_ranks(ranks: int, *, nbytes: int = ALLREDUCE_BYTES) -> tuple[dict[str, float], float]:
-    """(matmul FLOP/s per precision of the slowest rank, all-reduce bus bandwidth in bytes/s;
-    inf for one rank) measured in `ranks` local processes."""
+def op_overhead() -> float:
+    """Seconds of one tiny operator call on this process's device (dispatch and launch)."""
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.ones(16, device=device)
+
+    def run():
+        for _ in range(1000):
+            x.add(1.0)
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    return _best_seconds(run) / 1000
+
+
+def measure_ranks(ranks: int, *, nbytes: int = ALLREDUCE_BYTES) -> dict[str, Any]:
+    """Matmul FLOP/s per precision (the slowest rank's), all-reduce bus bandwidth (inf for one
+    rank), small-collective latency and operator overhead, measured in `ranks` local processes."""
     import torch.multiprocessing as mp
 
     from dsframework.dsconfig import _free_port
@@ -117,8 +143,10 @@ def measure_ranks(ranks: int, *, nbytes: int = ALLREDUCE_BYTES) -> tuple[dict[st
     mp.start_processes(_rank_worker, args=(ranks, _free_port(), nbytes, queue), nprocs=ranks, join=True,
                        start_method="spawn")
     reports = [queue.get() for _ in range(ranks)]
-    flops = {p: min(r["flops"][p] for r in reports) for p in reports[0]["flops"]}
-    return flops, min(r["bandwidth"] for r in reports)
+    return {"peak_flops": {p: min(r["flops"][p] for r in reports) for p in reports[0]["flops"]},
+            "intra_node_bandwidth": min(r["bandwidth"] for r in reports),
+            "collective_latency_s": max(r["latency"] for r in reports),
+            "op_overhead_s": max(r["op"] for r in reports)}
 
 
 def _node_memory_bytes() -> float:
@@ -134,12 +162,11 @@ def calibrate(*, ranks: int, name: str = "calibrated") -> dict[str, Any]:
     import torch
 
     on_gpu = torch.cuda.is_available()
-    flops, bandwidth = measure_ranks(ranks)
+    measured = measure_ranks(ranks)
     node_memory = _node_memory_bytes()
     memory = torch.cuda.get_device_properties(0).total_memory if on_gpu else node_memory / ranks
-    if bandwidth == float("inf"):  # one rank: nothing to all-reduce; any finite figure will do
-        bandwidth = copy_bandwidth()
+    if measured["intra_node_bandwidth"] == float("inf"):  # one rank: nothing to all-reduce
+        measured["intra_node_bandwidth"] = copy_bandwidth()
     return {"name": f"{name}-{'gpu' if on_gpu else 'cpu'}", "nodes": 1, "gpus_per_node": ranks,
-            "memory_per_gpu": memory, "peak_flops": flops, "intra_node_bandwidth": bandwidth,
-            "inter_node_bandwidth": bandwidth, "cpu_memory_per_node": node_memory,
-            "host_to_device_bandwidth": copy_bandwidth()}
+            "memory_per_gpu": memory, **measured, "inter_node_bandwidth": measured["intra_node_bandwidth"],
+            "cpu_memory_per_node": node_memory, "host_to_device_bandwidth": copy_bandwidth()}

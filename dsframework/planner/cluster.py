@@ -34,6 +34,8 @@ class Cluster:
     inter_node_bandwidth: float = 25 * GB
     cpu_memory_per_node: float = 512 * GiB
     host_to_device_bandwidth: float = 25 * GB  # PCIe: what CPU offload pays per GPU
+    op_overhead_s: float = 8e-6  # fixed cost of one kernel / operator call (launch, dispatch)
+    collective_latency_s: float = 30e-6  # fixed cost of one small collective (NCCL in a node)
 
     @property
     def world(self) -> int:
@@ -84,7 +86,8 @@ _GPU_PRESETS: dict[str, dict[str, Any]] = {
     # This kind of machine (2 cores, 24 GiB), one CPU rank per core; `dsf calibrate` measures it.
     "cpu-local": dict(memory_per_gpu=10 * GiB, peak_flops={"fp32": 50e9, "bf16": 20e9},
                       intra_node_bandwidth=2 * GB, inter_node_bandwidth=1 * GB,
-                      cpu_memory_per_node=24 * GiB, host_to_device_bandwidth=10 * GB),
+                      cpu_memory_per_node=24 * GiB, host_to_device_bandwidth=10 * GB,
+                      op_overhead_s=20e-6, collective_latency_s=200e-6),
 }
 CLUSTER_PRESETS = tuple(_GPU_PRESETS)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dsframework.planner.cluster import Cluster
-from dsframework.planner.memory import Job, Layout, stage_shapes
+from dsframework.planner.memory import ZERO3_PERSISTENCE_THRESHOLD, Job, Layout, stage_shapes
 from dsframework.planner.model import ModelDesc
 
 MATMUL_EFFICIENCY = 0.45  # achieved / peak FLOP/s of a transformer step (MFU of a good run)
@@ -22,7 +22,11 @@ DP_OVERLAP = 0.5  # share of ZeRO's gradient reduction hidden behind the backwar
 ZERO3_GATHER_OVERLAP = 0.5  # share of ZeRO-3's parameter all-gathers hidden by prefetching
 TP_OVERLAP = 0.0  # Megatron TP all-reduces sit on the critical path
 CPU_ADAM_PARAMS_PER_S = 1.0e9  # DeepSpeedCPUAdam, parameters updated per second per rank
-COLLECTIVE_LATENCY_S = 20e-6  # fixed cost of one collective call
+OPS_PER_LAYER = 90  # operator calls of one decoder layer's forward + backward, one micro-batch
+OPS_PER_STEP = 200  # the engine's per-step calls: clipping, optimizer, schedule, bookkeeping
+ZERO3_OPS_PER_FETCH = 20  # ZeRO-3's hook bookkeeping around each parameter fetch or release
+# The fixed cost of one operator call and of one small collective come from the cluster
+# profile (`op_overhead_s`, `collective_latency_s`): `dsf calibrate` measures both.
 
 
 @dataclass(frozen=True)
@@ -33,17 +37,19 @@ class StepTime:
     pp_bubble: float
     pp_comm: float
     offload: float
+    overhead: float = 0.0  # operator calls and ZeRO-3 fetch bookkeeping, independent of size
 
     @property
     def total(self) -> float:
-        return self.compute + self.tp_comm + self.dp_comm + self.pp_bubble + self.pp_comm + self.offload
+        return (self.compute + self.tp_comm + self.dp_comm + self.pp_bubble + self.pp_comm + self.offload
+                + self.overhead)
 
 
-def _ring(bytes_: float, ranks: int, bandwidth: float, *, all_reduce: bool) -> float:
+def _ring(bytes_: float, ranks: int, bandwidth: float, *, all_reduce: bool, latency: float) -> float:
     if ranks <= 1:
         return 0.0
     factor = 2 * (ranks - 1) / ranks if all_reduce else (ranks - 1) / ranks
-    return factor * bytes_ / bandwidth + COLLECTIVE_LATENCY_S
+    return factor * bytes_ / bandwidth + latency
 
 
 def _bandwidth(cluster: Cluster, group_span: int) -> float:
@@ -68,21 +74,23 @@ def step_time(desc: ModelDesc, layout: Layout, job: Job, cluster: Cluster) -> St
     # Tensor parallel: 2 all-reduces forward, 2 backward per layer and micro-batch (+1 recompute).
     tp_calls = (4 + 2 * (layout.activation_checkpointing == "full")) * busiest.layers * micro_batches
     tp_comm = (1 - TP_OVERLAP) * tp_calls * _ring(activation_bytes, layout.tp,
-                                                   _bandwidth(cluster, layout.tp), all_reduce=True)
+                                                   _bandwidth(cluster, layout.tp), all_reduce=True,
+                                                   latency=cluster.collective_latency_s)
 
     # Data parallel: the dp group's ranks sit tp apart (tensor ranks are innermost).
     dp_bw = _bandwidth(cluster, layout.dp * layout.tp)
+    lat = cluster.collective_latency_s
     grad_bytes = busiest.params * w
     if layout.zero_stage <= 1:
-        reduce = _ring(grad_bytes, layout.dp, dp_bw, all_reduce=True)
+        reduce = _ring(grad_bytes, layout.dp, dp_bw, all_reduce=True, latency=lat)
         gather = 0.0
-    elif layout.zero_stage == 2:
-        reduce = _ring(grad_bytes, layout.dp, dp_bw, all_reduce=False)
-        gather = _ring(grad_bytes, layout.dp, dp_bw, all_reduce=False)  # updated params
+    elif layout.zero_stage == 2:  # gradients are reduce-scattered at every micro-batch
+        reduce = micro_batches * _ring(grad_bytes, layout.dp, dp_bw, all_reduce=False, latency=lat)
+        gather = _ring(grad_bytes, layout.dp, dp_bw, all_reduce=False, latency=lat)  # updated params
     else:  # ZeRO-3: gather parameters for forward and backward of every micro-batch
-        reduce = micro_batches * _ring(grad_bytes, layout.dp, dp_bw, all_reduce=False)
+        reduce = micro_batches * _ring(grad_bytes, layout.dp, dp_bw, all_reduce=False, latency=lat)
         gather = (1 - ZERO3_GATHER_OVERLAP) * 2 * micro_batches * _ring(grad_bytes, layout.dp, dp_bw,
-                                                                        all_reduce=False)
+                                                                        all_reduce=False, latency=lat)
     dp_comm = (1 - DP_OVERLAP) * reduce + gather
 
     # Pipeline: (p - 1) idle micro-batch slots of the 1F1B schedule, and activations sent across.
@@ -90,7 +98,7 @@ def step_time(desc: ModelDesc, layout: Layout, job: Job, cluster: Cluster) -> St
     pp_comm = 0.0
     if layout.pp > 1:
         pp_bw = _bandwidth(cluster, layout.tp * layout.dp * 2)
-        pp_comm = 2 * micro_batches * (activation_bytes / layout.tp / pp_bw + COLLECTIVE_LATENCY_S)
+        pp_comm = 2 * micro_batches * (activation_bytes / layout.tp / pp_bw + cluster.collective_latency_s)
 
     # Offload: the optimizer step on the CPU, gradients down and parameters up over PCIe.
     offload = 0.0
@@ -99,5 +107,14 @@ def step_time(desc: ModelDesc, layout: Layout, job: Job, cluster: Cluster) -> St
         offload += partition / CPU_ADAM_PARAMS_PER_S + 2 * partition * 4 / cluster.host_to_device_bandwidth
     if layout.offload_param:
         offload += 2 * micro_batches * partition * w / cluster.host_to_device_bandwidth
+    # Fixed costs: every operator call of every layer and micro-batch; under ZeRO-3 each layer's
+    # non-persistent tensors are fetched (a small all-gather and its hooks) forward and backward.
+    passes = 1 + (layout.activation_checkpointing == "full") / 3
+    calls = OPS_PER_LAYER * passes * busiest.layers * micro_batches + OPS_PER_STEP
+    overhead = calls * cluster.op_overhead_s
+    if layout.zero_stage == 3 and layout.dp > 1:
+        fetched = sum(1 for n, s in desc.layer_tensors if (n // layout.tp if s else n) > ZERO3_PERSISTENCE_THRESHOLD)
+        fetches = 2 * fetched * busiest.layers * micro_batches
+        overhead += fetches * (cluster.collective_latency_s + ZERO3_OPS_PER_FETCH * cluster.op_overhead_s)
     return StepTime(compute=compute, tp_comm=tp_comm, dp_comm=dp_comm, pp_bubble=bubble, pp_comm=pp_comm,
-                    offload=offload)
+                    offload=offload, overhead=overhead)

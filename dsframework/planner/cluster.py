@@ -65,26 +65,20 @@ class Cluster:
         return cls(**data)
 
 
+# Dense peak FLOP/s (no sparsity), NVLink per GPU one direction, 200-400 Gb/s NICs per GPU.
+_A100 = dict(peak_flops={"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12},
+             intra_node_bandwidth=300 * GB, inter_node_bandwidth=25 * GB, cpu_memory_per_node=1024 * GiB,
+             host_to_device_bandwidth=25 * GB)
+_HOPPER = dict(peak_flops={"fp32": 67e12, "tf32": 495e12, "bf16": 989e12, "fp16": 989e12},
+               intra_node_bandwidth=450 * GB, inter_node_bandwidth=50 * GB, cpu_memory_per_node=2048 * GiB,
+               host_to_device_bandwidth=55 * GB)
 _GPU_PRESETS: dict[str, dict[str, Any]] = {
-    # Dense peak FLOP/s (no sparsity), NVLink per GPU one direction, 200-400 Gb/s NICs per GPU.
-    "a100-40gb": dict(memory_per_gpu=40 * GiB, peak_flops={"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12,
-                                                            "fp16": 312e12},
-                      intra_node_bandwidth=300 * GB, inter_node_bandwidth=25 * GB,
-                      cpu_memory_per_node=1024 * GiB, host_to_device_bandwidth=25 * GB),
-    "a100-80gb": dict(memory_per_gpu=80 * GiB, peak_flops={"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12,
-                                                            "fp16": 312e12},
-                      intra_node_bandwidth=300 * GB, inter_node_bandwidth=25 * GB,
-                      cpu_memory_per_node=1024 * GiB, host_to_device_bandwidth=25 * GB),
-    "h100-80gb": dict(memory_per_gpu=80 * GiB, peak_flops={"fp32": 67e12, "tf32": 495e12, "bf16": 989e12,
-                                                            "fp16": 989e12},
-                      intra_node_bandwidth=450 * GB, inter_node_bandwidth=50 * GB,
-                      cpu_memory_per_node=2048 * GiB, host_to_device_bandwidth=55 * GB),
-    "h200-141gb": dict(memory_per_gpu=141 * GB, peak_flops={"fp32": 67e12, "tf32": 495e12, "bf16": 989e12,
-                                                             "fp16": 989e12},
-                       intra_node_bandwidth=450 * GB, inter_node_bandwidth=50 * GB,
-                       cpu_memory_per_node=2048 * GiB, host_to_device_bandwidth=55 * GB),
+    "a100-40gb": dict(memory_per_gpu=40 * GiB, **_A100),
+    "a100-80gb": dict(memory_per_gpu=80 * GiB, **_A100),
+    "h100-80gb": dict(memory_per_gpu=80 * GiB, **_HOPPER),
+    "h200-141gb": dict(memory_per_gpu=141 * GB, **_HOPPER),
     # This kind of machine (2 cores, 24 GiB), one CPU rank per core; `dsf calibrate` measures it.
-    "cpu-local": dict(memory_per_gpu=10 * GiB, peak_flops={"fp32": 50e9, "bf16": 20e9},
+    "cpu-local": dict(memory_per_gpu=10 * GiB, peak_flops={"fp32": 50e9, "bf16": 100e9},
                       intra_node_bandwidth=2 * GB, inter_node_bandwidth=1 * GB,
                       cpu_memory_per_node=24 * GiB, host_to_device_bandwidth=10 * GB,
                       op_overhead_s=20e-6, collective_latency_s=200e-6),

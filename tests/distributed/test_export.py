@@ -16,16 +16,16 @@ from tests.distributed.reference import reference_train
 WORKER = Path(__file__).parent / "workers" / "engine_logits.py"
 
 
-def test_zero3_export_round_trip(tmp_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def export_and_compare_with_engine(tmp_path, overrides: list[str], *, num_ranks: int):
+    """Train, `dsf export`, rebuild the engine from the checkpoint (a worker under the launcher):
+    `from_pretrained` on the export gives the engine's logits within 1e-5. Returns the export."""
+    from transformers import AutoModelForCausalLM
 
     run_dir, hf_dir = tmp_path / "run", tmp_path / "hf"
-    overrides = ["parallel.zero_stage=3", "train.steps=4", "checkpoint.save_final=true"]
-    train_run(run_dir, overrides)
+    train_run(run_dir, overrides, num_ranks=num_ranks)
     dsf("export", str(run_dir / "checkpoints"), str(hf_dir))
-
     sets = [arg for o in run_overrides(run_dir, overrides) for arg in ("--set", o)]
-    launch([str(WORKER), str(TINY_YAML), str(tmp_path / "engine.pt"), *sets], num_ranks=2)
+    launch([str(WORKER), str(TINY_YAML), str(tmp_path / "engine.pt"), *sets], num_ranks=num_ranks)
     engine = torch.load(tmp_path / "engine.pt")
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True, dtype=torch.float32).eval()
@@ -34,33 +34,26 @@ def test_zero3_export_round_trip(tmp_path):
     assert exported.shape == engine["logits"].shape
     assert torch.allclose(exported, engine["logits"], atol=1e-5, rtol=0), (
         f"max |diff| {(exported - engine['logits']).abs().max().item():.3g}")
+    return hf_dir
 
+
+def test_zero3_export_round_trip(tmp_path):
+    from transformers import AutoTokenizer
+
+    hf_dir = export_and_compare_with_engine(
+        tmp_path, ["parallel.zero_stage=3", "train.steps=4", "checkpoint.save_final=true"], num_ranks=2)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
     assert tokenizer.decode(tokenizer("17,18,19", add_special_tokens=False)["input_ids"]) == "17,18,19"
     assert json.loads((hf_dir / "config.json").read_text())["vocab_size"] == len(tokenizer)
 
 
-def test_tp2_pp2_export_round_trip(tmp_path, model="tiny-llama"):
+def test_tp2_pp2_export_round_trip(tmp_path):
     """Four ranks, two tensor ranks per stage: the exported directory gives the logits of the
     engine rebuilt from the same checkpoint (its last stage, vocab slices gathered). (GPT-2's
     fused q|k|v merge through a real checkpoint is in the tp2_zero3_gpt2 case below.)"""
-    from transformers import AutoModelForCausalLM
-
-    run_dir, hf_dir = tmp_path / "run", tmp_path / "hf"
-    overrides = [f"model.name={model}", "parallel.tp=2", "parallel.pp=2", "parallel.zero_stage=1",
-                 "train.micro_batch=2", "train.steps=3", "checkpoint.save_final=true"]
-    train_run(run_dir, overrides, num_ranks=4)
-    dsf("export", str(run_dir / "checkpoints"), str(hf_dir))
-    sets = [arg for o in run_overrides(run_dir, overrides) for arg in ("--set", o)]
-    launch([str(WORKER), str(TINY_YAML), str(tmp_path / "engine.pt"), *sets], num_ranks=4)
-    engine = torch.load(tmp_path / "engine.pt")
-
-    exported = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True, dtype=torch.float32).eval()
-    with torch.no_grad():
-        got = exported(input_ids=engine["input_ids"]).logits
-    assert got.shape == engine["logits"].shape
-    assert torch.allclose(got, engine["logits"], atol=1e-5, rtol=0), (
-        f"max |diff| {(got - engine['logits']).abs().max().item():.3g}")
+    export_and_compare_with_engine(
+        tmp_path, ["model.name=tiny-llama", "parallel.tp=2", "parallel.pp=2", "parallel.zero_stage=1",
+                   "train.micro_batch=2", "train.steps=3", "checkpoint.save_final=true"], num_ranks=4)
 
 
 @pytest.mark.parametrize("layout", ["zero0", "zero1", "pp2_zero1", "tp2_zero1", "tp2_zero3_gpt2"])

@@ -153,6 +153,16 @@ def shard_layouts(config: Any, tp: int) -> list[dict[str, tuple[int, torch.Tenso
     return layouts
 
 
+def _tied_copies(config: Any) -> set[str]:
+    """Parameter names that are a second name of another parameter (tied weights)."""
+    from dsframework.models import causal_lm_class
+
+    with torch.device("meta"):
+        model = causal_lm_class(config)(config)
+    unique = {name for name, _ in model.named_parameters()}
+    return {name for name, _ in model.named_parameters(remove_duplicate=False)} - unique
+
+
 def merge_tensor_parallel_shards(shards: Sequence[Mapping[str, torch.Tensor]], config: Any) -> dict[str, torch.Tensor]:
     """The dense state dict (transformers names and shapes) from the tp ranks' state dicts.
 
@@ -162,10 +172,17 @@ def merge_tensor_parallel_shards(shards: Sequence[Mapping[str, torch.Tensor]], c
     Each shard's slices go back where `dense_index` says (vocab padding dropped, GPT-2's fused
     q|k|v rows re-interleaved); replicated tensors are taken from rank 0 and must agree on every
     rank. GPT-2's Conv1D weights are stored [in, out] by transformers: transposed back here.
+    A tied copy (lm_head.weight of a tied model) that some rank's state lacks is left out: the
+    embedding carries it, and the exported model ties them again.
     """
     layouts = shard_layouts(config, len(shards))
+    everywhere = set.intersection(*(set(shard) for shard in shards))
     merged: dict[str, torch.Tensor] = {}
     for name, first in shards[0].items():
+        if name not in everywhere:
+            if name in _tied_copies(config):
+                continue
+            raise ValueError(f"{name}: missing from the state of a tensor rank")
         if name not in layouts[0]:
             for rank, shard in enumerate(shards[1:], start=1):
                 if not torch.equal(shard[name], first):

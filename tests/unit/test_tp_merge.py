@@ -58,3 +58,13 @@ def test_ranks_disagreeing_on_a_replicated_tensor_is_an_error():
     shards[1]["model.norm.weight"] = shards[1]["model.norm.weight"] + 1
     with pytest.raises(ValueError, match="model.norm.weight"):
         merge_tensor_parallel_shards(shards, model.config)
+
+
+def test_a_tied_copy_missing_from_a_rank_is_left_to_the_tie():
+    """zero_to_fp32 may list a tied weight (GPT-2's lm_head.weight) under one name only."""
+    model = dense_model("tiny-gpt2")
+    shards = shards_of(model, 2)
+    del shards[1]["lm_head.weight"]
+    merged = merge_tensor_parallel_shards(shards, model.config)
+    assert "lm_head.weight" not in merged
+    assert torch.equal(merged["transformer.wte.weight"], model.state_dict()["transformer.wte.weight"])

@@ -4,13 +4,16 @@
     Path("cpu.json").write_text(json.dumps(profile, indent=2))
     # dsf plan --model tiny-llama --cluster cpu.json --gpus-per-node 2 ...
 
-What is measured, each the best of a few repeats (peaks, as the presets' figures are):
+What is measured, each the median of a few repeats (ranks that share cores are measured
+sharing them, so a lucky moment alone on a core must not count):
 - matmul FLOP/s per rank, fp32 and bf16, measured in all `ranks` processes at once with the
   threads one rank of `dsf train` gets (all cores / ranks on CPU), so that ranks sharing cores
   are measured sharing them; the slowest rank's figure; on a GPU, on its device;
 - all-reduce bus bandwidth across `ranks` local processes through deepspeed.comm (the path the
   engine uses): 2 (n-1)/n x bytes / seconds, what the planner's ring model divides by;
 - host-to-device copy bandwidth (a plain memory copy on CPU);
+- the matmul efficiency: the FLOP/s a Llama decoder layer (hidden 256) reaches forward and
+  backward, over the matmul peak - what a training step gets of the peak;
 - the fixed cost of one small operator call (an add of 16 numbers) and of one small collective
   (an all-reduce of 4 bytes): what dominates the step of a small model;
 - memory: each rank's share of the node's RAM on CPU (the device's own memory on a GPU).
@@ -19,22 +22,25 @@ One node is all this machine can see, so the inter-node bandwidth is the intra-n
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from typing import Any
 
 MATMUL_SIZE = 1024
 ALLREDUCE_BYTES = 16 * 2 ** 20
 REPEATS = 5
+LAYER_PASSES = 10
 
 
-def _best_seconds(fn, repeats: int = REPEATS) -> float:
-    fn()  # warm up (allocations, kernels, JIT)
-    best = float("inf")
+def _seconds(fn, repeats: int = REPEATS) -> float:
+    """Median seconds of `fn()` after one warm-up call (allocations, kernels, JIT)."""
+    fn()
+    times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def matmul_flops(dtype_name: str, *, size: int = MATMUL_SIZE, threads: int | None = None) -> float:
@@ -54,7 +60,7 @@ def matmul_flops(dtype_name: str, *, size: int = MATMUL_SIZE, threads: int | Non
         if device == "cuda":
             torch.cuda.synchronize()
 
-    return 4 * 2 * size ** 3 / _best_seconds(run)
+    return 4 * 2 * size ** 3 / _seconds(run)
 
 
 def copy_bandwidth(nbytes: int = 256 * 2 ** 20) -> float:
@@ -71,7 +77,7 @@ def copy_bandwidth(nbytes: int = 256 * 2 ** 20) -> float:
         if device == "cuda":
             torch.cuda.synchronize()
 
-    return nbytes / _best_seconds(run)
+    return nbytes / _seconds(run)
 
 
 def _rank_worker(rank: int, world: int, port: int, nbytes: int, queue: Any) -> None:
@@ -93,6 +99,9 @@ def _rank_worker(rank: int, world: int, port: int, nbytes: int, queue: Any) -> N
 
     dist.barrier()
     flops = {precision: matmul_flops(precision, threads=threads) for precision in ("fp32", "bf16")}
+    dist.barrier()  # every rank busy in the layer too, as in the matmuls
+    efficiency = layer_flops() / flops["fp32"]
+    dist.barrier()
     torch.set_num_threads(1)
     tensor = torch.ones(nbytes // 4, dtype=torch.float32, device=get_accelerator().current_device_name())
 
@@ -101,7 +110,7 @@ def _rank_worker(rank: int, world: int, port: int, nbytes: int, queue: Any) -> N
         get_accelerator().synchronize()
         dist.barrier()
 
-    seconds = _best_seconds(run)
+    seconds = _seconds(run)
     bus = 2 * (world - 1) / world * nbytes / seconds if world > 1 else float("inf")
     small = torch.ones(1, dtype=torch.float32, device=tensor.device)
 
@@ -110,10 +119,38 @@ def _rank_worker(rank: int, world: int, port: int, nbytes: int, queue: Any) -> N
             dist.all_reduce(small)
         get_accelerator().synchronize()
 
-    latency = _best_seconds(small_collectives) / 100
-    queue.put({"rank": rank, "flops": flops, "bandwidth": bus, "latency": latency, "op": op_overhead()})
+    latency = _seconds(small_collectives) / 100
+    queue.put({"rank": rank, "flops": flops, "bandwidth": bus, "latency": latency, "op": op_overhead(),
+               "efficiency": efficiency})
     dist.barrier()
     dist.destroy_process_group()
+
+
+def layer_flops(*, hidden: int = 256, seq_len: int = 128, micro_batch: int = 4) -> float:
+    """FLOP/s of a Llama decoder layer's forward + backward in fp32 (counted as the planner does)."""
+    import torch
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    from dsframework.planner.model import describe_model
+
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 8 // 3, num_attention_heads=hidden // 64,
+                         num_key_value_heads=hidden // 128, num_hidden_layers=1, vocab_size=8)
+    config._attn_implementation = "sdpa"
+    layer, rotary = LlamaDecoderLayer(config, layer_idx=0), LlamaRotaryEmbedding(config=config)
+    x = torch.randn(micro_batch, seq_len, hidden, requires_grad=True)
+    positions = torch.arange(seq_len).unsqueeze(0)
+    cos_sin = rotary(x, positions)
+
+    def run():
+        for _ in range(LAYER_PASSES):  # long enough to span many scheduler slices
+            out = layer(x, attention_mask=None, position_ids=positions, position_embeddings=cos_sin)
+            out = out[0] if isinstance(out, tuple) else out
+            out.sum().backward()
+
+    desc = describe_model(config)
+    per_token = 3 * (2 * desc.layer_sharded + 4 * seq_len * hidden)  # one layer, as flops_per_token counts
+    return LAYER_PASSES * per_token * micro_batch * seq_len / _seconds(run)
 
 
 def op_overhead() -> float:
@@ -129,7 +166,7 @@ def op_overhead() -> float:
         if device == "cuda":
             torch.cuda.synchronize()
 
-    return _best_seconds(run) / 1000
+    return _seconds(run) / 1000
 
 
 def measure_ranks(ranks: int, *, nbytes: int = ALLREDUCE_BYTES) -> dict[str, Any]:
@@ -146,7 +183,8 @@ def measure_ranks(ranks: int, *, nbytes: int = ALLREDUCE_BYTES) -> dict[str, Any
     return {"peak_flops": {p: min(r["flops"][p] for r in reports) for p in reports[0]["flops"]},
             "intra_node_bandwidth": min(r["bandwidth"] for r in reports),
             "collective_latency_s": max(r["latency"] for r in reports),
-            "op_overhead_s": max(r["op"] for r in reports)}
+            "op_overhead_s": max(r["op"] for r in reports),
+            "matmul_efficiency": min(1.0, statistics.median(r["efficiency"] for r in reports))}
 
 
 def _node_memory_bytes() -> float:
@@ -167,6 +205,7 @@ def calibrate(*, ranks: int, name: str = "calibrated") -> dict[str, Any]:
     memory = torch.cuda.get_device_properties(0).total_memory if on_gpu else node_memory / ranks
     if measured["intra_node_bandwidth"] == float("inf"):  # one rank: nothing to all-reduce
         measured["intra_node_bandwidth"] = copy_bandwidth()
-    return {"name": f"{name}-{'gpu' if on_gpu else 'cpu'}", "nodes": 1, "gpus_per_node": ranks,
+    cores = None if on_gpu else os.cpu_count()
+    return {"name": f"{name}-{'gpu' if on_gpu else 'cpu'}", "nodes": 1, "gpus_per_node": ranks, "cores_per_node": cores,
             "memory_per_gpu": memory, **measured, "inter_node_bandwidth": measured["intra_node_bandwidth"],
             "cpu_memory_per_node": node_memory, "host_to_device_bandwidth": copy_bandwidth()}

@@ -36,6 +36,8 @@ class Cluster:
     host_to_device_bandwidth: float = 25 * GB  # PCIe: what CPU offload pays per GPU
     op_overhead_s: float = 8e-6  # fixed cost of one kernel / operator call (launch, dispatch)
     collective_latency_s: float = 30e-6  # fixed cost of one small collective (NCCL in a node)
+    matmul_efficiency: float = 0.45  # a transformer layer's achieved / peak FLOP/s (good-run MFU)
+    cores_per_node: int | None = None  # CPU ranks: when ranks outnumber cores, idle ranks lend theirs
 
     @property
     def world(self) -> int:
@@ -81,7 +83,8 @@ _GPU_PRESETS: dict[str, dict[str, Any]] = {
     "cpu-local": dict(memory_per_gpu=10 * GiB, peak_flops={"fp32": 50e9, "bf16": 100e9},
                       intra_node_bandwidth=2 * GB, inter_node_bandwidth=1 * GB,
                       cpu_memory_per_node=24 * GiB, host_to_device_bandwidth=10 * GB,
-                      op_overhead_s=20e-6, collective_latency_s=200e-6),
+                      op_overhead_s=20e-6, collective_latency_s=200e-6, matmul_efficiency=0.8,
+                      cores_per_node=2),
 }
 CLUSTER_PRESETS = tuple(_GPU_PRESETS)
 

@@ -20,7 +20,7 @@ from typing import Iterator
 from dsframework.planner.cluster import Cluster, GiB, resize
 from dsframework.planner.memory import Job, Layout, Memory, memory_per_rank
 from dsframework.planner.model import ModelDesc
-from dsframework.planner.speed import MATMUL_EFFICIENCY, StepTime, step_time
+from dsframework.planner.speed import StepTime, step_time
 
 MEMORY_HEADROOM = 0.10  # allocator fragmentation and what the model does not count
 RESERVED_PER_GPU = 1.0 * GiB  # CUDA context, NCCL and library workspaces (0 on a CPU cluster)
@@ -183,4 +183,4 @@ def suggestions(desc: ModelDesc, cluster: Cluster, job: Job, candidates: list[Ca
     return out
 
 
-__all__ = ["Candidate", "Plan", "search", "evaluate", "enumerate_layouts", "family_of", "MATMUL_EFFICIENCY"]
+__all__ = ["Candidate", "Plan", "search", "evaluate", "enumerate_layouts", "family_of"]

@@ -16,7 +16,9 @@ from dsframework.planner.cluster import Cluster
 from dsframework.planner.memory import ZERO3_PERSISTENCE_THRESHOLD, Job, Layout, stage_shapes
 from dsframework.planner.model import ModelDesc
 
-MATMUL_EFFICIENCY = 0.45  # achieved / peak FLOP/s of a transformer step (MFU of a good run)
+MATMUL_EFFICIENCY = 0.45  # default achieved / peak (the cluster's matmul_efficiency overrides it)
+REPLICATED_FRACTION = 0.15  # of a layer's time that tensor parallelism does not split (norms,
+#                             residual adds, rotary, the loss: every tensor rank does all of it)
 RECOMPUTE_FACTOR = 4 / 3  # full checkpointing runs the forward twice: 4 passes instead of 3
 DP_OVERLAP = 0.5  # share of ZeRO's gradient reduction hidden behind the backward pass
 ZERO3_GATHER_OVERLAP = 0.5  # share of ZeRO-3's parameter all-gathers hidden by prefetching
@@ -25,6 +27,8 @@ CPU_ADAM_PARAMS_PER_S = 1.0e9  # DeepSpeedCPUAdam, parameters updated per second
 OPS_PER_LAYER = 90  # operator calls of one decoder layer's forward + backward, one micro-batch
 OPS_PER_STEP = 200  # the engine's per-step calls: clipping, optimizer, schedule, bookkeeping
 ZERO3_OPS_PER_FETCH = 20  # ZeRO-3's hook bookkeeping around each parameter fetch or release
+ZERO3_OPS_PER_MODULE_PASS = 150  # ZeRO-3's Python hooks on every module, forward and backward
+# (DeepSpeed's parameter coordinator; what makes ZeRO-3 slow for small models)
 # The fixed cost of one operator call and of one small collective come from the cluster
 # profile (`op_overhead_s`, `collective_latency_s`): `dsf calibrate` measures both.
 
@@ -64,15 +68,18 @@ def step_time(desc: ModelDesc, layout: Layout, job: Job, cluster: Cluster) -> St
     flops = desc.flops_per_token(job.seq_len) * tokens_per_rank / (layout.tp * layout.pp)
     if layout.activation_checkpointing == "full":
         flops *= RECOMPUTE_FACTOR
-    compute = flops / (cluster.flops(job.precision) * MATMUL_EFFICIENCY)
+    if layout.tp > 1:  # the part every tensor rank repeats in full
+        flops *= (1 - REPLICATED_FRACTION) + REPLICATED_FRACTION * layout.tp
+    compute = flops / (cluster.flops(job.precision) * cluster.matmul_efficiency)
 
     stages = stage_shapes(desc, layout.tp, layout.pp)
     busiest = max(stages, key=lambda s: s.params)
     micro_batches = layout.grad_accum
     activation_bytes = layout.micro_batch * job.seq_len * desc.hidden * w
 
-    # Tensor parallel: 2 all-reduces forward, 2 backward per layer and micro-batch (+1 recompute).
-    tp_calls = (4 + 2 * (layout.activation_checkpointing == "full")) * busiest.layers * micro_batches
+    # Tensor parallel: 2 all-reduces forward, 2 backward per layer and micro-batch (+2 recompute),
+    # and 4 more for the vocab-parallel embedding and loss.
+    tp_calls = ((4 + 2 * (layout.activation_checkpointing == "full")) * busiest.layers + 4) * micro_batches
     tp_comm = (1 - TP_OVERLAP) * tp_calls * _ring(activation_bytes, layout.tp,
                                                    _bandwidth(cluster, layout.tp), all_reduce=True,
                                                    latency=cluster.collective_latency_s)
@@ -95,6 +102,9 @@ def step_time(desc: ModelDesc, layout: Layout, job: Job, cluster: Cluster) -> St
 
     # Pipeline: (p - 1) idle micro-batch slots of the 1F1B schedule, and activations sent across.
     bubble = compute * (layout.pp - 1) / micro_batches if layout.pp > 1 else 0.0
+    if cluster.cores_per_node and cluster.gpus_per_node > cluster.cores_per_node:
+        # CPU ranks sharing cores: in the bubble the busy ranks get the idle ones' share.
+        bubble /= cluster.gpus_per_node / cluster.cores_per_node
     pp_comm = 0.0
     if layout.pp > 1:
         pp_bw = _bandwidth(cluster, layout.tp * layout.dp * 2)
@@ -112,9 +122,15 @@ def step_time(desc: ModelDesc, layout: Layout, job: Job, cluster: Cluster) -> St
     passes = 1 + (layout.activation_checkpointing == "full") / 3
     calls = OPS_PER_LAYER * passes * busiest.layers * micro_batches + OPS_PER_STEP
     overhead = calls * cluster.op_overhead_s
+    if layout.zero_stage == 3:  # hooks on every module with parameters (+ the layer itself)
+        modules = len(desc.layer_tensors) + 1
+        overhead += (2 * modules * busiest.layers * micro_batches * ZERO3_OPS_PER_MODULE_PASS
+                     * cluster.op_overhead_s)
     if layout.zero_stage == 3 and layout.dp > 1:
         fetched = sum(1 for n, s in desc.layer_tensors if (n // layout.tp if s else n) > ZERO3_PERSISTENCE_THRESHOLD)
         fetches = 2 * fetched * busiest.layers * micro_batches
         overhead += fetches * (cluster.collective_latency_s + ZERO3_OPS_PER_FETCH * cluster.op_overhead_s)
+    if not cluster.cores_per_node:  # a GPU: the host issues work while the device computes
+        overhead = max(0.0, overhead - compute)
     return StepTime(compute=compute, tp_comm=tp_comm, dp_comm=dp_comm, pp_bubble=bubble, pp_comm=pp_comm,
                     offload=offload, overhead=overhead)

@@ -88,9 +88,12 @@ def step_time(desc: ModelDesc, layout: Layout, job: Job, cluster: Cluster) -> St
     dp_bw = _bandwidth(cluster, layout.dp * layout.tp)
     lat = cluster.collective_latency_s
     grad_bytes = busiest.params * w
-    if layout.zero_stage <= 1:
+    if layout.zero_stage == 0:  # one all-reduce, bucketed behind the backward pass
         reduce = _ring(grad_bytes, layout.dp, dp_bw, all_reduce=True, latency=lat)
         gather = 0.0
+    elif layout.zero_stage == 1:  # reduce to the owners at the boundary, gather updated params after
+        reduce = _ring(grad_bytes, layout.dp, dp_bw, all_reduce=False, latency=lat)
+        gather = _ring(grad_bytes, layout.dp, dp_bw, all_reduce=False, latency=lat)
     elif layout.zero_stage == 2:  # gradients are reduce-scattered at every micro-batch
         reduce = micro_batches * _ring(grad_bytes, layout.dp, dp_bw, all_reduce=False, latency=lat)
         gather = _ring(grad_bytes, layout.dp, dp_bw, all_reduce=False, latency=lat)  # updated params

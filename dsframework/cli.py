@@ -227,6 +227,65 @@ def calibrate_cmd(ranks: int, output: Path, force: bool) -> None:
                f"across {ranks} ranks; {profile['memory_per_gpu'] / 2 ** 30:.1f} GiB per rank")
 
 
+# --- dsf launch ---------------------------------------------------------------------------------
+
+@cli.command("launch")
+@click.argument("run_yaml", type=click.Path(path_type=Path))
+@click.option("--hostfile", type=click.Path(path_type=Path), help="`<host> slots=<n>` per line (deepspeed's format)")
+@click.option("--include", default="", help="deepspeed filter, e.g. worker-0:0,1@worker-1")
+@click.option("--exclude", default="", help="deepspeed filter, e.g. worker-1:3")
+@click.option("--num-nodes", type=int, default=-1, help="use the first N hosts")
+@click.option("--num-gpus", type=int, default=-1, help="use the first N slots of each host")
+@click.option("--master-addr", help="default: the first host (localhost without a hostfile)")
+@click.option("--master-port", type=click.IntRange(1, 65535), default=29500, show_default=True)
+@click.option("--dry-run", is_flag=True, help="print each node's command and exit")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="passed on to dsf train")
+def launch_cmd(run_yaml: Path, hostfile: Path | None, include: str, exclude: str, num_nodes: int, num_gpus: int,
+               master_addr: str | None, master_port: int, dry_run: bool, overrides: tuple[str, ...]) -> None:
+    """Check the hostfile against the run's layout, then start `deepspeed` on every node."""
+    import shlex
+    import shutil
+    import subprocess
+    from collections import OrderedDict
+
+    from dsframework.config import load_run_config
+    from dsframework.launch import check_capacity, node_commands, parse_hostfile, select_resources
+    from dsframework.parallel.topology import ParallelDims
+
+    run = load_run_config(run_yaml, overrides)
+    if hostfile is not None:
+        if not hostfile.is_file():
+            raise UserError("--hostfile", str(hostfile), "does not exist", "pass a file of `<host> slots=<n>` lines")
+        resources = parse_hostfile(hostfile.read_text().splitlines(), origin=str(hostfile))
+    else:
+        if num_gpus < 1:
+            raise UserError("--num-gpus", num_gpus, "is needed without --hostfile", "pass the ranks to start here")
+        resources = OrderedDict(localhost=num_gpus)
+    active = select_resources(resources, include=include, exclude=exclude, num_nodes=num_nodes, num_gpus=num_gpus)
+    world = sum(len(slots) for slots in active.values())
+    dims = ParallelDims(world=world, tp=run.parallel.tp, pp=run.parallel.pp)
+    if run.parallel.dp is not None:
+        check_capacity(active, world=run.parallel.dp * run.parallel.tp * run.parallel.pp, tp=run.parallel.tp)
+    else:
+        check_capacity(active, world=dims.world, tp=dims.tp)
+    dsf_bin = shutil.which("dsf") or str(Path(sys.executable).with_name("dsf"))
+    program = [dsf_bin, "train", str(run_yaml), *[a for o in overrides for a in ("--set", o)]]
+    master = master_addr or next(iter(active))
+    if dry_run:
+        click.echo(f"# {world} ranks = tp {dims.tp} x pp {dims.pp} x dp {dims.dp} on {len(active)} node(s); "
+                   f"master {master}:{master_port}")
+        for host, argv in node_commands(active, master_addr=master, master_port=master_port, program=program):
+            click.echo(f"{host}: {shlex.join(argv)}")
+        return
+    launcher = [str(Path(sys.executable).with_name("deepspeed")), "--master_port", str(master_port)]
+    if hostfile is not None:
+        launcher += ["--hostfile", str(hostfile), "--master_addr", master]
+        launcher += ["--include", include] if include else ["--exclude", exclude] if exclude else []
+        launcher += ["--num_nodes", str(num_nodes)] if num_nodes > 0 else []
+    launcher += ["--num_gpus", str(num_gpus)] if num_gpus > 0 else []
+    sys.exit(subprocess.call([*launcher, *program]))
+
+
 # --- dsf train ----------------------------------------------------------------------------------
 
 @cli.command("train", context_settings={"ignore_unknown_options": False})

@@ -292,6 +292,14 @@ CASES = [
                                                "--gpus-per-node", "2", "--seq-len", "4096", "--global-batch", "8",
                                                "-o", "{tmp}/plan"),
          expect=("--output-dir", "no layout fits"), absent=("plan",)),
+    # --- dsf launch -----------------------------------------------------------------------------
+    Case("launch-duplicate-host", ("launch", str(TINY_YAML), "--hostfile", "{tmp}/hosts", "--dry-run"),
+         expect=("hosts:2", "worker-0", "twice"), files={"hosts": "worker-0 slots=2\nworker-0 slots=2\n"},
+         guard=("hosts",)),
+    Case("launch-include-unknown-host", ("launch", str(TINY_YAML), "--hostfile", "{tmp}/hosts", "--include",
+                                         "worker-7", "--dry-run"),
+         expect=("--include", "worker-7", "worker-0"), files={"hosts": "worker-0 slots=2\nworker-1 slots=2\n"},
+         guard=("hosts",)),
     # --- the command line itself ------------------------------------------------------------------
     Case("unknown-subcommand", ("trian", "run.yaml"), expect=("trian",)),
 ]

@@ -249,8 +249,9 @@ def launch_cmd(run_yaml: Path, hostfile: Path | None, include: str, exclude: str
     from collections import OrderedDict
 
     from dsframework.config import load_run_config
-    from dsframework.launch import check_capacity, node_commands, parse_hostfile, select_resources
-    from dsframework.parallel.topology import ParallelDims
+    from dsframework.launch import node_commands, parse_hostfile, select_resources
+    from dsframework.models import resolve_model
+    from dsframework.parallel.topology import ParallelDims, check_layout
 
     run = load_run_config(run_yaml, overrides)
     if hostfile is not None:
@@ -264,10 +265,11 @@ def launch_cmd(run_yaml: Path, hostfile: Path | None, include: str, exclude: str
     active = select_resources(resources, include=include, exclude=exclude, num_nodes=num_nodes, num_gpus=num_gpus)
     world = sum(len(slots) for slots in active.values())
     dims = ParallelDims(world=world, tp=run.parallel.tp, pp=run.parallel.pp)
-    if run.parallel.dp is not None:
-        check_capacity(active, world=run.parallel.dp * run.parallel.tp * run.parallel.pp, tp=run.parallel.tp)
-    else:
-        check_capacity(active, world=dims.world, tp=dims.tp)
+    config = resolve_model(run.model).config  # the same rules dsf train applies, before any node starts
+    check_layout(dims, num_heads=config.num_attention_heads,
+                 num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+                 num_layers=config.num_hidden_layers, dp=run.parallel.dp,
+                 ranks_per_node=min(len(slots) for slots in active.values()))
     dsf_bin = shutil.which("dsf") or str(Path(sys.executable).with_name("dsf"))
     program = [dsf_bin, "train", str(run_yaml), *[a for o in overrides for a in ("--set", o)]]
     master = master_addr or next(iter(active))

@@ -76,18 +76,6 @@ def select_resources(resources: "OrderedDict[str, int]", *, include: str = "", e
     return apply_num_nodes_and_gpus(active, num_nodes, num_gpus)
 
 
-def check_capacity(active: "OrderedDict[str, list[int]]", *, world: int, tp: int) -> None:
-    """The plan's world must be exactly the slots, and a tensor-parallel group must fit a node."""
-    slots = sum(len(s) for s in active.values())
-    if slots != world:
-        raise UserError("hostfile", f"{slots} slots", f"but the run needs {world} ranks (tp x pp x dp)",
-                        "change the hostfile, --include/--exclude, or the run's parallel sizes")
-    fewest = min(len(s) for s in active.values())
-    if tp > fewest:
-        raise UserError("parallel.tp", tp, f"exceeds the {fewest} slots of the smallest host",
-                        "tensor-parallel ranks must share a node: lower tp or give hosts more slots")
-
-
 def world_info(active: "OrderedDict[str, list[int]]") -> str:
     """deepspeed.launcher.launch's --world_info: base64 of the {host: slots} JSON (deepspeed's)."""
     from deepspeed.launcher.runner import encode_world_info

@@ -12,7 +12,7 @@ from deepspeed.launcher.runner import _parse_hostfile, parse_inclusion_exclusion
 
 from dsframework.cli import cli
 from dsframework.errors import UserError
-from dsframework.launch import check_capacity, node_commands, parse_hostfile, select_resources
+from dsframework.launch import node_commands, parse_hostfile, select_resources
 
 GOOD = [
     "worker-0 slots=8\nworker-1 slots=8\n",
@@ -77,15 +77,6 @@ def test_bad_filters_are_one_line_errors(kwargs, expect):
         select_resources(RESOURCES, **kwargs)
 
 
-def test_capacity_and_tensor_groups_within_a_node():
-    active = select_resources(RESOURCES)
-    check_capacity(active, world=8, tp=4)
-    with pytest.raises(UserError, match="needs 16 ranks"):
-        check_capacity(active, world=16, tp=1)
-    with pytest.raises(UserError, match="parallel.tp"):
-        check_capacity(active, world=8, tp=8)
-
-
 def test_node_commands_carry_deepspeeds_world_info_and_node_ranks():
     active = select_resources(RESOURCES, num_gpus=2)
     commands = node_commands(active, master_addr="worker-0", master_port=29501, program=["dsf", "train", "r.yaml"])
@@ -112,6 +103,9 @@ def test_dsf_launch_dry_run_for_two_nodes(tmp_path):
 def test_dsf_launch_refuses_a_layout_the_hosts_cannot_hold(tmp_path):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("worker-0 slots=2\nworker-1 slots=2\n")
-    with pytest.raises(UserError, match="parallel.tp"):
-        CliRunner().invoke(cli, ["launch", "launch/examples/tiny.yaml", "--hostfile", str(hostfile), "--dry-run",
-                                 "--set", "parallel.tp=4"], catch_exceptions=False, standalone_mode=False)
+    for overrides, match in [(["parallel.tp=4"], "parallel.tp"), (["parallel.dp=2"], "parallel.dp"),
+                             (["parallel.pp=4"], "parallel.pp")]:  # 4 slots; tiny-llama has 2 layers
+        with pytest.raises(UserError, match=match):
+            CliRunner().invoke(cli, ["launch", "launch/examples/tiny.yaml", "--hostfile", str(hostfile),
+                                     "--dry-run", *[a for o in overrides for a in ("--set", o)]],
+                               catch_exceptions=False, standalone_mode=False)

@@ -1,21 +1,31 @@
-"""Checkpoints: DeepSpeed's own `save_checkpoint`/`load_checkpoint`, plus what resuming needs.
+"""Checkpoints: DeepSpeed's own `save_checkpoint`/`load_checkpoint`, made crash-safe and checked.
 
     <output_dir>/checkpoints/
-        latest                 tag of the newest checkpoint (written by DeepSpeed)
-        global_step100/        DeepSpeed model/optimizer shards, and rng_rank<R>.pt per rank
-        hf_config/config.json  the transformers config the model was built from
-        tokenizer/             the run's tokenizer
-        run.yaml               the resolved run config
+        latest                   tag of the newest complete checkpoint (switched atomically)
+        global_step100/          DeepSpeed model/optimizer shards, rng_rank<R>.pt per rank and
+                                 dsf_manifest.json (every file's size, the layout it was saved at)
+        global_step100.universal/  deepspeed's universal form, made when a run resumes at another dp
+        hf_config/config.json    the transformers config the model was built from
+        tokenizer/               the run's tokenizer
+        run.yaml                 the resolved run config
 
-    save(engine, ckpt_dir, step=100, consumed_samples=3200)
-    state = load(engine, ckpt_dir)     # {"step": 100, "consumed_samples": 3200}
+    save(engine, ckpt_dir, step=100, consumed_samples=3200, layout={"dp": 2, ...})
+    verify(ckpt_dir, "global_step100")  # UserError naming a missing or truncated file
+    state = load(engine, ckpt_dir)       # {"step": 100, "consumed_samples": 3200}
 
-The client state holds the step and the data position; each rank's RNG states sit beside the
-shards, so a resumed run draws the same random numbers as one that never stopped.
+A checkpoint is written under `global_stepN.partial`, its manifest written last, then renamed
+to `global_stepN` and only then named in `latest` (write-to-temp + os.replace): a crash at any
+point leaves `latest` on the previous complete checkpoint. The client state holds the step and
+the data position; each rank's RNG states sit beside the shards, so a resumed run draws the
+same random numbers as one that never stopped. Checkpoints live on a filesystem every node sees
+(as DeepSpeed's own loading and zero_to_fp32 assume).
 """
 from __future__ import annotations
 
+import json
+import os
 import random
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +34,9 @@ from dsframework.errors import UserError
 TOKENIZER_DIR = "tokenizer"
 HF_CONFIG_DIR = "hf_config"
 RUN_YAML = "run.yaml"
+MANIFEST = "dsf_manifest.json"
+PARTIAL = ".partial"
+UNIVERSAL = ".universal"
 
 
 def latest_tag(ckpt_dir: str | Path) -> str | None:
@@ -69,35 +82,133 @@ def _set_rng_states(states: dict[str, Any]) -> None:
         get_accelerator().set_rng_state(states["accelerator"])
 
 
-def save(engine: Any, ckpt_dir: Path, *, step: int, consumed_samples: int) -> str:
-    """Save a checkpoint of every rank at `step`; returns its tag."""
-    import torch
+def _write_atomically(path: Path, text: str) -> None:
+    """Readers see the old content or the new, never a torn file (rename is atomic in POSIX)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
+
+def _inject_fault(point: str, step: int) -> None:
+    """Test hook: DSF_FAULT=`<point>@<step>` makes rank 0 die at `point` of that step's save
+    (a crash mid-checkpoint, for the fault tests). Unset in normal runs."""
+    if os.environ.get("DSF_FAULT") == f"{point}@{step}" and os.environ.get("RANK", "0") == "0":
+        print(f"dsf: DSF_FAULT={point}@{step}: rank 0 dies here", flush=True)
+        os._exit(97)
+
+
+def save(engine: Any, ckpt_dir: Path, *, step: int, consumed_samples: int, layout: dict[str, int]) -> str:
+    """Save a checkpoint of every rank at `step` (all ranks call it); returns its tag."""
+    import torch
+    import torch.distributed as dist
+
+    ckpt_dir = Path(ckpt_dir)
     tag = tag_for(step)
-    client_state = {"dsf": {"step": step, "consumed_samples": consumed_samples}}
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state)
-    torch.save(_rng_states(), Path(ckpt_dir) / tag / f"rng_rank{engine.global_rank}.pt")
+    partial, final = ckpt_dir / (tag + PARTIAL), ckpt_dir / tag
+    if dist.get_rank() == 0 and partial.exists():  # left by a crash during an earlier save
+        shutil.rmtree(partial)
+    dist.barrier()
+    from deepspeed.checkpoint.constants import (UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY,
+                                                UNIVERSAL_CHECKPOINT_VERSION_VALUE)
+
+    # The universal-checkpoint marker is the client's to write (Megatron-DeepSpeed does the same):
+    # ds_to_universal refuses a checkpoint without it.
+    client_state = {"dsf": {"step": step, "consumed_samples": consumed_samples},
+                    UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
+    engine.save_checkpoint(str(ckpt_dir), tag=partial.name, client_state=client_state, save_latest=False)
+    torch.save(_rng_states(), partial / f"rng_rank{engine.global_rank}.pt")
+    _inject_fault("checkpoint", step)
+    dist.barrier()  # every rank's files are on disk
+    if dist.get_rank() == 0:
+        files = {str(p.relative_to(partial)): p.stat().st_size for p in sorted(partial.rglob("*")) if p.is_file()}
+        _write_atomically(partial / MANIFEST, json.dumps({"step": step, "layout": layout, "files": files}, indent=1))
+        if final.exists():  # a later checkpoint of an abandoned branch of this run (latest is older)
+            shutil.rmtree(final)
+        os.replace(partial, final)
+        _inject_fault("latest", step)
+        _write_atomically(ckpt_dir / "latest", tag)
+    dist.barrier()
     return tag
 
 
-def load(engine: Any, ckpt_dir: Path) -> dict[str, int]:
-    """Load the latest checkpoint into `engine`; returns the dsf client state (step, data position)."""
+def read_manifest(ckpt_dir: Path, tag: str) -> dict[str, Any] | None:
+    """The manifest of `tag`, or None for a checkpoint written before manifests existed."""
+    path = Path(ckpt_dir) / tag / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except ValueError:
+        raise UserError("checkpoint file", str(path), "is corrupt (not JSON)",
+                        "restore it, or point latest at an earlier checkpoint") from None
+
+
+def verify(ckpt_dir: Path, tag: str) -> dict[str, Any] | None:
+    """Check every file the manifest lists is there at its full size; returns the manifest."""
+    manifest = read_manifest(ckpt_dir, tag)
+    if manifest is None:
+        return None
+    earlier = sorted((p.name for p in Path(ckpt_dir).glob("global_step*") if p.is_dir()
+                      and p.name != tag and not p.name.endswith((PARTIAL, UNIVERSAL))),
+                     key=lambda name: int(name.removeprefix("global_step")) if name[11:].isdigit() else -1)
+    fix = (f"restore it, or resume from an earlier checkpoint: echo {earlier[-1]} > {Path(ckpt_dir) / 'latest'}"
+           if earlier else "restore it from a backup; no earlier checkpoint is there")
+    for name, size in manifest["files"].items():
+        path = Path(ckpt_dir) / tag / name
+        if not path.is_file():
+            raise UserError("checkpoint file", str(path), "is missing", fix)
+        actual = path.stat().st_size
+        if actual != size:
+            raise UserError("checkpoint file", str(path), f"is truncated or altered ({actual:,} bytes, "
+                            f"{size:,} when saved)", fix)
+    return manifest
+
+
+def to_universal(ckpt_dir: Path, tag: str) -> str:
+    """Convert `tag` with deepspeed's ds_to_universal (once; rank 0); returns the universal tag.
+
+    A universal checkpoint holds each parameter's fp32 weights and optimizer states whole, so a
+    run saved at one data-parallel size loads at another.
+    """
+    from argparse import Namespace
+
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+    out = Path(ckpt_dir) / (tag + UNIVERSAL)
+    if out.is_dir():  # renamed into place only when complete
+        return out.name
+    tmp = Path(ckpt_dir) / (tag + UNIVERSAL + PARTIAL)
+    shutil.rmtree(tmp, ignore_errors=True)
+    ds_to_universal(Namespace(input_folder=str(Path(ckpt_dir) / tag), output_folder=str(tmp), num_extract_workers=1,
+                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True))
+    for extra in [*(Path(ckpt_dir) / tag).glob("rng_rank*.pt"), Path(ckpt_dir) / tag / MANIFEST]:
+        if extra.is_file():
+            shutil.copy2(extra, tmp / extra.name)
+    os.replace(tmp, out)
+    return out.name
+
+
+def load(engine: Any, ckpt_dir: Path, *, tag: str | None = None) -> dict[str, int]:
+    """Load the latest checkpoint (or `tag`) into `engine`; returns the dsf client state."""
     import torch
 
-    tag = latest_tag(ckpt_dir)
+    tag = tag or latest_tag(ckpt_dir)
     if tag is None or not (Path(ckpt_dir) / tag).is_dir():
         raise UserError("checkpoint", str(ckpt_dir), f"latest names {tag!r}, which is not there",
                         "point output_dir at a run with a complete checkpoint")
     try:
         path, client_state = engine.load_checkpoint(str(ckpt_dir), tag=tag)
-    except (RuntimeError, EOFError, OSError, KeyError, ValueError) as err:
+    except (RuntimeError, EOFError, OSError, KeyError, ValueError, AssertionError) as err:
         raise UserError("checkpoint", str(Path(ckpt_dir) / tag),
-                        f"could not be loaded ({type(err).__name__})",
+                        f"could not be loaded ({type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''})",
                         "it is incomplete or corrupt; resume from an earlier tag") from None
     if path is None or not client_state or "dsf" not in client_state:
         raise UserError("checkpoint", str(Path(ckpt_dir) / tag), "is not a dsf checkpoint",
                         "resume only runs written by dsf train")
     rng_file = Path(ckpt_dir) / tag / f"rng_rank{engine.global_rank}.pt"
-    if rng_file.is_file():
+    if rng_file.is_file():  # a rank beyond the saved world (resumed at a larger dp) has none
         _set_rng_states(torch.load(rng_file, weights_only=False))
     return client_state["dsf"]

@@ -238,54 +238,243 @@ def calibrate_cmd(ranks: int, output: Path, force: bool) -> None:
 @click.option("--num-gpus", type=int, default=-1, help="use the first N slots of each host")
 @click.option("--master-addr", help="default: the first host (localhost without a hostfile)")
 @click.option("--master-port", type=click.IntRange(1, 65535), default=29500, show_default=True)
-@click.option("--dry-run", is_flag=True, help="print each node's command and exit")
+@click.option("--launcher", type=click.Choice(["pdsh", "openmpi", "mvapich", "slurm", "no_ssh"]), default="pdsh",
+              show_default=True, help="how the nodes are started (see the README's multi-node section)")
+@click.option("--node-rank", type=int, help="no_ssh: this node's rank in the hostfile's active hosts")
+@click.option("--env", "env_flags", multiple=True, metavar="KEY=VALUE", help="set on every node (repeatable)")
+@click.option("--cluster", "cluster_name", help="memory check against a preset or dsf calibrate profile "
+              "(default: this node's GPU, else its RAM / ranks per node)")
+@click.option("--force", is_flag=True, help="launch even when the predicted memory does not fit")
+@click.option("--check", is_flag=True, help="check ssh to every host and the launcher's tools, then exit")
+@click.option("--dry-run", is_flag=True, help="print what each launcher would run and exit")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="passed on to dsf train")
 def launch_cmd(run_yaml: Path, hostfile: Path | None, include: str, exclude: str, num_nodes: int, num_gpus: int,
-               master_addr: str | None, master_port: int, dry_run: bool, overrides: tuple[str, ...]) -> None:
-    """Check the hostfile against the run's layout, then start `deepspeed` on every node."""
+               master_addr: str | None, master_port: int, launcher: str, node_rank: int | None,
+               env_flags: tuple[str, ...], cluster_name: str | None, force: bool, check: bool, dry_run: bool,
+               overrides: tuple[str, ...]) -> None:
+    """Check the hostfile, layout and memory of RUN_YAML, then start `deepspeed` on every node."""
+    import os
     import shlex
     import shutil
-    import subprocess
+
+    from dsframework import launch
+    from dsframework.config import load_run_config
+
+    run = load_run_config(run_yaml, overrides)
+    launch.check_launcher(launcher, hostfile=hostfile is not None, node_rank=node_rank)
+    resources = _launch_resources(hostfile, num_gpus)
+    active = launch.select_resources(resources, include=include, exclude=exclude, num_nodes=num_nodes,
+                                     num_gpus=num_gpus)
+    dims, config = _launch_layout(run, active)
+    rank = launch.node_rank_of(node_rank, active, required=not (dry_run or check)) if launcher == "no_ssh" else None
+    if launcher == "slurm":
+        launch.check_slurm_resources(active, include=include, exclude=exclude)
+    explicit = launch.parse_env(env_flags)
+    env, skipped = launch.node_env(os.environ, explicit)
+    master = master_addr or next(iter(active))
+    remote, mode_flags = launch.runner_mode(launcher, active, hostfile=hostfile is not None)
+    mpi = remote and launcher != "pdsh"  # mpirun starts the ranks: launch.mpi_main gives them RANK & co.
+    train_args = ["train", str(run_yaml), *[a for o in overrides for a in ("--set", o)]]
+    dsf_bin = shutil.which("dsf") or str(Path(sys.executable).with_name("dsf"))
+    program = [launch.MPI_ENTRY, f"{master}:{master_port}", *train_args] if mpi else [dsf_bin, *train_args]
+
+    def flags(node: int | str | None = rank) -> list[str]:
+        return launch.deepspeed_flags(launcher, hostfile=str(hostfile.resolve()) if hostfile else None,
+                                      master_addr=master, master_port=master_port, include=include,
+                                      exclude=exclude, num_nodes=num_nodes, num_gpus=num_gpus, node_rank=node,
+                                      extra=[*mode_flags, *(["--module"] if mpi else [])])
+
+    runner = launch.build_runner(launcher, flags(), program, resources, active) if remote else None
+    env_file, env_new = _launch_env_file(env, explicit) if remote else (None, {})
+    for why in skipped if remote else ():  # only .deepspeed_env forwards the default set
+        click.echo(f"dsf: warning: {why}", err=True)
+    memory = _launch_memory(run, config, dims, active, cluster_name, force=force)
+    if check:
+        return _launch_check(launcher, active, need_tools=remote or launcher == "slurm")
+    deepspeed = str(Path(sys.executable).with_name("deepspeed"))
+    if dry_run:
+        click.echo(f"# {dims.world} ranks = tp {dims.tp} x pp {dims.pp} x dp {dims.dp} on {len(active)} node(s); "
+                   f"master {master}:{master_port}; launcher {launcher}")
+        click.echo(f"# memory per rank: {memory}")
+        if launcher == "no_ssh":
+            for node, host in enumerate(active):
+                if rank is None or node == rank:
+                    click.echo(f"{host}: cd {shlex.quote(os.getcwd())} && "
+                               f"{launch.shell_line([deepspeed, *flags(node), *program], env)}")
+        elif launcher == "slurm":
+            srun = launch.srun_command([deepspeed, *flags(launch.SLURM_NODEID), *program], active)
+            click.echo(f"srun: {launch.shell_line(srun, env)}")
+        else:
+            _launch_dry_run_runner(runner, active, master, master_port, program, explicit, env_file, env_new)
+        return
+    _launch_exec(launcher, runner, active, env_file, env_new, explicit, deepspeed, flags, program)
+
+
+def _launch_resources(hostfile: Path | None, num_gpus: int):
+    """{host: slots} of the hostfile, or of this node (`--num-gpus` ranks) without one."""
     from collections import OrderedDict
 
-    from dsframework.config import load_run_config
-    from dsframework.launch import node_commands, parse_hostfile, select_resources
+    from dsframework.launch import parse_hostfile
+
+    if hostfile is None:
+        if num_gpus < 1:
+            raise UserError("--num-gpus", num_gpus, "is needed without --hostfile", "pass the ranks to start here")
+        return OrderedDict(localhost=num_gpus)
+    if not hostfile.is_file():
+        raise UserError("--hostfile", str(hostfile), "does not exist", "pass a file of `<host> slots=<n>` lines")
+    return parse_hostfile(hostfile.read_text().splitlines(), origin=str(hostfile))
+
+
+def _launch_layout(run, active):
+    """tp x pp x dp of the active slots, checked by the rules dsf train applies, and the model config."""
     from dsframework.models import resolve_model
     from dsframework.parallel.topology import ParallelDims, check_layout
 
-    run = load_run_config(run_yaml, overrides)
-    if hostfile is not None:
-        if not hostfile.is_file():
-            raise UserError("--hostfile", str(hostfile), "does not exist", "pass a file of `<host> slots=<n>` lines")
-        resources = parse_hostfile(hostfile.read_text().splitlines(), origin=str(hostfile))
-    else:
-        if num_gpus < 1:
-            raise UserError("--num-gpus", num_gpus, "is needed without --hostfile", "pass the ranks to start here")
-        resources = OrderedDict(localhost=num_gpus)
-    active = select_resources(resources, include=include, exclude=exclude, num_nodes=num_nodes, num_gpus=num_gpus)
-    world = sum(len(slots) for slots in active.values())
-    dims = ParallelDims(world=world, tp=run.parallel.tp, pp=run.parallel.pp)
+    dims = ParallelDims(world=sum(len(slots) for slots in active.values()), tp=run.parallel.tp, pp=run.parallel.pp)
     config = resolve_model(run.model).config  # the same rules dsf train applies, before any node starts
     check_layout(dims, num_heads=config.num_attention_heads,
                  num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
                  num_layers=config.num_hidden_layers, dp=run.parallel.dp,
                  ranks_per_node=min(len(slots) for slots in active.values()))
-    dsf_bin = shutil.which("dsf") or str(Path(sys.executable).with_name("dsf"))
-    program = [dsf_bin, "train", str(run_yaml), *[a for o in overrides for a in ("--set", o)]]
-    master = master_addr or next(iter(active))
-    if dry_run:
-        click.echo(f"# {world} ranks = tp {dims.tp} x pp {dims.pp} x dp {dims.dp} on {len(active)} node(s); "
-                   f"master {master}:{master_port}")
+    return dims, config
+
+
+def _launch_memory(run, config, dims, active, cluster_name: str | None, *, force: bool) -> str:
+    """'predicted X GiB of Y GiB available (where Y comes from)'; a UserError when it does not fit
+    (a warning with --force). The planner's memory model, for the run's own layout."""
+    from dsframework.dsconfig import resolve_batch
+    from dsframework.launch import local_cluster
+    from dsframework.planner.cluster import GiB
+    from dsframework.planner.fit import check_fit, run_layout
+    from dsframework.planner.memory import Job
+    from dsframework.planner.model import describe_model
+
+    ranks_per_node = max(len(slots) for slots in active.values())
+    if cluster_name:
+        cluster, source = _load_cluster(cluster_name, nodes=len(active), gpus_per_node=ranks_per_node), cluster_name
+    else:
+        cluster, source = local_cluster(nodes=len(active), ranks_per_node=ranks_per_node)
+    batch = resolve_batch(run.train.micro_batch, run.train.grad_accum, run.train.global_batch, dp_size=dims.dp)
+    layout = run_layout(run.parallel, dp=dims.dp, micro_batch=batch.micro_batch, grad_accum=batch.grad_accum)
+    job = Job(seq_len=run.data.seq_len, global_batch=batch.global_batch, precision=run.train.precision)
+    fit = check_fit(describe_model(config, name=run.model.name), layout, job, cluster)
+    summary = f"predicted {fit.need / GiB:.2f} GiB of {fit.available / GiB:.1f} GiB available ({source})"
+    if fit.fits:
+        return summary
+    preset = cluster_name or ("cpu-local" if cluster.name == "cpu-local" else "CLUSTER")
+    plan = (f"dsf plan --model {run.model.name} --cluster {preset} --nodes {len(active)} "
+            f"--gpus-per-node {ranks_per_node} --seq-len {job.seq_len} --global-batch {job.global_batch} "
+            f"--precision {job.precision}")
+    error = UserError("memory per rank", None,
+                      f"{fit.why_not} ({source}) for tp {layout.tp} x pp {layout.pp} x dp {layout.dp}, "
+                      f"ZeRO-{layout.zero_stage}, micro-batch {layout.micro_batch}",
+                      f"find a layout that fits with `{plan}`, or pass --force to launch anyway")
+    if not force:
+        raise error
+    click.echo(f"dsf: warning: {error}; launching anyway (--force)", err=True)
+    return f"{summary}; does not fit, launched anyway (--force)"
+
+
+def _launch_env_file(env, explicit) -> tuple[Path, dict[str, str]]:
+    """The .deepspeed_env deepspeed's runner reads here, and the lines dsf would append to it."""
+    from dsframework.launch import env_file_path, merge_env_file, read_env_file
+
+    home = env_file_path(home=True)  # deepspeed's runner reads it too, and fails on a line it cannot split
+    if home.is_file():
+        read_env_file(home.read_text(), origin=str(home))
+    path = env_file_path()
+    existing = read_env_file(path.read_text(), origin=str(path)) if path.is_file() else None
+    return path, merge_env_file(existing, env, explicit=explicit, origin=str(path))
+
+
+def _launch_dry_run_runner(runner, active, master, master_port, program, explicit, env_file, env_new) -> None:
+    """pdsh / openmpi / mvapich: each node's deepspeed.launcher.launch line (pdsh and one-node runs),
+    the pdsh or mpirun line from deepspeed's own runner, and the .deepspeed_env it would read."""
+    import os
+    import shlex
+
+    from dsframework.launch import (env_file_path, node_commands, read_env_file, runner_command, runner_exports,
+                                    shell_line)
+
+    if runner is None or runner.name == "pdsh":
         for host, argv in node_commands(active, master_addr=master, master_port=master_port, program=program):
-            click.echo(f"{host}: {shlex.join(argv)}")
+            click.echo(f"{host}: {shell_line(argv, explicit if runner is None else None)}")
+    if runner is None:
         return
-    launcher = [str(Path(sys.executable).with_name("deepspeed")), "--master_port", str(master_port)]
-    if hostfile is not None:
-        launcher += ["--hostfile", str(hostfile), "--master_addr", master]
-        launcher += ["--include", include] if include else ["--exclude", exclude] if exclude else []
-        launcher += ["--num_nodes", str(num_nodes)] if num_nodes > 0 else []
-    launcher += ["--num_gpus", str(num_gpus)] if num_gpus > 0 else []
-    sys.exit(subprocess.call([*launcher, *program]))
+    old = env_file.read_text() if env_file.is_file() else ""
+    old += "\n" if old and not old.endswith("\n") else ""  # as _launch_exec appends
+    new = "".join(f"{k}={v}\n" for k, v in env_new.items())
+    home = env_file_path(home=True)  # read first, as deepspeed's runner does
+    files = [home.read_text()] if home.is_file() and home.resolve() != env_file.resolve() else []
+    files = [read_env_file(text, origin=str(env_file)) for text in [*files, old + new]]
+    cmd = runner_command(runner, active, exports=runner_exports(os.environ, files))
+    click.echo(f"{'pdsh' if runner.name == 'pdsh' else 'mpirun'}: {shlex.join(cmd)}")
+    click.echo(f"# {env_file}: {f'would append {len(env_new)} line(s)' if new else 'unchanged'}")
+    for line in (old + new).splitlines():
+        click.echo(f"{env_file}: {line}")
+
+
+def _launch_check(launcher: str, active, *, need_tools: bool) -> None:
+    """--check: each host (ssh, or its name for no_ssh/slurm) and, when the launch needs them, the
+    launcher's tools; exit 2 naming the first failure."""
+    import os
+
+    from dsframework.launch import check_hosts, check_tools, local_names
+
+    tools = check_tools(launcher, os.environ) if need_tools else []
+    hosts = check_hosts(active, launcher=launcher)
+    for host in active:
+        if host in local_names():
+            click.echo(f"{host}: this node, not checked")
+    for name, why in tools + hosts:
+        click.echo(f"{name}: {'ok' if why is None else why}")
+    failed = [(name, why) for name, why in hosts + tools if why is not None]
+    if not failed:
+        return click.echo(f"# {launcher}: every check passed")
+    name, why = failed[0]
+    if name not in active:
+        fix = f"install {name} on this node, or choose another --launcher" if name != "SLURM_JOB_ID" else \
+            "run dsf launch inside the job (launch/slurm.sbatch) or an salloc shell"
+    elif launcher in ("no_ssh", "slurm"):
+        fix = "write a name or address every node resolves in the hostfile"
+    else:
+        fix = f"set up passwordless ssh from this node (ssh-copy-id {name}) and check the name resolves"
+    raise UserError("--check", name, why, fix)
+
+
+def _launch_exec(launcher, runner, active, env_file, env_new, explicit, deepspeed, flags, program) -> None:
+    """Replace this process with the launcher (its exit code is the command's)."""
+    import os
+    import shutil
+    import warnings
+
+    from dsframework.launch import SLURM_NODEID, check_tools, srun_command
+
+    env = {**os.environ, **explicit}
+    if launcher == "slurm":
+        for name, why in check_tools("slurm", os.environ):
+            if why is not None:
+                raise UserError("--launcher", "slurm", f"{name} {why}",
+                                "run inside the allocation: sbatch launch/slurm.sbatch, or salloc")
+        argv = srun_command([deepspeed, *flags(SLURM_NODEID), *program], active)
+        argv[0] = shutil.which("srun")
+    else:
+        if runner is not None:
+            with warnings.catch_warnings():  # MVAPICHRunner warns on stderr when mpiname is missing
+                warnings.simplefilter("ignore")
+                if not runner.backend_exists():
+                    raise UserError("--launcher", launcher, f"is not installed on this node ({runner.name} backend "
+                                    "not found)", "install it, or choose another --launcher (no_ssh, slurm)")
+        if env_new:  # append, never rewrite: the user's lines stay as they are
+            old = env_file.read_text() if env_file.is_file() else ""
+            with env_file.open("a") as out:
+                out.write(("\n" if old and not old.endswith("\n") else "") +
+                          "".join(f"{k}={v}\n" for k, v in env_new.items()))
+            click.echo(f"dsf: added {', '.join(env_new)} to {env_file}", err=True)
+        argv = [deepspeed, *flags(), *program]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(argv[0], argv, env)
 
 
 # --- dsf train ----------------------------------------------------------------------------------
@@ -301,9 +490,16 @@ def train_cmd(run_yaml: Path, overrides: tuple[str, ...], resume: bool, overwrit
     from dsframework.config import load_run_config
 
     run = load_run_config(run_yaml, overrides)  # config errors before torch is even imported
-    from dsframework.engine import shutdown_distributed, train
+    from dsframework.engine import Preempted, shutdown_distributed, train
 
-    train(run, resume=resume, overwrite=overwrite)
+    try:
+        train(run, resume=resume, overwrite=overwrite)
+    except Preempted:
+        shutdown_distributed()
+        sys.exit(143)  # 128 + SIGTERM: stopped, not finished (the checkpoint is saved)
+    except UserError:
+        shutdown_distributed(wait_s=10)  # the ranks usually fail together (a NaN, a bad checkpoint)
+        raise
     shutdown_distributed()
 
 
@@ -353,6 +549,10 @@ def _strip_local_rank(argv: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the `dsf` console script."""
     argv = _strip_local_rank(sys.argv[1:] if argv is None else list(argv))
+    from dsframework.supervise import run_rank, under_launcher
+
+    if under_launcher(argv):  # this process watches; a child is the rank (names it if it dies)
+        sys.exit(run_rank(argv))
     try:
         cli.main(args=argv, prog_name="dsf", standalone_mode=False)
     except UserError as err:

@@ -28,6 +28,7 @@ from dsframework.config import RunConfig, dump_run_config
 from dsframework.data import BlockSampler, eval_shard, load_texts, load_tokenizer, pack_splits, train_tokenizer
 from dsframework.dsconfig import Batch, build_ds_config, resolve_batch
 from dsframework.errors import UserError
+from dsframework.guards import NonFiniteWatch, StopRequest, fault_step
 from dsframework.jit import pin_build_tools, release_shm_buffers
 from dsframework.parallel.pipeline import build_pipeline_module, stage_table
 from dsframework.parallel.topology import ParallelDims, build_grid, build_topology, check_layout
@@ -61,18 +62,30 @@ def init_distributed() -> tuple[int, int]:
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
 
 
-def shutdown_distributed() -> None:
+def shutdown_distributed(*, wait_s: float | None = None) -> None:
     """Tear the process group down in step on every rank before the interpreter exits.
 
     Left to interpreter shutdown, gloo's worker threads can be destroyed while another rank is
     still talking to them, and a rank that trained fine dies with `terminate called without an
-    active exception` (SIGABRT), failing the whole launch (seen in CI at pp2 x dp2).
+    active exception` (SIGABRT), failing the whole launch (seen in CI at pp2 x dp2). On an error
+    path (`wait_s` set) the other ranks may never arrive: wait for them that long at most.
     """
+    import datetime
+
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if wait_s is None:
         dist.barrier()
-        dist.destroy_process_group()
+    else:
+        with contextlib.suppress(Exception):
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=wait_s))
+    dist.destroy_process_group()
+
+
+class Preempted(Exception):
+    """Training stopped on SIGTERM after saving a checkpoint (`dsf train` exits 143)."""
 
 
 @contextlib.contextmanager
@@ -98,8 +111,11 @@ def mean_over_ranks(value: float) -> float:
 
 # --- output directory ---------------------------------------------------------------------------
 
-def check_output_dir(run: RunConfig, *, resume: bool, overwrite: bool) -> None:
-    """Refuse to clobber a previous run: resume it, or overwrite it only when asked to."""
+def check_output_dir(run: RunConfig, *, resume: bool, overwrite: bool) -> dict[str, Any] | None:
+    """Refuse to clobber a previous run: resume it, or overwrite it only when asked to.
+
+    On resume, checks every file of the latest checkpoint is there at its saved size and returns
+    its manifest (None for a checkpoint without one)."""
     if resume and overwrite:
         raise UserError("--resume/--overwrite", None, "are mutually exclusive", "pass only one")
     tag = ckpt.latest_tag(run.checkpoint_dir)
@@ -115,6 +131,43 @@ def check_output_dir(run: RunConfig, *, resume: bool, overwrite: bool) -> None:
         raise UserError("output_dir", run.output_dir, "already holds a run",
                         "pass --resume to continue it, --overwrite to replace it, "
                         "or --set output_dir=NEW_DIR")
+    return ckpt.verify(run.checkpoint_dir, tag) if resume else None
+
+
+def layout_of(run: RunConfig, dims: ParallelDims) -> dict[str, int]:
+    """What a checkpoint records of the layout it was saved at (its manifest's `layout`)."""
+    return {"world": dims.world, "tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "zero_stage": run.parallel.zero_stage}
+
+
+def resume_tag(run: RunConfig, dims: ParallelDims, manifest: dict[str, Any] | None) -> tuple[str, bool]:
+    """(tag to load, whether it is a universal checkpoint) for resuming at `dims`.
+
+    Only the data-parallel size may change (a node lost, or more nodes): ZeRO-1/2/3 shards are cut
+    per data-parallel rank, so rank 0 converts the checkpoint with deepspeed's ds_to_universal
+    and every rank loads its new shard of that. ZeRO-0 states are whole on every rank already.
+    """
+    import torch.distributed
+
+    tag = ckpt.latest_tag(run.checkpoint_dir)
+    saved, now = (manifest or {}).get("layout"), layout_of(run, dims)
+    if saved is None or saved["dp"] == now["dp"]:
+        return tag, False
+    for key in ("tp", "pp", "zero_stage"):
+        if saved[key] != now[key]:
+            raise UserError(f"parallel.{key}", now[key], f"differs from the checkpoint's {saved[key]}",
+                            f"resume with parallel.{key}={saved[key]} (only the data-parallel size may change)")
+    if now["zero_stage"] == 0:
+        return tag, False
+    if dims.tp_enabled or dims.pp_enabled:
+        raise UserError("world size", dims.world, f"changes dp {saved['dp']} -> {now['dp']}, which the universal "
+                        "checkpoint cannot do for dsf's tensor-parallel or pipeline layers",
+                        f"resume on {saved['world']} ranks")
+    with rank_zero_first():
+        if torch.distributed.get_rank() == 0:
+            print(f"dsf: resuming at dp {now['dp']} from a checkpoint saved at dp {saved['dp']}: "
+                  f"converting {tag} to a universal checkpoint", flush=True)
+            ckpt.to_universal(run.checkpoint_dir, tag)
+    return tag + ckpt.UNIVERSAL, True
 
 
 # --- the loop -----------------------------------------------------------------------------------
@@ -152,8 +205,9 @@ def _check_same_model(run: RunConfig, config: Any) -> None:
                         f"{before.get(key)!r}", "resume with the model settings the run started with")
 
 
-def _train_step(engine: Any, micro_batches: list, *, pipeline: bool) -> Any:
-    """One optimizer step over this rank's micro-batches; their mean loss (a float64 tensor)."""
+def _train_step(engine: Any, micro_batches: list, *, pipeline: bool, poison: bool = False) -> Any:
+    """One optimizer step over this rank's micro-batches; their mean loss (a float64 tensor).
+    `poison` makes the loss NaN (the fault tests' injected divergence)."""
     import torch
 
     if pipeline:  # DeepSpeed's pipeline engine runs the 1F1B schedule over all micro-batches
@@ -163,6 +217,8 @@ def _train_step(engine: Any, micro_batches: list, *, pipeline: bool) -> Any:
     for input_ids in micro_batches:
         input_ids = input_ids.to(engine.device)
         loss = engine(input_ids=input_ids, labels=input_ids).loss
+        if poison:
+            loss = loss * float("nan")
         engine.backward(loss)
         engine.step()  # DeepSpeed steps the optimizer at the accumulation boundary only
         total += loss.detach().double()
@@ -228,9 +284,13 @@ def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False) ->
     """World, data, model and DeepSpeed engine; restored from the latest checkpoint on resume."""
     import datasets
     import deepspeed
+    from deepspeed.accelerator import get_accelerator
 
     # Everything a user can get wrong is checked before the first byte is written or deleted.
-    check_output_dir(run, resume=resume, overwrite=overwrite)
+    manifest = check_output_dir(run, resume=resume, overwrite=overwrite)
+    if run.train.precision == "fp16" and not get_accelerator().is_fp16_supported():
+        raise UserError("train.precision", "fp16", f"is not supported on this device ({get_accelerator().device_name()})",
+                        "use train.precision=bf16 or fp32")
     datasets.disable_progress_bars()  # rank 0's own progress bar is the one that matters
     warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated")
     rank, world = init_distributed()
@@ -246,6 +306,9 @@ def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False) ->
     grid = build_grid(dims) if dims.tp_enabled else None
     dp_rank = topology.get_coord(rank).data
     ds_config = build_ds_config(run.train, run.parallel, dp_size=dims.dp)
+    load_tag, universal = resume_tag(run, dims, manifest) if resume else (None, False)
+    if universal:
+        ds_config["checkpoint"] = {"load_universal": True}
     batch = resolve_batch(run.train.micro_batch, run.train.grad_accum, run.train.global_batch, dp_size=dims.dp)
 
     with rank_zero_first():  # rank 0 validates the data and writes the tokenizer; then the others
@@ -295,7 +358,7 @@ def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False) ->
     session = Session(run, rank, dims, dp_rank, batch, engine, tokenizer, train_blocks, eval_blocks,
                       num_parameters)
     if resume:
-        state = ckpt.load(engine, run.checkpoint_dir)
+        state = ckpt.load(engine, run.checkpoint_dir, tag=load_tag)
         session.step, session.consumed_samples = state["step"], state["consumed_samples"]
     return session
 
@@ -332,13 +395,28 @@ def train(run: RunConfig, *, resume: bool = False, overwrite: bool = False) -> d
                dynamic_ncols=True, desc="train")
     window_start, window_steps = time.perf_counter(), 0
     stop = min(run.train.steps, run.train.stop_after or run.train.steps)
+    stop_request = StopRequest()
+    nonfinite = NonFiniteWatch(enabled=run.train.precision != "fp16", device=engine.device)
+    poison_step = fault_step("nan")
+
+    def check_finite() -> None:
+        bad = nonfinite.first_step()
+        if bad is not None:
+            good = ckpt.latest_tag(run.checkpoint_dir)
+            raise UserError("loss", None, f"is not finite (nan or inf) at step {bad}; training stopped, "
+                            + (f"{run.checkpoint_dir / good} is the last good checkpoint" if good
+                               else "no checkpoint was saved"),
+                            "lower train.lr or raise train.warmup_steps, then dsf train --resume")
+
     while step < stop:
         step_loss = _train_step(engine, [train_blocks[i] for i in sampler.micro_batches(consumed)],
-                                pipeline=dims.pp_enabled)
+                                pipeline=dims.pp_enabled, poison=poison_step == step + 1)
         step, consumed, window_steps = step + 1, consumed + batch.global_batch, window_steps + 1
+        nonfinite.update(step, step_loss)
         bar.update(1)
         done = step == stop
         if step % run.logging.every == 0 or done:
+            check_finite()
             loss_value = mean_over_ranks(step_loss.item())
             elapsed = time.perf_counter() - window_start
             last = {"step": step, "loss": loss_value, "lr": engine.get_lr()[0],
@@ -346,13 +424,23 @@ def train(run: RunConfig, *, resume: bool = False, overwrite: bool = False) -> d
             window_start, window_steps = time.perf_counter(), 0
             if run.logging.eval_every and (step % run.logging.eval_every == 0 or done):
                 last["eval_loss"] = evaluate()
+            if run.train.precision == "fp16":
+                last["skipped_steps"] = engine.skipped_steps  # overflowing steps the loss scaler dropped
             metrics.write(last)
             bar.set_postfix({k: f"{v:.4g}" for k, v in last.items() if k != "step"}, refresh=False)
             if rank == 0 and not run.logging.progress:
                 print("dsf: " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                          for k, v in last.items()), flush=True)
-        if (run.checkpoint.every and step % run.checkpoint.every == 0) or (done and run.checkpoint.save_final):
-            ckpt.save(engine, run.checkpoint_dir, step=step, consumed_samples=consumed)
+        preempted = stop_request.agreed()
+        if preempted or (run.checkpoint.every and step % run.checkpoint.every == 0) or (done and run.checkpoint.save_final):
+            check_finite()  # a diverged model is never saved over the last good one
+            ckpt.save(engine, run.checkpoint_dir, step=step, consumed_samples=consumed, layout=layout_of(run, dims))
+        if preempted:
+            bar.close()
+            if rank == 0:
+                print(f"dsf: stopped by SIGTERM at step {step}; checkpoint {ckpt.tag_for(step)} saved; "
+                      f"continue with `dsf train ... --resume`", flush=True)
+            raise Preempted(step)
     bar.close()
     if rank == 0:
         print(f"dsf: done at step {step}; checkpoints in {run.checkpoint_dir}", flush=True)

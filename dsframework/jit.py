@@ -7,10 +7,18 @@ dsf pins the ninja beside its interpreter and gives each environment its own bui
 
     from dsframework.jit import pin_build_tools
     pin_build_tools()      # before deepspeed.init_distributed / deepspeed.initialize
+
+The CPU op builders also ask py-cpuinfo for the CPU's flags each time they load an op, and each
+ask starts a Python interpreter; dsf answers from a cache (see cache_cpu_info).
 """
 from __future__ import annotations
 
+import copy
+import functools
+import hashlib
+import json
 import os
+import platform
 import sys
 from pathlib import Path
 
@@ -23,6 +31,57 @@ def pin_build_tools() -> None:
     path = os.environ.get("PATH", "").split(os.pathsep)
     if (Path(bin_dir) / "ninja").exists() and path[:1] != [bin_dir]:
         os.environ["PATH"] = os.pathsep.join([bin_dir, *[p for p in path if p != bin_dir]])
+    cache_cpu_info(Path(os.environ["TORCH_EXTENSIONS_DIR"]))
+
+
+def _cpu_signature() -> str:
+    """The first CPU's model and flags: what py-cpuinfo's answer (and -march=native) depend on."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    first = text.split("\n\n", 1)[0].splitlines()
+    return "\n".join(line for line in first if line.startswith(("model name", "flags", "Features", "cpu model")))
+
+
+def cache_cpu_info(folder: Path) -> None:
+    """Answer py-cpuinfo's get_cpu_info() from a cache: in this process, and on disk in `folder`
+    keyed by the CPU's model and flags.
+
+    get_cpu_info() starts a second Python interpreter to read the CPU (about a second), and
+    DeepSpeed's CPU op builders call it for every op they load (-march and SIMD width): 2-3 s of
+    every rank's start, every run, for an answer that depends only on the machine.
+    """
+    try:
+        import cpuinfo
+    except ImportError:  # DeepSpeed falls back to lscpu
+        return
+    if getattr(cpuinfo.get_cpu_info, "dsf_cached", False):
+        return
+    key = hashlib.sha1(f"{platform.machine()}\n{_cpu_signature()}".encode()).hexdigest()[:16]
+    path = folder / f"cpuinfo-{key}.json"
+    ask = cpuinfo.get_cpu_info
+
+    @functools.cache
+    def answer() -> dict:
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            info = ask()
+        try:  # write-then-rename: ranks starting together never read half a file
+            folder.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(info))
+            os.replace(tmp, path)
+        except OSError:
+            pass
+        return info
+
+    def get_cpu_info() -> dict:
+        return copy.deepcopy(answer())
+
+    get_cpu_info.dsf_cached = True
+    cpuinfo.get_cpu_info = get_cpu_info
 
 
 def release_shm_buffers() -> None:

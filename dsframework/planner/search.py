@@ -18,13 +18,11 @@ from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 from dsframework.planner.cluster import Cluster, GiB, resize
-from dsframework.planner.memory import Job, Layout, Memory, memory_per_rank
+from dsframework.planner.fit import check_fit
+from dsframework.planner.memory import Job, Layout, Memory
 from dsframework.planner.model import ModelDesc
 from dsframework.planner.speed import StepTime, step_time
 
-MEMORY_HEADROOM = 0.10  # allocator fragmentation and what the model does not count
-RESERVED_PER_GPU = 1.0 * GiB  # CUDA context, NCCL and library workspaces (0 on a CPU cluster)
-HOST_MEMORY_SHARE = 0.80  # of a node's RAM that offloaded states may take
 MAX_MICRO_BATCH = 64
 
 
@@ -116,25 +114,16 @@ def enumerate_layouts(desc: ModelDesc, cluster: Cluster, job: Job, *, tp: int | 
                                          grad_accum=per_replica // micro, activation_checkpointing=checkpointing)
 
 
-def usable_gpu_memory(cluster: Cluster) -> float:
-    reserved = 0.0 if cluster.name.startswith("cpu") else RESERVED_PER_GPU
-    return cluster.memory_per_gpu - reserved
-
-
 def evaluate(desc: ModelDesc, layout: Layout, job: Job, cluster: Cluster) -> Candidate:
     """Memory, time and fit of one layout."""
-    memory = memory_per_rank(desc, layout, job)
-    time = step_time(desc, layout, job, cluster)
-    need = memory.total * (1 + MEMORY_HEADROOM)
-    limit = usable_gpu_memory(cluster)
+    fit = check_fit(desc, layout, job, cluster)
+    memory, time = fit.memory, step_time(desc, layout, job, cluster)
     ranks_per_node = min(cluster.gpus_per_node, cluster.world)
-    host_need = memory.cpu_per_rank * ranks_per_node
-    host_limit = cluster.cpu_memory_per_node * HOST_MEMORY_SHARE
     why = ""
-    if need > limit:
-        why = f"{need / GiB:.1f} GiB > {limit / GiB:.1f} GiB per GPU"
-    elif host_need > host_limit:
-        why = f"{host_need / GiB:.1f} GiB offloaded > {host_limit / GiB:.1f} GiB of host memory per node"
+    if fit.need > fit.available:
+        why = f"{fit.need / GiB:.1f} GiB > {fit.available / GiB:.1f} GiB per GPU"
+    elif fit.host_need > fit.host_available:
+        why = f"{fit.host_need / GiB:.1f} GiB offloaded > {fit.host_available / GiB:.1f} GiB of host memory per node"
     tokens_per_s = job.global_batch * job.seq_len / time.total
     peak = cluster.flops(job.precision) * cluster.world
     mfu = tokens_per_s * desc.flops_per_token(job.seq_len) / peak

@@ -125,6 +125,7 @@ class Case:
     needs_ckpt: bool = False        # uses {ckpt}
     needs_run_copy: bool = False    # uses {run}
     xfail: str | None = None        # a known source bug: the reason
+    skipif: str | None = None       # a condition (evaluated in this module) under which it cannot fail
 
 
 def train_case(id: str, yaml_text: str | None, *extra: str, files: dict[str, str] | None = None,
@@ -148,6 +149,17 @@ data: {num_examples: 200, seq_len: 16}
 train: {steps: 2, warmup_steps: 1, global_batch: 4, micro_batch: 2}
 logging: {eval_every: 0, progress: false}
 """
+TWO_HOSTS = "worker-0 slots=2\nworker-1 slots=2\n"
+
+
+def launch_case(id: str, *extra: str, expect: tuple, hosts: str | None = TWO_HOSTS, dry_run: bool = True,
+                files: dict[str, str] | None = None, guard: tuple[str, ...] = ("hosts",)) -> Case:
+    """A `dsf launch TINY_YAML [--hostfile {tmp}/hosts] [--dry-run] ...` case; nothing may be started."""
+    hostfile = ("--hostfile", "{tmp}/hosts") if hosts else ()
+    return Case(id, ("launch", str(TINY_YAML), *hostfile, *(("--dry-run",) if dry_run else ()), *extra),
+                expect=expect, files={**({"hosts": hosts} if hosts else {}), **(files or {})},
+                guard=guard if hosts else ())
+
 
 CASES = [
     # --- dsf train: the run config itself -------------------------------------------------------
@@ -204,6 +216,10 @@ CASES = [
                expect=("parallel.pp", "2", "zero_stage 0 or 1"), files=NOT_A_RUN),
     train_case("train-dp-not-world-over-tp-pp", OUT + "parallel: {dp: 2}\n",
                expect=("parallel.dp", "2", "world 1"), files=NOT_A_RUN),
+    # This CPU has no fp16 (DeepSpeed's CPU accelerator says so; its own check is a traceback per rank).
+    train_case("train-fp16-on-a-cpu-without-it", OUT + "train: {precision: fp16}\n",
+               expect=("train.precision", "fp16", "not supported", "bf16"), files=NOT_A_RUN,
+               skipif="cpu_has_fp16()"),
     train_case("train-unknown-preset", OUT + "model:\n  name: tiny-lama\n",
                expect=("model.name", "tiny-lama", "'tiny-llama'"), files=NOT_A_RUN),
     train_case("train-unknown-model-type", OUT + "model:\n  name: {tmp}/config.json\n",
@@ -300,13 +316,43 @@ CASES = [
                                          "worker-7", "--dry-run"),
          expect=("--include", "worker-7", "worker-0"), files={"hosts": "worker-0 slots=2\nworker-1 slots=2\n"},
          guard=("hosts",)),
+    launch_case("launch-slurm-without-hostfile", "--num-gpus", "2", "--launcher", "slurm",
+                expect=("--launcher", "slurm", "--hostfile"), hosts=None),
+    launch_case("launch-node-rank-without-no-ssh", "--node-rank", "1",
+                expect=("--node-rank", "1", "no_ssh")),
+    launch_case("launch-node-rank-out-of-range", "--launcher", "no_ssh", "--node-rank", "2",
+                expect=("--node-rank", "2", "0..1")),
+    launch_case("launch-no-ssh-two-nodes-without-node-rank", "--launcher", "no_ssh", dry_run=False,
+                expect=("--node-rank", "no_ssh", "worker-1")),
+    launch_case("launch-openmpi-with-include", "--launcher", "openmpi", "--include", "worker-0",
+                expect=("--launcher", "openmpi", "include")),
+    launch_case("launch-slurm-slot-ids", "--launcher", "slurm", "--include", "worker-0:1@worker-1:1",
+                expect=("--include", "worker-0:1@worker-1:1", "slurm", "device ids")),
+    launch_case("launch-env-shell-expansion", "--env", "DATA=$HOME/data", expect=("--env", "DATA", "'$'")),
+    launch_case("launch-env-newline", "--env", "NOTE=a\nb", expect=("--env", "NOTE", "newline")),
+    launch_case("launch-env-not-a-name", "--env", "MY-VAR=1", expect=("--env", "MY-VAR", "variable name")),
+    launch_case("launch-env-clashes-with-deepspeed-env", "--env", "FOO=2",
+                expect=("--env", "FOO=2", ".deepspeed_env", "FOO=1"),
+                files={".deepspeed_env": "FOO=1\n"}, guard=("hosts", ".deepspeed_env")),
+    launch_case("launch-memory-does-not-fit", "--num-gpus", "2", "--cluster", "cpu-local",
+                *sets("model.name=llama-7b", "parallel.zero_stage=0", "parallel.tp=1", "parallel.pp=1"),
+                expect=("memory per rank", "GiB per rank >", "10.0 GiB available", "dsf plan", "--force"),
+                hosts=None),
     # --- the command line itself ------------------------------------------------------------------
     Case("unknown-subcommand", ("trian", "run.yaml"), expect=("trian",)),
 ]
 
 
+def cpu_has_fp16() -> bool:
+    """DeepSpeed's CPU accelerator's own test (AVX512-FP16 / AMX-FP16 through oneDNN)."""
+    import torch
+
+    return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+
+
 def _param(case: Case):
     marks = [pytest.mark.xfail(strict=True, reason=case.xfail)] if case.xfail else []
+    marks += [pytest.mark.skipif(case.skipif, reason=case.skipif)] if case.skipif else []
     return pytest.param(case, id=case.id, marks=marks)
 
 

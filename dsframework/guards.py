@@ -1,0 +1,89 @@
+"""What stops a training run early, and how the ranks agree on it.
+
+    stop, nonfinite = StopRequest(), NonFiniteWatch(enabled=True, device=engine.device)
+    for step in ...:
+        loss = one_step()
+        nonfinite.update(step, loss)              # on the device, no sync
+        if step % log_every == 0 and nonfinite.first_step() is not None: stop with an error
+        if stop.agreed(): save a checkpoint and exit   # after SIGTERM on any rank
+
+Both are collectives: every rank calls them at the same points of the loop.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+
+class StopRequest:
+    """SIGTERM (what SLURM sends before preemption, and what the launcher passes on to its ranks)
+    asks for a checkpoint at the end of the current step, then an exit.
+
+    The signal reaches the ranks at different moments, so each step they agree on it with one
+    all-reduce of a flag, on the CPU (a gloo group beside NCCL): no device synchronisation.
+
+        stop = StopRequest()
+        ... one step ...
+        if stop.agreed(): save and exit
+    """
+
+    def __init__(self) -> None:
+        import signal
+
+        import torch.distributed as dist
+
+        self.received: int | None = None
+        self._group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        signal.signal(signal.SIGTERM, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.received = signum
+
+    def agreed(self) -> bool:
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([int(self.received is not None)], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        return bool(flag.item())
+
+
+class NonFiniteWatch:
+    """The first step whose loss was not finite on any rank.
+
+    Updated on the device every step (no host synchronisation); read, with one all-reduce, only
+    where it matters: at logging, before a checkpoint is written, at the end. Off under fp16,
+    where DeepSpeed's loss scaler skips overflowing steps itself.
+    """
+
+    NONE = 2 ** 62
+
+    def __init__(self, *, enabled: bool, device: Any) -> None:
+        import torch
+
+        self.enabled = enabled
+        self._first = torch.full((1,), self.NONE, dtype=torch.int64, device=device)
+
+    def update(self, step: int, loss: Any) -> None:
+        import torch
+
+        if self.enabled:
+            fresh = ~torch.isfinite(loss.to(self._first.device)) & (self._first == self.NONE)
+            self._first = torch.where(fresh, torch.full_like(self._first, step), self._first)
+
+    def first_step(self) -> int | None:
+        import torch.distributed as dist
+
+        if not self.enabled:
+            return None
+        first = self._first.clone()
+        dist.all_reduce(first, op=dist.ReduceOp.MIN)
+        return None if int(first.item()) == self.NONE else int(first.item())
+
+
+def fault_step(name: str) -> int | None:
+    """Test hook: DSF_FAULT=`nan@K` poisons rank 0's loss at step K (see checkpoint._inject_fault)."""
+    fault = os.environ.get("DSF_FAULT", "")
+    if fault.startswith(name + "@") and os.environ.get("RANK", "0") == "0":
+        return int(fault.split("@", 1)[1])
+    return None

@@ -1,0 +1,60 @@
+"""Each rank of `dsf train` under a launcher runs as a child of a small watcher that names it
+when it dies.
+
+    # done by `dsf` itself when RANK is set by a launcher; by hand it would be:
+    exit_code = run_rank(["train", "run.yaml"])
+
+DeepSpeed's per-node launcher notices a rank that exited within a second and stops the others,
+but a rank killed by a signal (the kernel's OOM killer, `kill -9`, a segfault) prints nothing,
+and the launcher's own message shows the command of the last rank it started, not the one that
+failed. The watcher imports nothing heavy, waits for its trainer, and when the trainer dies by a
+signal it prints which rank, host and pid died and how, then exits 128 + signal so the launcher
+tears the job down. The trainer gets SIGKILL if the watcher itself is killed (no orphans), and
+SIGTERM/SIGINT reach the trainer, which checkpoints on SIGTERM.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+CHILD_MARK = "DSF_RANK_TRAINER"  # set in the trainer's environment: it is the rank, not the watcher
+HINTS = {signal.SIGKILL: " (out of memory? see `dmesg`; or killed by hand)", signal.SIGSEGV: " (a crash in native code)"}
+
+
+def under_launcher(argv: list[str]) -> bool:
+    """True for `dsf train` started by a launcher (RANK set) and not yet watched."""
+    return bool(argv) and argv[0] == "train" and "RANK" in os.environ and CHILD_MARK not in os.environ
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def run_rank(argv: list[str]) -> int:
+    """Run `dsf ARGV` as this rank's trainer; its exit code, or 128 + the signal that killed it."""
+    child = subprocess.Popen([sys.executable, "-m", "dsframework.cli", *argv],
+                             env={**os.environ, CHILD_MARK: "1"},
+                             preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+    told_to_stop: list[int] = []
+
+    def forward(signum: int, frame: object) -> None:
+        told_to_stop.append(signum)
+        child.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    code = child.wait()
+    if code >= 0:
+        return code
+    sig = signal.Signals(-code)
+    if not told_to_stop:  # not part of a shutdown the launcher or the user started: a rank died
+        print(f"dsf: rank {os.environ.get('RANK')} (local rank {os.environ.get('LOCAL_RANK', '?')} on "
+              f"{socket.gethostname()}, pid {child.pid}) was killed by {sig.name}{HINTS.get(sig, '')}; "
+              f"the launcher stops the other ranks", file=sys.stderr, flush=True)
+    return 128 + sig.value

@@ -1,0 +1,225 @@
+"""Faults injected for real into 2-rank runs (CPU, gloo), and what survives each.
+
+- a rank killed with SIGKILL: the job exits non-zero within 60 s, names the rank, leaves no process;
+- SIGTERM to the whole job (what SLURM sends before preemption): a checkpoint at the current step,
+  an exit, and `--resume` continues exactly;
+- a crash while a checkpoint is written (rank 0 dies after DeepSpeed wrote the shards, before the
+  commit): `latest` still names the previous checkpoint, which resumes exactly;
+- a truncated or missing checkpoint file: exit 2 naming the file, nothing deleted; pointing
+  `latest` at the previous checkpoint resumes exactly;
+- a NaN loss (fp32): training stops naming the step, the last good checkpoint stays `latest` and
+  resumes exactly; with fp16, DeepSpeed's loss scaler skips the step and training goes on;
+- resume at another data-parallel size: 2 ranks -> 4 with the same global batch, through
+  deepspeed's universal checkpoint, within 1e-4 of the 2-rank run.
+
+"Exactly" is 1e-6 relative against one uninterrupted run of the same config, computed in the test.
+The faults come from outside (signals) or from DSF_FAULT, a test hook that makes rank 0 die at a
+named point of a checkpoint (`checkpoint@STEP`) or poisons its loss (`nan@STEP`).
+"""
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.distributed.launcher import (BIN, REPO, TINY_YAML, assert_close, free_port, losses, rank_env,
+                                        read_metrics, run_overrides, train_run)
+
+# 6 steps, a checkpoint every 2 (global_step2/4/6), ZeRO-1 so the optimizer state is sharded.
+COMMON = ["parallel.zero_stage=1", "train.steps=6", "checkpoint.every=2", "checkpoint.save_final=true"]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> tuple[Path, dict[int, float]]:
+    """The uninterrupted run every fault is compared with (and whose checkpoints some reuse)."""
+    out = tmp_path_factory.mktemp("straight")
+    return out, train_run(out, COMMON)
+
+
+def start_job(output_dir: Path, overrides: list[str], *, log: Path, env: dict[str, str] | None = None,
+              flags: tuple[str, ...] = ()) -> subprocess.Popen:
+    """`deepspeed --num_gpus 2 dsf train ...` in its own session (a job a signal can be sent to)."""
+    sets = [a for o in run_overrides(output_dir, overrides) for a in ("--set", o)]
+    cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+           str(BIN / "dsf"), "train", str(TINY_YAML), *sets, *flags]
+    with open(log, "w") as out:  # a file, not a pipe: ranks outliving the launcher cannot block us
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
+                                env={**rank_env(), **(env or {})})
+
+
+def session_processes(sid: int) -> list[psutil.Process]:
+    """The live processes of the job started as session leader `sid` (zombies do not count)."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if os.getsid(proc.pid) == sid and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except (ProcessLookupError, PermissionError, psutil.Error):
+            pass
+    return found
+
+
+def wait_for(predicate, *, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        time.sleep(0.2)
+
+
+def wait_for_step(output_dir: Path, step: int, job: subprocess.Popen, log: Path) -> None:
+    def reached() -> bool:
+        assert job.poll() is None, f"job ended early ({job.returncode}):\n{log.read_text()[-3000:]}"
+        return max(losses(output_dir), default=0) >= step if (output_dir / "metrics.jsonl").exists() else False
+
+    wait_for(reached, timeout=120, what=f"step {step}")
+
+
+def dsf_train(output_dir: Path, overrides: list[str], *, flags: tuple[str, ...] = (),
+              env: dict[str, str] | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    """A 2-rank `dsf train` that may fail: returns its exit code and output (the caller judges)."""
+    sets = [a for o in run_overrides(output_dir, overrides) for a in ("--set", o)]
+    cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+           str(BIN / "dsf"), "train", str(TINY_YAML), *sets, *flags]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                          env={**rank_env(), **(env or {})})
+
+
+def test_killed_rank_ends_the_job_and_names_it(tmp_path):
+    log = tmp_path / "job.log"
+    job = start_job(tmp_path / "run", ["train.steps=100000", "train.warmup_steps=2"], log=log)
+    try:
+        wait_for_step(tmp_path / "run", 2, job, log)
+        trainers = {int(p.environ()["RANK"]): p for p in session_processes(job.pid)
+                    if p.environ().get("DSF_RANK_TRAINER") == "1"}
+        assert sorted(trainers) == [0, 1], "one trainer process per rank under its watcher"
+        killed_at = time.monotonic()
+        trainers[1].send_signal(signal.SIGKILL)
+        code = job.wait(timeout=60)
+        took = time.monotonic() - killed_at
+        wait_for(lambda: not session_processes(job.pid), timeout=10, what="the job's processes to end")
+    finally:
+        for proc in session_processes(job.pid):
+            proc.kill()
+    output = log.read_text()
+    assert code != 0 and took < 60, (code, took)
+    assert "rank 1 (local rank 1" in output and "killed by SIGKILL" in output, output[-3000:]
+
+
+def test_sigterm_checkpoints_and_resume_is_exact(tmp_path):
+    run = ["train.steps=100000", "train.warmup_steps=2"]  # the schedule of a long run, cut short
+    out, log = tmp_path / "preempted", tmp_path / "job.log"
+    job = start_job(out, run, log=log)
+    try:
+        wait_for_step(out, 3, job, log)
+        os.killpg(job.pid, signal.SIGTERM)  # every process of the job, as SLURM does
+        wait_for(lambda: not session_processes(job.pid), timeout=60, what="the job to checkpoint and exit")
+    finally:
+        for proc in session_processes(job.pid):
+            proc.kill()
+    output = log.read_text()
+    stopped = max(losses(out))
+    tag = (out / "checkpoints" / "latest").read_text().strip()
+    assert tag == f"global_step{stopped}", output[-3000:]
+    assert f"stopped by SIGTERM at step {stopped}" in output
+    assert not list((out / "checkpoints").glob("*.partial"))
+
+    stop_after = [f"train.stop_after={stopped + 2}"]
+    resumed = train_run(out, [*run, *stop_after], flags=("--resume",))
+    straight = train_run(tmp_path / "straight", [*run, *stop_after])
+    assert sorted(resumed) == list(range(1, stopped + 3))
+    assert_close(resumed, straight, rtol=1e-6, what="preempted + resumed vs straight")
+
+
+def test_crash_during_checkpoint_keeps_latest(tmp_path, straight):
+    out = tmp_path / "crashed"
+    proc = dsf_train(out, COMMON, env={"DSF_FAULT": "checkpoint@4"})
+    assert proc.returncode != 0, "rank 0 died in the middle of the step-4 checkpoint"
+    ckpts = out / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "global_step2"
+    assert (ckpts / "global_step4.partial").is_dir() and not (ckpts / "global_step4").exists()
+
+    resumed = train_run(out, COMMON, flags=("--resume",))
+    assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
+    assert_close(resumed, straight[1], rtol=1e-6, what="resumed from global_step2 after the crash")
+    assert not (ckpts / "global_step4.partial").exists(), "the next save cleans the leftover"
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete"])
+def test_damaged_checkpoint_file_is_named(tmp_path, straight, damage):
+    ckpts = tmp_path / "run" / "checkpoints"
+    shutil.copytree(straight[0] / "checkpoints", ckpts)
+    shutil.copy(straight[0] / "metrics.jsonl", tmp_path / "run" / "metrics.jsonl")
+    victim = ckpts / "global_step6" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    size = victim.stat().st_size
+    if damage == "truncate":
+        with open(victim, "r+b") as f:
+            f.truncate(size // 2)
+    else:
+        victim.unlink()
+    before = sorted(p.relative_to(ckpts) for p in ckpts.rglob("*"))
+
+    # Checked before any rank starts its engine, so a plain single-process resume shows it.
+    sets = [a for o in run_overrides(tmp_path / "run", COMMON) for a in ("--set", o)]
+    proc = subprocess.run([str(BIN / "dsf"), "train", str(TINY_YAML), *sets, "--resume"], capture_output=True,
+                          text=True, timeout=120, cwd=REPO, env=rank_env())
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(victim) in lines[0] and "Traceback" not in proc.stderr, proc.stderr
+    assert ("truncated" if damage == "truncate" else "missing") in lines[0]
+    assert "echo global_step4 >" in lines[0], "the fix names the previous checkpoint"
+    assert sorted(p.relative_to(ckpts) for p in ckpts.rglob("*")) == before, "nothing deleted or written"
+
+    if damage == "truncate":  # the fix the message gives: resume from the previous checkpoint
+        (ckpts / "latest").write_text("global_step4")
+        resumed = train_run(tmp_path / "run", COMMON, flags=("--resume",))
+        assert_close(resumed, straight[1], rtol=1e-6, what="resumed from global_step4")
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, straight):
+    out = tmp_path / "nan"
+    proc = dsf_train(out, COMMON, env={"DSF_FAULT": "nan@4"})
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "loss: is not finite (nan or inf) at step 4" in proc.stderr
+    assert "global_step2 is the last good checkpoint" in proc.stderr
+    ckpts = out / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "global_step2"
+    assert not (ckpts / "global_step4").exists() and not (ckpts / "global_step4.partial").exists()
+    assert sorted(losses(out)) == [1, 2, 3], "steps up to the divergence were logged"
+
+    resumed = train_run(out, COMMON, flags=("--resume",))
+    assert_close(resumed, straight[1], rtol=1e-6, what="resumed from global_step2 after the NaN")
+
+
+def test_resume_on_more_ranks_through_universal_checkpoint(tmp_path, straight):
+    ckpts = tmp_path / "run" / "checkpoints"
+    shutil.copytree(straight[0] / "checkpoints", ckpts)
+    shutil.copy(straight[0] / "metrics.jsonl", tmp_path / "run" / "metrics.jsonl")
+    (ckpts / "latest").write_text("global_step2")  # saved at dp 2 (micro 4 x accum 1 x dp 2 = 8)
+
+    resumed = train_run(tmp_path / "run", COMMON, num_ranks=4, flags=("--resume",))  # 2 x 1 x 4 = 8
+    assert (ckpts / "global_step2.universal").is_dir()
+    assert_close({s: resumed[s] for s in range(3, 7)}, {s: straight[1][s] for s in range(3, 7)}, rtol=1e-4,
+                 what="steps 3-6 on 4 ranks vs the 2-rank run")
+
+
+def test_fp16_loss_scaler_skips_a_nan_step(tmp_path):
+    """With fp16, an overflowing step is DeepSpeed's to skip (dynamic loss scaling), not a stop."""
+    out = tmp_path / "fp16"
+    sets = [a for o in run_overrides(out, ["parallel.zero_stage=1", "train.precision=fp16"]) for a in ("--set", o)]
+    worker = REPO / "tests" / "distributed" / "workers" / "fp16_on_cpu.py"
+    cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), str(worker),
+           "train", str(TINY_YAML), *sets]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env={**rank_env(), "DSF_FAULT": "nan@3"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = {m["step"]: m for m in read_metrics(out)}
+    assert [records[s]["skipped_steps"] for s in range(1, 9)] == [0, 0, 1, 1, 1, 1, 1, 1]
+    assert records[3]["lr"] == records[2]["lr"], "the skipped step did not advance the lr schedule"
+    assert all(math.isfinite(records[s]["loss"]) for s in (1, 2, 4, 5, 6, 7, 8))

@@ -113,25 +113,6 @@ def _flag_for(field: str) -> str:
 
 # --- dsf plan -----------------------------------------------------------------------------------
 
-def _load_cluster(name: str, *, nodes: int, gpus_per_node: int):
-    """A preset name, or a profile file written by `dsf calibrate` (JSON)."""
-    import json
-
-    from dsframework.planner.cluster import CLUSTER_PRESETS, Cluster, cluster_preset, resize
-
-    if name in CLUSTER_PRESETS or not Path(name).suffix:
-        return cluster_preset(name, nodes=nodes, gpus_per_node=gpus_per_node)
-    path = Path(name)
-    if not path.is_file():
-        raise UserError("--cluster", name, "is neither a preset nor a file", "pass a preset or a dsf calibrate profile")
-    try:
-        data = json.loads(path.read_text())
-    except ValueError as err:
-        raise UserError("--cluster", name, f"is not valid JSON ({err.msg} at line {err.lineno})",
-                        "write it again with dsf calibrate") from None
-    return resize(Cluster.from_dict(data, origin=f"--cluster {name}"), nodes=nodes, gpus_per_node=gpus_per_node)
-
-
 @cli.command("plan")
 @click.option("--model", "model_name", required=True, help="preset, config.json or pretrained directory")
 @click.option("--cluster", "cluster_name", required=True,
@@ -157,12 +138,13 @@ def plan_cmd(model_name: str, cluster_name: str, nodes: int, gpus_per_node: int,
 
     from dsframework.config import ModelSpec
     from dsframework.models import resolve_model
+    from dsframework.planner.cluster import load_cluster
     from dsframework.planner.memory import Job
     from dsframework.planner.model import describe_model
     from dsframework.planner.report import plan_table
     from dsframework.planner.search import search
 
-    cluster = _load_cluster(cluster_name, nodes=nodes, gpus_per_node=gpus_per_node)
+    cluster = load_cluster(cluster_name, nodes=nodes, gpus_per_node=gpus_per_node)
     if output_dir is not None and not force:
         taken = [name for name in ("ds_config.json", "run.yaml") if (output_dir / name).exists()]
         if taken:
@@ -258,14 +240,15 @@ def launch_cmd(run_yaml: Path, hostfile: Path | None, include: str, exclude: str
     import shutil
 
     from dsframework import launch
+    from dsframework import launch_steps as steps
     from dsframework.config import load_run_config
 
     run = load_run_config(run_yaml, overrides)
     launch.check_launcher(launcher, hostfile=hostfile is not None, node_rank=node_rank)
-    resources = _launch_resources(hostfile, num_gpus)
+    resources = steps.resources(hostfile, num_gpus)
     active = launch.select_resources(resources, include=include, exclude=exclude, num_nodes=num_nodes,
                                      num_gpus=num_gpus)
-    dims, config = _launch_layout(run, active)
+    dims, config = steps.layout(run, active)
     rank = launch.node_rank_of(node_rank, active, required=not (dry_run or check)) if launcher == "no_ssh" else None
     if launcher == "slurm":
         launch.check_slurm_resources(active, include=include, exclude=exclude)
@@ -285,12 +268,12 @@ def launch_cmd(run_yaml: Path, hostfile: Path | None, include: str, exclude: str
                                       extra=[*mode_flags, *(["--module"] if mpi else [])])
 
     runner = launch.build_runner(launcher, flags(), program, resources, active) if remote else None
-    env_file, env_new = _launch_env_file(env, explicit) if remote else (None, {})
+    env_file, env_new = steps.env_file_lines(env, explicit) if remote else (None, {})
     for why in skipped if remote else ():  # only .deepspeed_env forwards the default set
         click.echo(f"dsf: warning: {why}", err=True)
-    memory = _launch_memory(run, config, dims, active, cluster_name, force=force)
+    memory = steps.memory_check(run, config, dims, active, cluster_name, force=force)
     if check:
-        return _launch_check(launcher, active, need_tools=remote or launcher == "slurm")
+        return steps.run_checks(launcher, active, need_tools=remote or launcher == "slurm")
     deepspeed = str(Path(sys.executable).with_name("deepspeed"))
     if dry_run:
         click.echo(f"# {dims.world} ranks = tp {dims.tp} x pp {dims.pp} x dp {dims.dp} on {len(active)} node(s); "
@@ -305,176 +288,9 @@ def launch_cmd(run_yaml: Path, hostfile: Path | None, include: str, exclude: str
             srun = launch.srun_command([deepspeed, *flags(launch.SLURM_NODEID), *program], active)
             click.echo(f"srun: {launch.shell_line(srun, env)}")
         else:
-            _launch_dry_run_runner(runner, active, master, master_port, program, explicit, env_file, env_new)
+            steps.print_runner_dry_run(runner, active, master, master_port, program, explicit, env_file, env_new)
         return
-    _launch_exec(launcher, runner, active, env_file, env_new, explicit, deepspeed, flags, program)
-
-
-def _launch_resources(hostfile: Path | None, num_gpus: int):
-    """{host: slots} of the hostfile, or of this node (`--num-gpus` ranks) without one."""
-    from collections import OrderedDict
-
-    from dsframework.launch import parse_hostfile
-
-    if hostfile is None:
-        if num_gpus < 1:
-            raise UserError("--num-gpus", num_gpus, "is needed without --hostfile", "pass the ranks to start here")
-        return OrderedDict(localhost=num_gpus)
-    if not hostfile.is_file():
-        raise UserError("--hostfile", str(hostfile), "does not exist", "pass a file of `<host> slots=<n>` lines")
-    return parse_hostfile(hostfile.read_text().splitlines(), origin=str(hostfile))
-
-
-def _launch_layout(run, active):
-    """tp x pp x dp of the active slots, checked by the rules dsf train applies, and the model config."""
-    from dsframework.models import resolve_model
-    from dsframework.parallel.topology import ParallelDims, check_layout
-
-    dims = ParallelDims(world=sum(len(slots) for slots in active.values()), tp=run.parallel.tp, pp=run.parallel.pp)
-    config = resolve_model(run.model).config  # the same rules dsf train applies, before any node starts
-    check_layout(dims, num_heads=config.num_attention_heads,
-                 num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-                 num_layers=config.num_hidden_layers, dp=run.parallel.dp,
-                 ranks_per_node=min(len(slots) for slots in active.values()))
-    return dims, config
-
-
-def _launch_memory(run, config, dims, active, cluster_name: str | None, *, force: bool) -> str:
-    """'predicted X GiB of Y GiB available (where Y comes from)'; a UserError when it does not fit
-    (a warning with --force). The planner's memory model, for the run's own layout."""
-    from dsframework.dsconfig import resolve_batch
-    from dsframework.launch import local_cluster
-    from dsframework.planner.cluster import GiB
-    from dsframework.planner.fit import check_fit, run_layout
-    from dsframework.planner.memory import Job
-    from dsframework.planner.model import describe_model
-
-    ranks_per_node = max(len(slots) for slots in active.values())
-    if cluster_name:
-        cluster, source = _load_cluster(cluster_name, nodes=len(active), gpus_per_node=ranks_per_node), cluster_name
-    else:
-        cluster, source = local_cluster(nodes=len(active), ranks_per_node=ranks_per_node)
-    batch = resolve_batch(run.train.micro_batch, run.train.grad_accum, run.train.global_batch, dp_size=dims.dp)
-    layout = run_layout(run.parallel, dp=dims.dp, micro_batch=batch.micro_batch, grad_accum=batch.grad_accum)
-    job = Job(seq_len=run.data.seq_len, global_batch=batch.global_batch, precision=run.train.precision)
-    fit = check_fit(describe_model(config, name=run.model.name), layout, job, cluster)
-    summary = f"predicted {fit.need / GiB:.2f} GiB of {fit.available / GiB:.1f} GiB available ({source})"
-    if fit.fits:
-        return summary
-    preset = cluster_name or ("cpu-local" if cluster.name == "cpu-local" else "CLUSTER")
-    plan = (f"dsf plan --model {run.model.name} --cluster {preset} --nodes {len(active)} "
-            f"--gpus-per-node {ranks_per_node} --seq-len {job.seq_len} --global-batch {job.global_batch} "
-            f"--precision {job.precision}")
-    error = UserError("memory per rank", None,
-                      f"{fit.why_not} ({source}) for tp {layout.tp} x pp {layout.pp} x dp {layout.dp}, "
-                      f"ZeRO-{layout.zero_stage}, micro-batch {layout.micro_batch}",
-                      f"find a layout that fits with `{plan}`, or pass --force to launch anyway")
-    if not force:
-        raise error
-    click.echo(f"dsf: warning: {error}; launching anyway (--force)", err=True)
-    return f"{summary}; does not fit, launched anyway (--force)"
-
-
-def _launch_env_file(env, explicit) -> tuple[Path, dict[str, str]]:
-    """The .deepspeed_env deepspeed's runner reads here, and the lines dsf would append to it."""
-    from dsframework.launch import env_file_path, merge_env_file, read_env_file
-
-    home = env_file_path(home=True)  # deepspeed's runner reads it too, and fails on a line it cannot split
-    if home.is_file():
-        read_env_file(home.read_text(), origin=str(home))
-    path = env_file_path()
-    existing = read_env_file(path.read_text(), origin=str(path)) if path.is_file() else None
-    return path, merge_env_file(existing, env, explicit=explicit, origin=str(path))
-
-
-def _launch_dry_run_runner(runner, active, master, master_port, program, explicit, env_file, env_new) -> None:
-    """pdsh / openmpi / mvapich: each node's deepspeed.launcher.launch line (pdsh and one-node runs),
-    the pdsh or mpirun line from deepspeed's own runner, and the .deepspeed_env it would read."""
-    import os
-    import shlex
-
-    from dsframework.launch import (env_file_path, node_commands, read_env_file, runner_command, runner_exports,
-                                    shell_line)
-
-    if runner is None or runner.name == "pdsh":
-        for host, argv in node_commands(active, master_addr=master, master_port=master_port, program=program):
-            click.echo(f"{host}: {shell_line(argv, explicit if runner is None else None)}")
-    if runner is None:
-        return
-    old = env_file.read_text() if env_file.is_file() else ""
-    old += "\n" if old and not old.endswith("\n") else ""  # as _launch_exec appends
-    new = "".join(f"{k}={v}\n" for k, v in env_new.items())
-    home = env_file_path(home=True)  # read first, as deepspeed's runner does
-    files = [home.read_text()] if home.is_file() and home.resolve() != env_file.resolve() else []
-    files = [read_env_file(text, origin=str(env_file)) for text in [*files, old + new]]
-    cmd = runner_command(runner, active, exports=runner_exports(os.environ, files))
-    click.echo(f"{'pdsh' if runner.name == 'pdsh' else 'mpirun'}: {shlex.join(cmd)}")
-    click.echo(f"# {env_file}: {f'would append {len(env_new)} line(s)' if new else 'unchanged'}")
-    for line in (old + new).splitlines():
-        click.echo(f"{env_file}: {line}")
-
-
-def _launch_check(launcher: str, active, *, need_tools: bool) -> None:
-    """--check: each host (ssh, or its name for no_ssh/slurm) and, when the launch needs them, the
-    launcher's tools; exit 2 naming the first failure."""
-    import os
-
-    from dsframework.launch import check_hosts, check_tools, local_names
-
-    tools = check_tools(launcher, os.environ) if need_tools else []
-    hosts = check_hosts(active, launcher=launcher)
-    for host in active:
-        if host in local_names():
-            click.echo(f"{host}: this node, not checked")
-    for name, why in tools + hosts:
-        click.echo(f"{name}: {'ok' if why is None else why}")
-    failed = [(name, why) for name, why in hosts + tools if why is not None]
-    if not failed:
-        return click.echo(f"# {launcher}: every check passed")
-    name, why = failed[0]
-    if name not in active:
-        fix = f"install {name} on this node, or choose another --launcher" if name != "SLURM_JOB_ID" else \
-            "run dsf launch inside the job (launch/slurm.sbatch) or an salloc shell"
-    elif launcher in ("no_ssh", "slurm"):
-        fix = "write a name or address every node resolves in the hostfile"
-    else:
-        fix = f"set up passwordless ssh from this node (ssh-copy-id {name}) and check the name resolves"
-    raise UserError("--check", name, why, fix)
-
-
-def _launch_exec(launcher, runner, active, env_file, env_new, explicit, deepspeed, flags, program) -> None:
-    """Replace this process with the launcher (its exit code is the command's)."""
-    import os
-    import shutil
-    import warnings
-
-    from dsframework.launch import SLURM_NODEID, check_tools, srun_command
-
-    env = {**os.environ, **explicit}
-    if launcher == "slurm":
-        for name, why in check_tools("slurm", os.environ):
-            if why is not None:
-                raise UserError("--launcher", "slurm", f"{name} {why}",
-                                "run inside the allocation: sbatch launch/slurm.sbatch, or salloc")
-        argv = srun_command([deepspeed, *flags(SLURM_NODEID), *program], active)
-        argv[0] = shutil.which("srun")
-    else:
-        if runner is not None:
-            with warnings.catch_warnings():  # MVAPICHRunner warns on stderr when mpiname is missing
-                warnings.simplefilter("ignore")
-                if not runner.backend_exists():
-                    raise UserError("--launcher", launcher, f"is not installed on this node ({runner.name} backend "
-                                    "not found)", "install it, or choose another --launcher (no_ssh, slurm)")
-        if env_new:  # append, never rewrite: the user's lines stay as they are
-            old = env_file.read_text() if env_file.is_file() else ""
-            with env_file.open("a") as out:
-                out.write(("\n" if old and not old.endswith("\n") else "") +
-                          "".join(f"{k}={v}\n" for k, v in env_new.items()))
-            click.echo(f"dsf: added {', '.join(env_new)} to {env_file}", err=True)
-        argv = [deepspeed, *flags(), *program]
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(argv[0], argv, env)
+    steps.exec_launcher(launcher, runner, active, env_file, env_new, explicit, deepspeed, flags, program)
 
 
 # --- dsf train ----------------------------------------------------------------------------------

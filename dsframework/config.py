@@ -147,6 +147,10 @@ class LoggingSpec(_Spec):
     every: int = Field(10, ge=1, description="log loss, lr and tokens/s every N steps")
     eval_every: int = Field(50, ge=0, description="evaluate every N steps (and at the end); 0: never")
     progress: bool = Field(True, description="progress bar on rank 0")
+    cluster: str | None = Field(None, description="peak FLOP/s for MFU: a cluster preset or a dsf calibrate "
+                                "profile; default: the GPU's preset, else a matmul measured at start")
+    breakdown: bool = Field(False, description="forward/backward/all-reduce/optimizer ms per step from "
+                            "DeepSpeed's timers (they synchronise the device: a little slower)")
 
 
 class RunConfig(_Spec):

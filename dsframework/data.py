@@ -3,6 +3,7 @@
     texts = load_texts(run.data)                                # a datasets.Dataset with "text"
     tokenizer = train_tokenizer(texts, run.data)                # or load_tokenizer(directory)
     train_blocks, eval_blocks = pack_splits(texts, tokenizer, run.data)   # LongTensor [n, seq_len]
+    # or pack_splits_cached(..., cache_dir=blocks_cache_dir()): tokenized once, read back after
     sampler = BlockSampler(len(train_blocks), batch, dp_rank=0, seed=run.data.seed)
     for indices in sampler.micro_batches(consumed_samples=0):   # this rank's share of one step
         input_ids = train_blocks[indices]
@@ -183,6 +184,59 @@ def pack_splits(texts: Any, tokenizer: Any, spec: DataSpec) -> tuple[Any, Any]:
     return train, held_out
 
 
+BLOCKS_CACHE_VERSION = 1  # bump when pack/pack_splits change what they produce
+
+
+def _blocks_key(texts: Any, tokenizer: Any, spec: DataSpec) -> str:
+    """What the blocks depend on: the data (datasets' fingerprint: content for generated data, files
+    for loaded data), the tokenizer's full definition, and the packing settings."""
+    import hashlib
+    import json
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    vocab = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    digest = hashlib.sha256()
+    for part in (BLOCKS_CACHE_VERSION, texts._fingerprint, type(tokenizer).__name__, vocab,
+                 tokenizer.eos_token_id, spec.seq_len, spec.eval_fraction, spec.seed):
+        digest.update(f"{part}\0".encode())
+    return digest.hexdigest()[:24]
+
+
+def pack_splits_cached(texts: Any, tokenizer: Any, spec: DataSpec, *, cache_dir: Path | None) -> tuple[Any, Any]:
+    """pack_splits, tokenized once: the blocks are saved in `cache_dir` under a key of everything
+    they depend on, and read back by later runs, resumed runs and the other ranks (rank 0 writes,
+    see engine.rank_zero_first). A cache file that does not load is rebuilt."""
+    import os
+
+    import torch
+
+    if cache_dir is None:
+        return pack_splits(texts, tokenizer, spec)
+    path = Path(cache_dir) / f"blocks-{_blocks_key(texts, tokenizer, spec)}.pt"
+    if path.is_file():
+        try:
+            saved = torch.load(path, weights_only=True)
+            return saved["train"], saved["eval"]
+        except Exception:  # noqa: BLE001 - a torn or foreign file: build it again
+            pass
+    train, held_out = pack_splits(texts, tokenizer, spec)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        torch.save({"train": train, "eval": held_out}, tmp)
+        os.replace(tmp, path)  # readers see the whole file or none
+    except OSError:
+        pass  # a read-only cache: train without it
+    return train, held_out
+
+
+def blocks_cache_dir() -> Path:
+    """Beside datasets' own cache (HF_DATASETS_CACHE / HF_HOME)."""
+    import datasets
+
+    return Path(datasets.config.HF_DATASETS_CACHE) / "dsframework-blocks"
+
+
 # --- sampling -----------------------------------------------------------------------------------
 
 class BlockSampler:
@@ -204,20 +258,19 @@ class BlockSampler:
     def global_batch(self) -> int:
         return self.micro_batch * self.grad_accum * self.dp_size
 
-    def _perm(self, epoch: int) -> Any:
+    def _perm(self, epoch: int) -> list[int]:
+        """The epoch's order, drawn on the CPU once per epoch (a list: steps index it in Python)."""
         import torch
 
         if epoch not in self._perms:
-            self._perms = {epoch: torch.randperm(self.num_blocks,
-                                                 generator=torch.Generator().manual_seed(self.seed + epoch))}
+            generator = torch.Generator().manual_seed(self.seed + epoch)
+            self._perms = {epoch: torch.randperm(self.num_blocks, generator=generator).tolist()}
         return self._perms[epoch]
 
     def global_indices(self, consumed_samples: int) -> list[int]:
         """The block indices of the step that starts after `consumed_samples` samples."""
-        out = []
-        for i in range(consumed_samples, consumed_samples + self.global_batch):
-            out.append(int(self._perm(i // self.num_blocks)[i % self.num_blocks]))
-        return out
+        return [self._perm(i // self.num_blocks)[i % self.num_blocks]
+                for i in range(consumed_samples, consumed_samples + self.global_batch)]
 
     def micro_batches(self, consumed_samples: int) -> list[list[int]]:
         """This rank's `grad_accum` micro-batches of block indices for one step."""

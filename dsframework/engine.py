@@ -25,10 +25,12 @@ from typing import Any, Iterator
 
 from dsframework import checkpoint as ckpt
 from dsframework.config import RunConfig, dump_run_config
-from dsframework.data import BlockSampler, eval_shard, load_texts, load_tokenizer, pack_splits, train_tokenizer
+from dsframework.data import (BlockSampler, blocks_cache_dir, eval_shard, load_texts, load_tokenizer,
+                              pack_splits_cached, train_tokenizer)
 from dsframework.dsconfig import Batch, build_ds_config, resolve_batch
 from dsframework.errors import UserError
 from dsframework.guards import NonFiniteWatch, StopRequest, fault_step
+from dsframework.throughput import FlopsMeter
 from dsframework.jit import pin_build_tools, release_shm_buffers
 from dsframework.parallel.pipeline import build_pipeline_module, stage_table
 from dsframework.parallel.topology import ParallelDims, build_grid, build_topology, check_layout
@@ -205,6 +207,12 @@ def _check_same_model(run: RunConfig, config: Any) -> None:
                         f"{before.get(key)!r}", "resume with the model settings the run started with")
 
 
+def step_batches(blocks: Any, sampler: BlockSampler, consumed: int) -> list:
+    """This rank's micro-batches of one step: rows of the packed blocks already in memory (tokenized
+    and packed once, cached across runs), so a step's data costs one index per micro-batch."""
+    return [blocks[indices] for indices in sampler.micro_batches(consumed)]
+
+
 def _train_step(engine: Any, micro_batches: list, *, pipeline: bool, poison: bool = False) -> Any:
     """One optimizer step over this rank's micro-batches; their mean loss (a float64 tensor).
     `poison` makes the loss NaN (the fault tests' injected divergence)."""
@@ -245,6 +253,38 @@ def _evaluate(engine: Any, eval_blocks: Any, *, micro_batch: int, dp_size: int, 
     return mean_over_ranks(mean)
 
 
+class StepBreakdown:
+    """Milliseconds per optimizer step in forward, backward, the gradient reduction DeepSpeed waits
+    for at the end of backward (exposed communication) and the optimizer step, averaged over a
+    logging window, from DeepSpeed's wall-clock timers (`wall_clock_breakdown`, on with
+    logging.breakdown; rank 0 reports its own).
+
+    DeepSpeed resets its timers after every step (printing them), keeping a copy for clients:
+    `get_wall_clock_timers()`, read here once per step - a dict, no device synchronisation.
+    """
+
+    TIMERS = {"forward_ms": "fwd", "backward_ms": "bwd", "allreduce_ms": "bwd_allreduce", "optimizer_ms": "step"}
+
+    def __init__(self, engine: Any, *, enabled: bool) -> None:
+        self.engine, self.enabled = engine, enabled
+        self.sums: dict[str, float] = {}
+        self.steps = 0
+
+    def add_step(self) -> None:
+        if not self.enabled:
+            return
+        timers = self.engine.get_wall_clock_timers() or {}
+        for key, name in self.TIMERS.items():
+            if name in timers:
+                self.sums[key] = self.sums.get(key, 0.0) + timers[name]
+        self.steps += 1
+
+    def read(self) -> dict[str, float]:
+        out = {key: total / self.steps for key, total in self.sums.items()} if self.steps else {}
+        self.sums, self.steps = {}, 0
+        return out
+
+
 class MetricsLog:
     """`<output_dir>/metrics.jsonl`, one JSON object per logged step, written by rank 0."""
 
@@ -276,6 +316,7 @@ class Session:
     train_blocks: Any
     eval_blocks: Any
     num_parameters: int
+    model_config: Any
     step: int = 0
     consumed_samples: int = 0
 
@@ -309,12 +350,13 @@ def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False) ->
     load_tag, universal = resume_tag(run, dims, manifest) if resume else (None, False)
     if universal:
         ds_config["checkpoint"] = {"load_universal": True}
+    ds_config["wall_clock_breakdown"] = run.logging.breakdown
     batch = resolve_batch(run.train.micro_batch, run.train.grad_accum, run.train.global_batch, dp_size=dims.dp)
 
     with rank_zero_first():  # rank 0 validates the data and writes the tokenizer; then the others
         texts = load_texts(run.data)
         tokenizer = _obtain_tokenizer(run, source, texts, resume=resume, rank=rank)
-        train_blocks, eval_blocks = pack_splits(texts, tokenizer, run.data)
+        train_blocks, eval_blocks = pack_splits_cached(texts, tokenizer, run.data, cache_dir=blocks_cache_dir())
         if run.logging.eval_every and len(eval_blocks) < dims.dp:
             raise UserError("data.eval_fraction", run.data.eval_fraction,
                             f"leaves {len(eval_blocks)} eval blocks for {dims.dp} data-parallel ranks",
@@ -356,7 +398,7 @@ def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False) ->
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config,
         mpu=None if dims.pp_enabled else grid)
     session = Session(run, rank, dims, dp_rank, batch, engine, tokenizer, train_blocks, eval_blocks,
-                      num_parameters)
+                      num_parameters, config)
     if resume:
         state = ckpt.load(engine, run.checkpoint_dir, tag=load_tag)
         session.step, session.consumed_samples = state["step"], state["consumed_samples"]
@@ -365,7 +407,6 @@ def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False) ->
 
 def train(run: RunConfig, *, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
     """Train as configured; returns the last logged metrics (on every rank)."""
-    import torch
     from tqdm import tqdm
 
     session = prepare(run, resume=resume, overwrite=overwrite)
@@ -376,12 +417,15 @@ def train(run: RunConfig, *, resume: bool = False, overwrite: bool = False) -> d
     sampler = BlockSampler(len(train_blocks), micro_batch=batch.micro_batch, grad_accum=batch.grad_accum,
                            dp_size=dims.dp, dp_rank=session.dp_rank, seed=run.data.seed)
     metrics = MetricsLog(out / "metrics.jsonl", enabled=rank == 0, resume_step=step if resume else None)
+    meter = FlopsMeter.for_run(run, session.model_config, world=dims.world)
+    breakdown = StepBreakdown(engine, enabled=run.logging.breakdown and not dims.pp_enabled)
     tokens_per_step = batch.global_batch * run.data.seq_len
     if rank == 0:
         print(f"dsf: {session.num_parameters:,} parameters | world {dims.world} = tp {dims.tp} x pp {dims.pp} "
               f"x dp {dims.dp} | ZeRO-{run.parallel.zero_stage} | batch {batch.micro_batch} x {batch.grad_accum} x {dims.dp}"
               f" = {batch.global_batch} | {len(train_blocks):,} train / {len(eval_blocks):,} eval "
-              f"blocks of {run.data.seq_len} tokens", flush=True)
+              f"blocks of {run.data.seq_len} tokens | peak {meter.peak_per_rank / 1e12:.3g} TFLOP/s per rank "
+              f"({meter.peak_source})", flush=True)
 
     def evaluate() -> float:
         return _evaluate(engine, eval_blocks, micro_batch=batch.micro_batch, dp_size=dims.dp,
@@ -409,10 +453,11 @@ def train(run: RunConfig, *, resume: bool = False, overwrite: bool = False) -> d
                             "lower train.lr or raise train.warmup_steps, then dsf train --resume")
 
     while step < stop:
-        step_loss = _train_step(engine, [train_blocks[i] for i in sampler.micro_batches(consumed)],
+        step_loss = _train_step(engine, step_batches(train_blocks, sampler, consumed),
                                 pipeline=dims.pp_enabled, poison=poison_step == step + 1)
         step, consumed, window_steps = step + 1, consumed + batch.global_batch, window_steps + 1
         nonfinite.update(step, step_loss)
+        breakdown.add_step()
         bar.update(1)
         done = step == stop
         if step % run.logging.every == 0 or done:
@@ -421,6 +466,8 @@ def train(run: RunConfig, *, resume: bool = False, overwrite: bool = False) -> d
             elapsed = time.perf_counter() - window_start
             last = {"step": step, "loss": loss_value, "lr": engine.get_lr()[0],
                     "tokens_per_s": tokens_per_step * window_steps / elapsed}
+            last.update(meter.report(tokens_per_s=last["tokens_per_s"]))
+            last.update(breakdown.read())
             window_start, window_steps = time.perf_counter(), 0
             if run.logging.eval_every and (step % run.logging.eval_every == 0 or done):
                 last["eval_loss"] = evaluate()
@@ -436,11 +483,13 @@ def train(run: RunConfig, *, resume: bool = False, overwrite: bool = False) -> d
             check_finite()  # a diverged model is never saved over the last good one
             ckpt.save(engine, run.checkpoint_dir, step=step, consumed_samples=consumed, layout=layout_of(run, dims))
         if preempted:
+            stop_request.close()
             bar.close()
             if rank == 0:
                 print(f"dsf: stopped by SIGTERM at step {step}; checkpoint {ckpt.tag_for(step)} saved; "
                       f"continue with `dsf train ... --resume`", flush=True)
             raise Preempted(step)
+    stop_request.close()
     bar.close()
     if rank == 0:
         print(f"dsf: done at step {step}; checkpoints in {run.checkpoint_dir}", flush=True)

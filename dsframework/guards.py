@@ -5,7 +5,7 @@
         loss = one_step()
         nonfinite.update(step, loss)              # on the device, no sync
         if step % log_every == 0 and nonfinite.first_step() is not None: stop with an error
-        if stop.agreed(): save a checkpoint and exit   # after SIGTERM on any rank
+        if stop.agreed(): save a checkpoint and exit   # a step after SIGTERM on any rank
 
 Both are collectives: every rank calls them at the same points of the loop.
 """
@@ -17,10 +17,12 @@ from typing import Any
 
 class StopRequest:
     """SIGTERM (what SLURM sends before preemption, and what the launcher passes on to its ranks)
-    asks for a checkpoint at the end of the current step, then an exit.
+    asks for a checkpoint at the end of a step, then an exit.
 
-    The signal reaches the ranks at different moments, so each step they agree on it with one
-    all-reduce of a flag, on the CPU (a gloo group beside NCCL): no device synchronisation.
+    The signal reaches the ranks at different moments, so they agree on it: each step ends by
+    starting an all-reduce (MAX) of the flag in the background, on the CPU (a gloo group beside
+    NCCL), and reading the one started a step earlier, long finished. No device synchronisation
+    and no wait; the stop comes one step after the signal, on every rank at the same step.
 
         stop = StopRequest()
         ... one step ...
@@ -34,18 +36,33 @@ class StopRequest:
 
         self.received: int | None = None
         self._group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        self._pending: tuple[Any, Any] | None = None
         signal.signal(signal.SIGTERM, self._on_signal)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.received = signum
 
+    def _collect(self) -> bool:
+        if self._pending is None:
+            return False
+        work, flag = self._pending
+        work.wait()
+        self._pending = None
+        return bool(flag.item())
+
     def agreed(self) -> bool:
+        """Whether any rank had the signal when the previous step ended (every rank, same answer)."""
         import torch
         import torch.distributed as dist
 
+        stop = self._collect()
         flag = torch.tensor([int(self.received is not None)], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-        return bool(flag.item())
+        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True), flag)
+        return stop
+
+    def close(self) -> None:
+        """Finish the reduction still in flight (before the process group goes)."""
+        self._collect()
 
 
 class NonFiniteWatch:

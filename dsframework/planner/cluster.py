@@ -100,3 +100,21 @@ def cluster_preset(name: str, *, nodes: int = 1, gpus_per_node: int = 8) -> Clus
 def resize(cluster: Cluster, *, nodes: int | None = None, gpus_per_node: int | None = None) -> Cluster:
     """The same machines, a different count."""
     return replace(cluster, nodes=nodes or cluster.nodes, gpus_per_node=gpus_per_node or cluster.gpus_per_node)
+
+
+def load_cluster(name: str, *, nodes: int = 1, gpus_per_node: int = 1, field: str = "--cluster") -> Cluster:
+    """A preset name, or a profile file written by `dsf calibrate` (JSON), at that size."""
+    import json
+    from pathlib import Path
+
+    if name in CLUSTER_PRESETS or not Path(name).suffix:
+        return cluster_preset(name, nodes=nodes, gpus_per_node=gpus_per_node)
+    path = Path(name)
+    if not path.is_file():
+        raise UserError(field, name, "is neither a preset nor a file", "pass a preset or a dsf calibrate profile")
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as err:
+        raise UserError(field, name, f"is not valid JSON ({err.msg} at line {err.lineno})",
+                        "write it again with dsf calibrate") from None
+    return resize(Cluster.from_dict(data, origin=f"{field} {name}"), nodes=nodes, gpus_per_node=gpus_per_node)

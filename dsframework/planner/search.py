@@ -14,7 +14,7 @@ margin, stays within the GPU's memory and its offloaded states within the node's
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Iterator
 
 from dsframework.planner.cluster import Cluster, GiB, resize

@@ -5,8 +5,8 @@
   an exit, and `--resume` continues exactly;
 - a crash while a checkpoint is written (rank 0 dies after DeepSpeed wrote the shards, before the
   commit): `latest` still names the previous checkpoint, which resumes exactly;
-- a truncated or missing checkpoint file: exit 2 naming the file, nothing deleted; pointing
-  `latest` at the previous checkpoint resumes exactly;
+- a truncated or missing checkpoint file: exit 2 naming the file and the previous checkpoint,
+  nothing deleted;
 - a NaN loss (fp32): training stops naming the step, the last good checkpoint stays `latest` and
   resumes exactly; with fp16, DeepSpeed's loss scaler skips the step and training goes on;
 - resume at another data-parallel size: 2 ranks -> 4 with the same global batch, through
@@ -175,11 +175,7 @@ def test_damaged_checkpoint_file_is_named(tmp_path, straight, damage):
     assert ("truncated" if damage == "truncate" else "missing") in lines[0]
     assert "echo global_step4 >" in lines[0], "the fix names the previous checkpoint"
     assert sorted(p.relative_to(ckpts) for p in ckpts.rglob("*")) == before, "nothing deleted or written"
-
-    if damage == "truncate":  # the fix the message gives: resume from the previous checkpoint
-        (ckpts / "latest").write_text("global_step4")
-        resumed = train_run(tmp_path / "run", COMMON, flags=("--resume",))
-        assert_close(resumed, straight[1], rtol=1e-6, what="resumed from global_step4")
+    # The fix the message gives (latest -> the previous checkpoint) is what the crash test resumes.
 
 
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, straight):

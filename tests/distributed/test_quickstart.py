@@ -3,7 +3,6 @@ half, and the exported directory loads with transformers and counts."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import time
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 
 from dsframework.config import build_run_config
-from tests.distributed.launcher import assert_close, run_overrides, train_run
+from tests.distributed.launcher import BASE_OVERRIDES, assert_close, read_metrics, run_overrides, train_run
 from tests.distributed.reference import reference_losses
 
 STAGES = {
     "zero0": ["parallel.zero_stage=0"],
     "zero1": ["parallel.zero_stage=1"],
-    "zero2": ["parallel.zero_stage=2"],
+    "zero2": ["parallel.zero_stage=2", "logging.breakdown=true"],  # + DeepSpeed's timers (metrics test)
     "zero3": ["parallel.zero_stage=3"],
     "zero2_offload": ["parallel.zero_stage=2", "parallel.offload_optimizer=cpu"],
     "zero3_offload": ["parallel.zero_stage=3", "parallel.offload_optimizer=cpu"],
@@ -29,6 +29,7 @@ def stage_runs(tmp_path_factory):
     runs = {name: train_run(root / name, overrides) for name, overrides in STAGES.items()}
     run = build_run_config({}, run_overrides(root / "zero0", STAGES["zero0"]))
     runs["reference"] = reference_losses(run)
+    runs["root"] = root
     return runs
 
 
@@ -51,7 +52,25 @@ def test_gradient_accumulation_is_exact(tmp_path, stage_runs):
     """micro 2 x accum 2 x dp 2 == micro 4 x accum 1 x dp 2 == one process with batch 8."""
     accum = train_run(tmp_path / "accum", ["parallel.zero_stage=1", "train.micro_batch=2",
                                            "train.grad_accum=2"])
-    no_accum = train_run(tmp_path / "no_accum", ["parallel.zero_stage=1", "train.micro_batch=4",
-                                                 "train.grad_accum=1"])
+    no_accum = stage_runs["zero1"]  # global batch 8 at dp 2: micro 4 x accum 1 (derived)
     assert_close(accum, no_accum, rtol=1e-5, what="2x2x2 vs 4x1x2")
     assert_close(accum, stage_runs["reference"], rtol=1e-5, what="2x2x2 vs single process batch 8")
+
+
+def test_metrics_report_mfu_and_the_step_breakdown(stage_runs):
+    """Every logged step has model TFLOP/s and an MFU in (0, 1) (against the matmul peak measured at
+    start); with logging.breakdown, forward + backward + optimizer ms add up to about the step."""
+    tokens_per_step = 8 * 32  # BASE_OVERRIDES: global batch 8 of 32 tokens
+    assert {"train.global_batch=8", "data.seq_len=32"} <= set(BASE_OVERRIDES)
+    for name in ("zero1", "zero2"):
+        logged = [m for m in read_metrics(stage_runs["root"] / name) if "loss" in m]
+        assert len(logged) == 8
+        for m in logged:
+            assert m["tflops_per_rank"] > 0 and 0 < m["mfu"] < 1, m
+            if name == "zero2":
+                step_ms = 1000 * tokens_per_step / m["tokens_per_s"]
+                parts = m["forward_ms"] + m["backward_ms"] + m["optimizer_ms"]
+                assert all(m[k] > 0 for k in ("forward_ms", "backward_ms", "allreduce_ms", "optimizer_ms")), m
+                assert 0.3 * step_ms < parts < 1.5 * step_ms, (parts, step_ms, m)
+            else:
+                assert "forward_ms" not in m, "the breakdown is opt-in (DeepSpeed's timers synchronise)"

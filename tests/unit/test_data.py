@@ -291,6 +291,35 @@ def test_pack_splits_holds_out_whole_documents(char_tokenizer):
     assert set(_complete_docs(other_eval, char_tokenizer)) != set(eval_docs)
 
 
+def test_blocks_are_tokenized_once_and_read_back(char_tokenizer, tmp_path, monkeypatch):
+    import dsframework.data as data
+
+    texts = datasets.Dataset.from_dict({"text": UNIQUE_DOCS})
+    spec = DataSpec(dataset="addition", seq_len=SEQ_LEN, eval_fraction=0.1, seed=11)
+    train, held_out = data.pack_splits_cached(texts, char_tokenizer, spec, cache_dir=tmp_path)
+    want_train, want_eval = pack_splits(texts, char_tokenizer, spec)
+    assert torch.equal(train, want_train) and torch.equal(held_out, want_eval)
+    assert len(list(tmp_path.glob("blocks-*.pt"))) == 1
+
+    # A tokenizer saved and loaded again (what the other ranks and a resumed run use) finds it ...
+    char_tokenizer.save_pretrained(str(tmp_path / "tok"))
+    reloaded = load_tokenizer(tmp_path / "tok")
+    monkeypatch.setattr(data, "pack_splits", lambda *a: pytest.fail("tokenized again"))
+    again, again_eval = data.pack_splits_cached(texts, reloaded, spec, cache_dir=tmp_path)
+    assert torch.equal(again, train) and torch.equal(again_eval, held_out)
+    monkeypatch.undo()
+
+    # ... other packing settings or other data do not, and a torn file is rebuilt.
+    data.pack_splits_cached(texts, char_tokenizer, spec.model_copy(update={"seq_len": SEQ_LEN + 1}), cache_dir=tmp_path)
+    data.pack_splits_cached(datasets.Dataset.from_dict({"text": UNIQUE_DOCS[:200]}), char_tokenizer, spec,
+                            cache_dir=tmp_path)
+    assert len(list(tmp_path.glob("blocks-*.pt"))) == 3
+    for path in tmp_path.glob("blocks-*.pt"):
+        path.write_bytes(b"torn")
+    rebuilt, _ = data.pack_splits_cached(texts, char_tokenizer, spec, cache_dir=tmp_path)
+    assert torch.equal(rebuilt, train)
+
+
 def test_pack_splits_errors(char_tokenizer):
     spec = DataSpec(dataset="addition", seq_len=SEQ_LEN)
     with pytest.raises(UserError, match="non-empty documents"):

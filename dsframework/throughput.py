@@ -1,0 +1,86 @@
+"""Model FLOPs utilisation: the model's training FLOP/s against the hardware's peak.
+
+    meter = FlopsMeter.for_run(run, config, world=4)   # on every rank at start (may measure: collective)
+    meter.report(tokens_per_s=51_200.0)  # {"tflops_per_rank": 38.1, "mfu": 0.385}
+    meter.peak_source                    # "h100-80gb preset (NVIDIA H100 80GB HBM3)", "cpu.json", ...
+
+Model FLOPs are the planner's count per token (forward + backward, attention included, and no
+recomputation: MFU, not HFU) times the tokens per second of the whole job, shared over its ranks.
+The peak per rank comes from `logging.cluster` (a preset or a `dsf calibrate` profile), else the
+GPU's preset found by its name, else a short matmul that every rank runs at once at start-up (what
+`dsf calibrate` measures, smaller: about 0.2 s).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+GPU_PRESETS = (("H200", "h200-141gb"), ("H100", "h100-80gb"), ("A100", "a100"))
+PEAK_MATMUL_SIZE = 512
+
+
+def _gpu_preset() -> tuple[str, str] | None:
+    """(preset, device name) for a GPU dsf has a preset for, else None."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    for key, preset in GPU_PRESETS:
+        if key in name:
+            if preset == "a100":
+                big = torch.cuda.get_device_properties(0).total_memory > 60 * 2 ** 30
+                preset = "a100-80gb" if big else "a100-40gb"
+            return preset, name
+    return None
+
+
+def _measured_peak(precision: str) -> float:
+    """The matmul FLOP/s of this rank while every rank measures too (their mean)."""
+    import torch
+    import torch.distributed as dist
+
+    from dsframework.calibrate import matmul_flops
+
+    value = matmul_flops(precision, size=PEAK_MATMUL_SIZE)
+    if dist.is_initialized():
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        total = torch.tensor([value], dtype=torch.float64, device=device)
+        dist.all_reduce(total)
+        value = total.item() / dist.get_world_size()
+    return value
+
+
+def peak_flops_per_rank(cluster: str | None, precision: str) -> tuple[float, str]:
+    """(peak FLOP/s of one rank at `precision`, where the figure comes from)."""
+    from dsframework.planner.cluster import cluster_preset, load_cluster
+
+    if cluster:
+        return load_cluster(cluster, field="logging.cluster").flops(precision), cluster
+    found = _gpu_preset()
+    if found is not None:
+        preset, device = found
+        return cluster_preset(preset).flops(precision), f"{preset} preset ({device})"
+    return _measured_peak(precision), "matmul measured at start"
+
+
+@dataclass(frozen=True)
+class FlopsMeter:
+    """Turns tokens/s into model TFLOP/s per rank and MFU."""
+
+    flops_per_token: float
+    world: int
+    peak_per_rank: float
+    peak_source: str
+
+    @classmethod
+    def for_run(cls, run: Any, config: Any, *, world: int) -> "FlopsMeter":
+        from dsframework.planner.model import describe_model
+
+        peak, source = peak_flops_per_rank(run.logging.cluster, run.train.precision)
+        per_token = describe_model(config, name=run.model.name).flops_per_token(run.data.seq_len)
+        return cls(per_token, world, peak, source)
+
+    def report(self, *, tokens_per_s: float) -> dict[str, float]:
+        achieved = tokens_per_s * self.flops_per_token / self.world
+        return {"tflops_per_rank": achieved / 1e12, "mfu": achieved / self.peak_per_rank}

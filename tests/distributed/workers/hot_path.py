@@ -1,0 +1,62 @@
+"""Worker: `dsf train` (a world of one, in this process) with the host synchronisations dsf's own
+code makes counted per step, and the time a step spends getting its data.
+
+    python hot_path.py OUT.json RUN.yaml --set k=v ...
+
+Every Tensor.item / tolist / __float__ / __int__ / __bool__ / cpu() called from a dsframework
+module while the loop runs is recorded with the step it fell in (a device-to-host copy that waits
+for the device on a GPU); engine.step_batches is timed. DeepSpeed's own internals are not
+counted: they are DeepSpeed's, the same under any wrapper.
+"""
+import json
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+import dsframework.engine as engine_module
+from dsframework.config import load_run_config
+
+PACKAGE = str(Path(engine_module.__file__).parent)
+state = {"step": None}  # None until the loop's first step begins
+syncs: Counter = Counter()
+data_seconds = []
+
+
+def counting(name):
+    original = getattr(torch.Tensor, name)
+
+    def wrapper(self, *args, **kwargs):
+        if state["step"] is not None:
+            code = sys._getframe(1).f_code
+            if code.co_filename.startswith(PACKAGE):
+                syncs[f"{state['step']}:{Path(code.co_filename).name}:{code.co_name}:{name}"] += 1
+        return original(self, *args, **kwargs)
+    return wrapper
+
+
+for method in ("item", "tolist", "__float__", "__int__", "__bool__", "cpu"):
+    setattr(torch.Tensor, method, counting(method))
+
+original_batches = engine_module.step_batches
+
+
+def timed_batches(blocks, sampler, consumed):
+    state["step"] = consumed // sampler.global_batch + 1  # the step these batches are for
+    start = time.perf_counter()
+    out = original_batches(blocks, sampler, consumed)
+    data_seconds.append(time.perf_counter() - start)
+    return out
+
+
+engine_module.step_batches = timed_batches
+
+out_path, yaml_path, *rest = sys.argv[1:]
+overrides = [rest[i + 1] for i in range(0, len(rest), 2) if rest[i] == "--set"]
+run = load_run_config(yaml_path, overrides)
+last = engine_module.train(run)
+engine_module.shutdown_distributed()
+Path(out_path).write_text(json.dumps({"syncs": dict(syncs), "data_seconds": data_seconds,
+                                      "tokens_per_s": last["tokens_per_s"]}))

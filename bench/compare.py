@@ -1,6 +1,6 @@
 """`dsf train` against a plain DeepSpeed loop and `transformers.Trainer`: tokens/s per ZeRO stage.
 
-    .venv/bin/python bench/compare.py                                  # ZeRO 1, 2, 3; 3 x (A B C); ~15 min
+    .venv/bin/python bench/compare.py                                  # ZeRO 1, 2, 3; 3 x (A B C); ~7 min on 2 cores
     .venv/bin/python bench/compare.py --stages 2 --repeats 1 --steps 20  # quick look
     .venv/bin/python bench/compare.py --smoke                          # end to end in ~1 min
     .venv/bin/python bench/compare.py --json                           # the same figures for machines
@@ -123,8 +123,9 @@ def run_way(way: str, args: argparse.Namespace, *, stage: int, work: Path, index
     if way == "dsf":
         cmd = [str(BIN / "dsf"), "train", str(TINY_YAML), *sets, "--overwrite"]
     else:
-        cmd = [str(Path(__file__).resolve()), "--worker", way, "--ds-config", str(work / f"z{stage}" / "ds_config.json"),
-               "--record", str(out / "record.json"), "--steps", str(args.steps), "--log-every", str(args.log_every),
+        cmd = [str(Path(__file__).resolve()), "--worker", way,
+               "--ds-config", str(work / f"z{stage}" / "ds_config.json"), "--record", str(out / "record.json"),
+               "--steps", str(args.steps), "--log-every", str(args.log_every),
                "--warmup-steps-excluded", str(args.warmup_steps_excluded), *sets]
     out.mkdir(parents=True, exist_ok=True)
     (out / "record.json").unlink(missing_ok=True)
@@ -204,7 +205,8 @@ def engine_facts(engine, ds_json: Path) -> dict:
             "optimizer": type(getattr(engine, "basic_optimizer", None) or engine.optimizer).__name__,
             "scheduler": type(engine.lr_scheduler).__name__, "micro_batch": engine.train_micro_batch_size_per_gpu(),
             "grad_accum": engine.gradient_accumulation_steps(), "grad_clip": engine.gradient_clipping(),
-            "json_differs": {k: str(given.get(k)) for k in sorted(set(given) | set(want)) if given.get(k) != want.get(k)}}
+            "json_differs": {k: str(given.get(k)) for k in sorted(set(given) | set(want))
+                             if given.get(k) != want.get(k)}}
 
 
 def write_record(path: Path, record: dict) -> None:
@@ -229,8 +231,8 @@ def raw_worker(overrides: list[str], ds_json: Path, record_path: Path, *, exclud
     if get_accelerator().device_name() != "cpu":
         get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))
     run, batch, blocks, model = rank_inputs(overrides, json.loads(ds_json.read_text()))
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-                                           config=str(ds_json))
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=str(ds_json))
     sampler = BlockSampler(len(blocks), micro_batch=batch.micro_batch, grad_accum=batch.grad_accum,
                            dp_size=world, dp_rank=rank, seed=run.data.seed)
     steps, every = run.train.steps, run.logging.every
@@ -375,7 +377,8 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
 
 
 def markdown(stages: dict[int, dict], args: argparse.Namespace) -> str:
-    rows = ["| ZeRO | dsf tokens/s | raw tokens/s | Trainer tokens/s | dsf/raw | dsf/Trainer | spread dsf / raw / Trainer |",
+    rows = ["| ZeRO | dsf tokens/s | raw tokens/s | Trainer tokens/s | dsf/raw | dsf/Trainer "
+            "| spread dsf / raw / Trainer |",
             "|---:|---:|---:|---:|---:|---:|---:|"]
     for stage, f in stages.items():
         rates = " | ".join(f"{f[w]['median_tokens_per_s']:,.0f}" for w in WAYS)
@@ -396,8 +399,8 @@ def markdown(stages: dict[int, dict], args: argparse.Namespace) -> str:
     for stage, f in stages.items():
         for way in ("raw", "trainer"):
             e = f[way]["engine"]
-            rows.append(f"ZeRO-{stage} {WAYS[way]} engine: stage {e['zero_stage']}, {e['optimizer']}, {e['scheduler']}, "
-                        f"micro {e['micro_batch']} x accum {e['grad_accum']}, clip {e['grad_clip']}; "
+            rows.append(f"ZeRO-{stage} {WAYS[way]} engine: stage {e['zero_stage']}, {e['optimizer']}, "
+                        f"{e['scheduler']}, micro {e['micro_batch']} x accum {e['grad_accum']}, clip {e['grad_clip']}; "
                         f"config keys that differ from the file: "
                         f"{', '.join(f'{k}={v}' for k, v in e['json_differs'].items()) or 'none'}")
     return "\n".join(rows)

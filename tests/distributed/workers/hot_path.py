@@ -5,7 +5,8 @@ code makes counted per step, and the time a step spends getting its data.
 
 Every Tensor.item / tolist / __float__ / __int__ / __bool__ / cpu() called from a dsframework
 module while the loop runs is recorded with the step it fell in (a device-to-host copy that waits
-for the device on a GPU); engine.step_batches is timed. DeepSpeed's own internals are not
+for the device on a GPU); engine.step_batches is timed, and the Python and C calls dsframework code makes in each step are counted
+(sys.setprofile). DeepSpeed's own internals are not
 counted: they are DeepSpeed's, the same under any wrapper.
 """
 import json
@@ -52,11 +53,21 @@ def timed_batches(blocks, sampler, consumed):
 
 
 engine_module.step_batches = timed_batches
+calls: Counter = Counter()  # step -> Python and C calls made by dsframework code in that step
+
+
+def profile(frame, event, arg):
+    if state["step"] is not None and event in ("call", "c_call") and frame.f_code.co_filename.startswith(PACKAGE):
+        calls[state["step"]] += 1
+
+
+sys.setprofile(profile)
 
 out_path, yaml_path, *rest = sys.argv[1:]
 overrides = [rest[i + 1] for i in range(0, len(rest), 2) if rest[i] == "--set"]
 run = load_run_config(yaml_path, overrides)
 last = engine_module.train(run)
+sys.setprofile(None)
 engine_module.shutdown_distributed()
-Path(out_path).write_text(json.dumps({"syncs": dict(syncs), "data_seconds": data_seconds,
+Path(out_path).write_text(json.dumps({"syncs": dict(syncs), "data_seconds": data_seconds, "calls": calls,
                                       "tokens_per_s": last["tokens_per_s"]}))

@@ -479,10 +479,11 @@ def train(run: RunConfig, *, resume: bool = False, overwrite: bool = False) -> d
                 print("dsf: " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                          for k, v in last.items()), flush=True)
         preempted = stop_request.agreed()
-        if preempted or (run.checkpoint.every and step % run.checkpoint.every == 0) or (done and run.checkpoint.save_final):
+        if (preempted and not done) or (run.checkpoint.every and step % run.checkpoint.every == 0) or (
+                done and run.checkpoint.save_final):
             check_finite()  # a diverged model is never saved over the last good one
             ckpt.save(engine, run.checkpoint_dir, step=step, consumed_samples=consumed, layout=layout_of(run, dims))
-        if preempted:
+        if preempted and not done:  # (on the last step the run is simply finished)
             stop_request.close()
             bar.close()
             if rank == 0:

@@ -246,7 +246,8 @@ ROUND_TRIP_CASES = {
         "parallel.zero_stage=3", "parallel.offload_optimizer=nvme", "parallel.offload_param=cpu",
         "parallel.nvme_path=/scratch/nvme", "parallel.tp=2", "parallel.dp=4",
         "parallel.partition_method=type:Decoder", "parallel.activation_checkpointing=full", "checkpoint.every=0", "checkpoint.save_final=false",
-        "logging.every=1", "logging.eval_every=0", "logging.progress=false", "output_dir=runs/x y",
+        "logging.every=1", "logging.eval_every=0", "logging.progress=false", "logging.cluster=h100-80gb",
+        "logging.breakdown=true", "output_dir=runs/x y",
     ]),
     "odd-floats": ({"train": {"lr": 1.0e-20, "eps": 1.5e-300, "min_lr_ratio": 1.0}}, ["train.weight_decay=1e-5"]),
 }

@@ -151,9 +151,12 @@ def verify(ckpt_dir: Path, tag: str) -> dict[str, Any] | None:
     manifest = read_manifest(ckpt_dir, tag)
     if manifest is None:
         return None
-    earlier = sorted((p.name for p in Path(ckpt_dir).glob("global_step*") if p.is_dir()
-                      and p.name != tag and not p.name.endswith((PARTIAL, UNIVERSAL))),
-                     key=lambda name: int(name.removeprefix("global_step")) if name[11:].isdigit() else -1)
+    def step_of(name: str) -> int:
+        number = name.removeprefix("global_step")
+        return int(number) if number.isdigit() else -1  # .partial / .universal / other names
+
+    earlier = sorted((p.name for p in Path(ckpt_dir).glob("global_step*")
+                      if p.is_dir() and 0 <= step_of(p.name) < step_of(tag)), key=step_of)
     fix = (f"restore it, or resume from an earlier checkpoint: echo {earlier[-1]} > {Path(ckpt_dir) / 'latest'}"
            if earlier else "restore it from a backup; no earlier checkpoint is there")
     for name, size in manifest["files"].items():

@@ -365,10 +365,28 @@ def _strip_local_rank(argv: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the `dsf` console script."""
     argv = _strip_local_rank(sys.argv[1:] if argv is None else list(argv))
-    from dsframework.supervise import run_rank, under_launcher
+    from dsframework.supervise import exit_process, run_rank, under_launcher
 
     if under_launcher(argv):  # this process watches; a child is the rank (names it if it dies)
         sys.exit(run_rank(argv))
+    try:
+        _run_command(argv)
+        code: int | str | None = 0
+    except SystemExit as stop:
+        code = stop.code
+    except Exception:  # a bug: its traceback, then the same way out as every other end
+        if "torch.distributed" not in sys.modules:
+            raise
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    if "torch.distributed" in sys.modules:  # a process group ran here (train, or config's world of one)
+        exit_process(code)
+    sys.exit(code)
+
+
+def _run_command(argv: list[str]) -> None:
     try:
         cli.main(args=argv, prog_name="dsf", standalone_mode=False)
     except UserError as err:

@@ -14,6 +14,7 @@ from transformers import AutoConfig
 
 from dsframework.config import load_run_config
 from dsframework.engine import prepare, shutdown_distributed
+from dsframework.supervise import exit_process
 
 
 def full_logits(session, input_ids, vocab_size):
@@ -53,3 +54,4 @@ def main(argv):
 if __name__ == "__main__":
     torch.set_num_threads(1)
     main(sys.argv[1:])
+    exit_process(0)  # without the interpreter's teardown of gloo's threads (see supervise.exit_process)

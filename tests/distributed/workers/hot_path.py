@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 import dsframework.engine as engine_module
+from dsframework.supervise import exit_process
 from dsframework.config import load_run_config
 
 PACKAGE = str(Path(engine_module.__file__).parent)
@@ -71,3 +72,4 @@ sys.setprofile(None)
 engine_module.shutdown_distributed()
 Path(out_path).write_text(json.dumps({"syncs": dict(syncs), "data_seconds": data_seconds, "calls": calls,
                                       "tokens_per_s": last["tokens_per_s"]}))
+exit_process(0)  # without the interpreter's teardown of gloo's threads (see supervise.exit_process)

@@ -20,6 +20,7 @@ import torch
 
 from dsframework.config import load_run_config
 from dsframework.engine import prepare, shutdown_distributed
+from dsframework.supervise import exit_process
 
 
 def _storages(tensors) -> int:
@@ -130,3 +131,4 @@ def main(argv):
 if __name__ == "__main__":
     torch.set_num_threads(1)
     main(sys.argv[1:])
+    exit_process(0)  # without the interpreter's teardown of gloo's threads (see supervise.exit_process)

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from dsframework.supervise import exit_process
+
 VOCAB, SEQ, MICRO, ACCUM, STEPS, SEED = 64, 16, 2, 4, 8, 7
 GLOBAL = MICRO * ACCUM  # pp2 x dp1: the global batch is micro-batch x accumulation
 LR, WARMUP, BETAS, EPS, WEIGHT_DECAY, CLIP = 3e-3, 2, (0.9, 0.95), 1e-8, 0.1, 1.0
@@ -117,6 +119,7 @@ def main(argv: list[str]) -> None:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
+    from dsframework.engine import shutdown_distributed
     from dsframework.jit import pin_build_tools, release_shm_buffers
 
     args = [a for a in argv if not a.startswith("--local_rank")]
@@ -126,8 +129,10 @@ def main(argv: list[str]) -> None:
     release_shm_buffers()  # DeepSpeed never removes its /dev/shm buffers
     for case in cases:
         run_case(case, out_dir)
+    shutdown_distributed()
 
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
     main(sys.argv[1:])
+    exit_process(0)  # without the interpreter's teardown of gloo's threads (see supervise.exit_process)

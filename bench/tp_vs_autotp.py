@@ -132,7 +132,7 @@ def autotp_worker(overrides: list[str], out: Path) -> None:
     from dsframework.config import load_run_config
     from dsframework.data import BlockSampler, load_texts, load_tokenizer, pack_splits
     from dsframework.dsconfig import build_ds_config, resolve_batch
-    from dsframework.engine import init_distributed, shutdown_distributed
+    from dsframework.world import init_distributed, shutdown_distributed
     from dsframework.models import build_model, resolve_model
 
     run = load_run_config(TINY_YAML, overrides)

@@ -82,20 +82,16 @@ def copy_bandwidth(nbytes: int = 256 * 2 ** 20) -> float:
 
 def _rank_worker(rank: int, world: int, port: int, nbytes: int, queue: Any) -> None:
     """One rank: matmul FLOP/s (all ranks at once), then the all-reduce bandwidth."""
-    import deepspeed
     import torch
 
-    from dsframework.jit import pin_build_tools, release_shm_buffers
+    from dsframework.world import init_distributed
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     threads = max(1, (os.cpu_count() or 1) // world)
-    pin_build_tools()
-    from deepspeed.accelerator import get_accelerator
-
-    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), verbose=False)
-    release_shm_buffers()
+    init_distributed()  # as dsf train: the same build tools, device per rank, shm buffers released
     import deepspeed.comm as dist
+    from deepspeed.accelerator import get_accelerator
 
     dist.barrier()
     flops = {precision: matmul_flops(precision, threads=threads) for precision in ("fp32", "bf16")}

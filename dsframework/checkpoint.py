@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from dsframework.errors import UserError
+from dsframework.files import written_then_renamed
 
 TOKENIZER_DIR = "tokenizer"
 HF_CONFIG_DIR = "hf_config"
@@ -83,13 +84,9 @@ def _set_rng_states(states: dict[str, Any]) -> None:
 
 
 def _write_atomically(path: Path, text: str) -> None:
-    """Readers see the old content or the new, never a torn file (rename is atomic in POSIX)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Readers see the old content or the new, never a torn file; on disk before it is renamed."""
+    with written_then_renamed(path, durable=True) as tmp:
+        tmp.write_text(text)
 
 
 def _inject_fault(point: str, step: int) -> None:

@@ -306,7 +306,8 @@ def train_cmd(run_yaml: Path, overrides: tuple[str, ...], resume: bool, overwrit
     from dsframework.config import load_run_config
 
     run = load_run_config(run_yaml, overrides)  # config errors before torch is even imported
-    from dsframework.engine import Preempted, shutdown_distributed, train
+    from dsframework.engine import Preempted, train
+    from dsframework.world import shutdown_distributed
 
     try:
         train(run, resume=resume, overwrite=overwrite)

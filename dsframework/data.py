@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 from dsframework.config import DataSpec
 from dsframework.errors import UserError, did_you_mean
+from dsframework.files import written_then_renamed
 
 SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<unk>"}
 
@@ -206,8 +207,6 @@ def pack_splits_cached(texts: Any, tokenizer: Any, spec: DataSpec, *, cache_dir:
     """pack_splits, tokenized once: the blocks are saved in `cache_dir` under a key of everything
     they depend on, and read back by later runs, resumed runs and the other ranks (rank 0 writes,
     see engine.rank_zero_first). A cache file that does not load is rebuilt."""
-    import os
-
     import torch
 
     if cache_dir is None:
@@ -222,9 +221,8 @@ def pack_splits_cached(texts: Any, tokenizer: Any, spec: DataSpec, *, cache_dir:
     train, held_out = pack_splits(texts, tokenizer, spec)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        torch.save({"train": train, "eval": held_out}, tmp)
-        os.replace(tmp, path)  # readers see the whole file or none
+        with written_then_renamed(path) as tmp:  # the other ranks read the whole file or none
+            torch.save({"train": train, "eval": held_out}, tmp)
     except OSError:
         pass  # a read-only cache: train without it
     return train, held_out

@@ -13,15 +13,15 @@ ZeRO; this file only feeds it the right blocks and records what happened.
 """
 from __future__ import annotations
 
-import contextlib
 import json
+import math
 import os
 import shutil
 import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from dsframework import checkpoint as ckpt
 from dsframework.config import RunConfig, dump_run_config
@@ -31,75 +31,15 @@ from dsframework.dsconfig import Batch, build_ds_config, resolve_batch
 from dsframework.errors import UserError
 from dsframework.guards import NonFiniteWatch, StopRequest, fault_step
 from dsframework.throughput import FlopsMeter
-from dsframework.jit import pin_build_tools, release_shm_buffers
 from dsframework.parallel.pipeline import build_pipeline_module, stage_table
-from dsframework.parallel.topology import ParallelDims, build_grid, build_topology, check_layout
+from dsframework.parallel.topology import ParallelDims, build_grid, build_topology, check_model_layout
 from dsframework.models import build_model, count_parameters, resolve_model
 from dsframework.models.tensor_parallel import TensorParallelCausalLM, shard_model
-
-
-# --- the world ----------------------------------------------------------------------------------
-
-def init_distributed() -> tuple[int, int]:
-    """(rank, world_size), with a process group up; a plain `dsf train` is a world of one."""
-    import deepspeed
-    import torch
-    from deepspeed.accelerator import get_accelerator
-
-    pin_build_tools()
-    if "RANK" not in os.environ:  # not under a launcher: a world of one on a free local port
-        from dsframework.dsconfig import _free_port
-
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    accelerator = get_accelerator()
-    if accelerator.device_name() == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        # N CPU ranks on one host would each take every core; share them out instead.
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
-    deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name(), verbose=False)
-    release_shm_buffers()
-    if accelerator.device_name() != "cpu":
-        accelerator.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.distributed.get_rank(), torch.distributed.get_world_size()
-
-
-def shutdown_distributed(*, wait_s: float | None = None) -> None:
-    """Tear the process group down in step on every rank before the interpreter exits.
-
-    Left to interpreter shutdown, gloo's worker threads can be destroyed while another rank is
-    still talking to them, and a rank that trained fine dies with `terminate called without an
-    active exception` (SIGABRT), failing the whole launch (seen in CI at pp2 x dp2). On an error
-    path (`wait_s` set) the other ranks may never arrive: wait for them that long at most.
-    """
-    import datetime
-
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    if wait_s is None:
-        dist.barrier()
-    else:
-        with contextlib.suppress(Exception):
-            dist.monitored_barrier(timeout=datetime.timedelta(seconds=wait_s))
-    dist.destroy_process_group()
+from dsframework.world import init_distributed, rank_zero_first
 
 
 class Preempted(Exception):
     """Training stopped on SIGTERM after saving a checkpoint (`dsf train` exits 143)."""
-
-
-@contextlib.contextmanager
-def rank_zero_first() -> Iterator[None]:
-    """Rank 0 runs the body first (writes caches, trains the tokenizer), then the others."""
-    import torch.distributed as dist
-
-    if dist.get_rank() != 0:
-        dist.barrier()
-    yield
-    if dist.get_rank() == 0:
-        dist.barrier()
 
 
 def mean_over_ranks(value: float) -> float:
@@ -298,8 +238,10 @@ class MetricsLog:
 
     def write(self, record: dict[str, Any]) -> None:
         if self.enabled:
+            # Strict JSON for jq and JavaScript readers: a non-finite value (fp16's skipped step) is null.
+            record = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
             with self.path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(json.dumps(record, allow_nan=False) + "\n")
 
 
 @dataclass
@@ -337,10 +279,8 @@ def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False) ->
     rank, world = init_distributed()
     source = resolve_model(run.model)
     dims = ParallelDims(world=world, tp=run.parallel.tp, pp=run.parallel.pp)
-    check_layout(dims, num_heads=source.config.num_attention_heads,
-                 num_kv_heads=getattr(source.config, "num_key_value_heads", None) or source.config.num_attention_heads,
-                 num_layers=source.config.num_hidden_layers, dp=run.parallel.dp,
-                 ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    check_model_layout(dims, source.config, dp=run.parallel.dp,
+                       ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     # The grid hands DeepSpeed its data-parallel group (ZeRO shards and gradients are reduced
     # across it only) and our layers their tensor-parallel group.
     topology = build_topology(dims)

@@ -22,6 +22,8 @@ import platform
 import sys
 from pathlib import Path
 
+from dsframework.files import written_then_renamed
+
 
 def pin_build_tools() -> None:
     """The interpreter's bin directory (pip's ninja) first on PATH, and TORCH_EXTENSIONS_DIR
@@ -68,11 +70,10 @@ def cache_cpu_info(folder: Path) -> None:
             return json.loads(path.read_text())
         except (OSError, ValueError):
             info = ask()
-        try:  # write-then-rename: ranks starting together never read half a file
+        try:
             folder.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(info))
-            os.replace(tmp, path)
+            with written_then_renamed(path) as tmp:  # ranks starting together never read half a file
+                tmp.write_text(json.dumps(info))
         except OSError:
             pass
         return info

@@ -422,11 +422,12 @@ def local_cluster(*, nodes: int, ranks_per_node: int):
 
     import torch
 
-    from dsframework.planner.cluster import GiB, cluster_preset
+    from dsframework.planner.cluster import GiB, cluster_preset, local_gpu_preset
 
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        cluster = replace(cluster_preset("h100-80gb", nodes=nodes, gpus_per_node=ranks_per_node),
+        preset, _ = local_gpu_preset() or ("h100-80gb", props.name)  # a GPU without a preset: Hopper's rates
+        cluster = replace(cluster_preset(preset, nodes=nodes, gpus_per_node=ranks_per_node),
                           name="local-gpu", memory_per_gpu=float(props.total_memory))
         return cluster, f"this node's {props.name}, {props.total_memory / GiB:.1f} GiB"
     ram = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))

@@ -36,14 +36,11 @@ def resources(hostfile: Path | None, num_gpus: int):
 def layout(run, active):
     """tp x pp x dp of the active slots, checked by the rules dsf train applies, and the model config."""
     from dsframework.models import resolve_model
-    from dsframework.parallel.topology import ParallelDims, check_layout
+    from dsframework.parallel.topology import ParallelDims, check_model_layout
 
     dims = ParallelDims(world=sum(len(slots) for slots in active.values()), tp=run.parallel.tp, pp=run.parallel.pp)
     config = resolve_model(run.model).config  # the same rules dsf train applies, before any node starts
-    check_layout(dims, num_heads=config.num_attention_heads,
-                 num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-                 num_layers=config.num_hidden_layers, dp=run.parallel.dp,
-                 ranks_per_node=min(len(slots) for slots in active.values()))
+    check_model_layout(dims, config, dp=run.parallel.dp, ranks_per_node=min(len(slots) for slots in active.values()))
     return dims, config
 
 

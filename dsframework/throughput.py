@@ -15,24 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-GPU_PRESETS = (("H200", "h200-141gb"), ("H100", "h100-80gb"), ("A100", "a100"))
 PEAK_MATMUL_SIZE = 512
-
-
-def _gpu_preset() -> tuple[str, str] | None:
-    """(preset, device name) for a GPU dsf has a preset for, else None."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
-    name = torch.cuda.get_device_name()
-    for key, preset in GPU_PRESETS:
-        if key in name:
-            if preset == "a100":
-                big = torch.cuda.get_device_properties(0).total_memory > 60 * 2 ** 30
-                preset = "a100-80gb" if big else "a100-40gb"
-            return preset, name
-    return None
 
 
 def _measured_peak(precision: str) -> float:
@@ -53,11 +36,11 @@ def _measured_peak(precision: str) -> float:
 
 def peak_flops_per_rank(cluster: str | None, precision: str) -> tuple[float, str]:
     """(peak FLOP/s of one rank at `precision`, where the figure comes from)."""
-    from dsframework.planner.cluster import cluster_preset, load_cluster
+    from dsframework.planner.cluster import cluster_preset, load_cluster, local_gpu_preset
 
     if cluster:
         return load_cluster(cluster, field="logging.cluster").flops(precision), cluster
-    found = _gpu_preset()
+    found = local_gpu_preset()
     if found is not None:
         preset, device = found
         return cluster_preset(preset).flops(precision), f"{preset} preset ({device})"

@@ -17,6 +17,7 @@ Checks are pure (no torch.distributed, no disk): `check_layout` is called by `ds
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from dsframework.errors import UserError
 
@@ -75,6 +76,17 @@ def check_layout(dims: ParallelDims, *, num_heads: int, num_kv_heads: int, num_l
     if ranks_per_node is not None and dims.tp > ranks_per_node:
         raise UserError("parallel.tp", dims.tp, f"exceeds the {ranks_per_node} ranks on one node",
                         f"tensor-parallel ranks must share a node: choose tp <= {ranks_per_node}")
+
+
+def check_model_layout(dims: ParallelDims, config: Any, *, dp: int | None = None,
+                       ranks_per_node: int | None = None) -> None:
+    """check_layout with the heads, kv heads and layers of a transformers config.
+
+        check_model_layout(dims, resolve_model(run.model).config, dp=run.parallel.dp, ranks_per_node=8)
+    """
+    heads = config.num_attention_heads
+    check_layout(dims, num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+                 num_layers=config.num_hidden_layers, dp=dp, ranks_per_node=ranks_per_node)
 
 
 def build_topology(dims: ParallelDims):

@@ -97,6 +97,28 @@ def cluster_preset(name: str, *, nodes: int = 1, gpus_per_node: int = 8) -> Clus
     return Cluster(name=name, nodes=nodes, gpus_per_node=gpus_per_node, **_GPU_PRESETS[name])
 
 
+# Substrings of torch.cuda.get_device_name() -> preset ("a100": 40 or 80 GB by the card's memory).
+_GPU_NAMES = (("H200", "h200-141gb"), ("H100", "h100-80gb"), ("A100", "a100"))
+
+
+def local_gpu_preset() -> tuple[str, str] | None:
+    """(preset, device name) for this node's GPU when dsf has a preset for it, else None.
+
+        local_gpu_preset()   # ("h200-141gb", "NVIDIA H200") on an H200; None on a CPU-only node
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    for key, preset in _GPU_NAMES:
+        if key in name:
+            if preset == "a100":
+                preset = "a100-80gb" if torch.cuda.get_device_properties(0).total_memory > 60 * GiB else "a100-40gb"
+            return preset, name
+    return None
+
+
 def resize(cluster: Cluster, *, nodes: int | None = None, gpus_per_node: int | None = None) -> Cluster:
     """The same machines, a different count."""
     return replace(cluster, nodes=nodes or cluster.nodes, gpus_per_node=gpus_per_node or cluster.gpus_per_node)

@@ -64,8 +64,14 @@ def dsf(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     return proc
 
 
+def _not_json(constant: str) -> None:
+    raise ValueError(f"metrics.jsonl holds {constant}, which is not JSON")
+
+
 def read_metrics(output_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines() if line]
+    """The records of `<output_dir>/metrics.jsonl`, parsed as strict JSON (no NaN or Infinity)."""
+    text = (Path(output_dir) / "metrics.jsonl").read_text()
+    return [json.loads(line, parse_constant=_not_json) for line in text.splitlines() if line]
 
 
 def losses(output_dir: Path) -> dict[int, float]:

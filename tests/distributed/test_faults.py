@@ -219,3 +219,4 @@ def test_fp16_loss_scaler_skips_a_nan_step(tmp_path):
     assert [records[s]["skipped_steps"] for s in range(1, 9)] == [0, 0, 1, 1, 1, 1, 1, 1]
     assert records[3]["lr"] == records[2]["lr"], "the skipped step did not advance the lr schedule"
     assert all(math.isfinite(records[s]["loss"]) for s in (1, 2, 4, 5, 6, 7, 8))
+    assert records[3]["loss"] is None, "the overflowing step's loss is null in metrics.jsonl (strict JSON)"

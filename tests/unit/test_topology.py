@@ -8,7 +8,7 @@ import pytest
 
 from dsframework.config import build_run_config
 from dsframework.errors import UserError
-from dsframework.parallel.topology import ParallelDims, build_topology, check_layout
+from dsframework.parallel.topology import ParallelDims, build_topology, check_layout, check_model_layout
 
 
 def _factorizations(world):
@@ -61,6 +61,21 @@ def test_layout_rules(dims, kwargs, match):
 def test_a_fitting_layout_passes():
     check_layout(ParallelDims(world=8, tp=2, pp=2), num_heads=32, num_kv_heads=8, num_layers=32,
                  ranks_per_node=8, dp=2)
+
+
+def test_model_layout_reads_heads_kv_heads_and_layers_from_the_config():
+    from transformers import GPT2Config, LlamaConfig
+
+    llama = LlamaConfig(num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, hidden_size=64)
+    check_model_layout(ParallelDims(world=2, tp=2), llama)
+    with pytest.raises(UserError, match="does not divide num_key_value_heads=2"):
+        check_model_layout(ParallelDims(world=4, tp=4), llama)
+    with pytest.raises(UserError, match="exceeds num_hidden_layers=2"):
+        check_model_layout(ParallelDims(world=4, pp=4), llama)
+    gpt2 = GPT2Config(n_head=4, n_layer=3, n_embd=64)  # no kv heads: they are the heads
+    check_model_layout(ParallelDims(world=4, tp=4), gpt2)
+    with pytest.raises(UserError, match="exceeds the 2 ranks on one node"):
+        check_model_layout(ParallelDims(world=4, tp=4), gpt2, ranks_per_node=2)
 
 
 @pytest.mark.parametrize("overrides,match", [

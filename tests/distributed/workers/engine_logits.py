@@ -13,8 +13,9 @@ import torch.distributed as dist
 from transformers import AutoConfig
 
 from dsframework.config import load_run_config
-from dsframework.engine import prepare, shutdown_distributed
+from dsframework.engine import prepare
 from dsframework.supervise import exit_process
+from dsframework.world import shutdown_distributed
 
 
 def full_logits(session, input_ids, vocab_size):

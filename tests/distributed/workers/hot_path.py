@@ -19,6 +19,7 @@ import torch
 
 import dsframework.engine as engine_module
 from dsframework.supervise import exit_process
+from dsframework.world import shutdown_distributed
 from dsframework.config import load_run_config
 
 PACKAGE = str(Path(engine_module.__file__).parent)
@@ -69,7 +70,7 @@ overrides = [rest[i + 1] for i in range(0, len(rest), 2) if rest[i] == "--set"]
 run = load_run_config(yaml_path, overrides)
 last = engine_module.train(run)
 sys.setprofile(None)
-engine_module.shutdown_distributed()
+shutdown_distributed()
 Path(out_path).write_text(json.dumps({"syncs": dict(syncs), "data_seconds": data_seconds, "calls": calls,
                                       "tokens_per_s": last["tokens_per_s"]}))
 exit_process(0)  # without the interpreter's teardown of gloo's threads (see supervise.exit_process)

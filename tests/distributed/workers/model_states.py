@@ -19,8 +19,9 @@ from pathlib import Path
 import torch
 
 from dsframework.config import load_run_config
-from dsframework.engine import prepare, shutdown_distributed
+from dsframework.engine import prepare
 from dsframework.supervise import exit_process
+from dsframework.world import shutdown_distributed
 
 
 def _storages(tensors) -> int:

@@ -119,7 +119,7 @@ def main(argv: list[str]) -> None:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    from dsframework.engine import shutdown_distributed
+    from dsframework.world import shutdown_distributed
     from dsframework.jit import pin_build_tools, release_shm_buffers
 
     args = [a for a in argv if not a.startswith("--local_rank")]

@@ -447,7 +447,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         worker = {"raw": raw_worker, "trainer": trainer_worker}[args.worker]
         worker(args.overrides, args.ds_config, args.record, excluded=args.warmup_steps_excluded)
-        return
+        from dsframework.supervise import exit_process
+
+        exit_process(0)  # as dsf train ends: torch's teardown can abort a finished rank (see its docstring)
     work = args.out.resolve()
     work.mkdir(parents=True, exist_ok=True)
     save_tokenizer(work / "tokenizer")

@@ -249,7 +249,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.worker == "autotp":
         autotp_worker(args.overrides, args.out)
-        return
+        from dsframework.supervise import exit_process
+
+        exit_process(0)  # as dsf train ends: torch's teardown can abort a finished rank (see its docstring)
     with tempfile.TemporaryDirectory(prefix="tp_vs_autotp_") as tmp:
         work = Path(tmp)
         save_tokenizer(work / "tokenizer")

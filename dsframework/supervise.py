@@ -64,7 +64,7 @@ def run_rank(argv: list[str]) -> int:
 def exit_process(code: int | str | None = 0) -> NoReturn:
     """End a process that ran collectives with exit `code`, skipping the interpreter's teardown.
 
-        shutdown_distributed()   # dsframework.engine: every rank leaves the group together
+        shutdown_distributed()   # dsframework.world: every rank leaves the group together
         exit_process(0)
 
     destroy_process_group leaves gloo's worker threads and rank 0's TCP store thread running

@@ -263,6 +263,14 @@ class Session:
     consumed_samples: int = 0
 
 
+def checked_layout(run: RunConfig, config: Any, *, world: int) -> ParallelDims:
+    """tp x pp x dp of `world` ranks, by the rules of parallel.topology for this model config."""
+    dims = ParallelDims(world=world, tp=run.parallel.tp, pp=run.parallel.pp)
+    check_model_layout(dims, config, dp=run.parallel.dp,
+                       ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    return dims
+
+
 def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False) -> Session:
     """World, data, model and DeepSpeed engine; restored from the latest checkpoint on resume."""
     import datasets
@@ -276,11 +284,12 @@ def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False) ->
                         "use train.precision=bf16 or fp32")
     datasets.disable_progress_bars()  # rank 0's own progress bar is the one that matters
     warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated")
-    rank, world = init_distributed()
     source = resolve_model(run.model)
-    dims = ParallelDims(world=world, tp=run.parallel.tp, pp=run.parallel.pp)
-    check_model_layout(dims, source.config, dp=run.parallel.dp,
-                       ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    # A model or layout that cannot run is named before the process group forms (no rank waits at
+    # the rendezvous for it), then checked again at the world the group reports.
+    checked_layout(run, source.config, world=int(os.environ.get("WORLD_SIZE", "1")))
+    rank, world = init_distributed()
+    dims = checked_layout(run, source.config, world=world)
     # The grid hands DeepSpeed its data-parallel group (ZeRO shards and gradients are reduced
     # across it only) and our layers their tensor-parallel group.
     topology = build_topology(dims)

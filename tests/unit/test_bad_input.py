@@ -400,3 +400,18 @@ def test_bad_input_is_one_line_exit_2_and_leaves_outputs_alone(case: Case, tmp_p
         assert snapshot(path) == before[str(path)], f"{path} changed\n{report}"
     for rel in case.absent:
         assert not (tmp_path / rel).exists(), f"{rel} was created\n{report}"
+
+
+def test_a_layout_error_is_named_before_the_rendezvous(tmp_path: Path, hf_home: Path):
+    """Rank 0 of 2 started alone (rank 1 never comes): a pipeline deeper than the model is named at
+    once, not after waiting for rank 1 where the process group forms (30 minutes by default)."""
+    from tests.distributed.launcher import free_port
+
+    env = dict(dsf_env(hf_home), RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    args = ["train", str(TINY_YAML), *sets(f"output_dir={tmp_path / 'out'}", "parallel.zero_stage=1",
+                                           "parallel.pp=2", "model.overrides.num_hidden_layers=1")]
+    proc = subprocess.run(dsf_command() + args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.splitlines() == [
+        "dsf: error: parallel.pp=2: exceeds num_hidden_layers=1; choose pp in 1..1"], proc.stderr[-3000:]

@@ -53,6 +53,12 @@ def tag_for(step: int) -> str:
     return f"global_step{step}"
 
 
+def step_of(tag: str) -> int:
+    """tag_for's inverse; -1 for any other name (`.partial`, `.universal`, foreign folders)."""
+    number = tag.removeprefix("global_step")
+    return int(number) if number.isdigit() else -1
+
+
 def save_run_files(ckpt_dir: Path, *, config: Any, run_yaml: str) -> None:
     """The transformers config and run config, saved once beside the checkpoints (rank 0)."""
     config.save_pretrained(str(ckpt_dir / HF_CONFIG_DIR))
@@ -148,10 +154,6 @@ def verify(ckpt_dir: Path, tag: str) -> dict[str, Any] | None:
     manifest = read_manifest(ckpt_dir, tag)
     if manifest is None:
         return None
-    def step_of(name: str) -> int:
-        number = name.removeprefix("global_step")
-        return int(number) if number.isdigit() else -1  # .partial / .universal / other names
-
     earlier = sorted((p.name for p in Path(ckpt_dir).glob("global_step*")
                       if p.is_dir() and 0 <= step_of(p.name) < step_of(tag)), key=step_of)
     fix = (f"restore it, or resume from an earlier checkpoint: echo {earlier[-1]} > {Path(ckpt_dir) / 'latest'}"

@@ -5,9 +5,9 @@ code makes counted per step, and the time a step spends getting its data.
 
 Every Tensor.item / tolist / __float__ / __int__ / __bool__ / cpu() called from a dsframework
 module while the loop runs is recorded with the step it fell in (a device-to-host copy that waits
-for the device on a GPU); engine.step_batches is timed, and the Python and C calls dsframework code makes in each step are counted
-(sys.setprofile). DeepSpeed's own internals are not
-counted: they are DeepSpeed's, the same under any wrapper.
+for the device on a GPU); engine.step_batches is timed, and the Python and C calls dsframework
+code makes in each step are counted (sys.setprofile). DeepSpeed's own internals are not counted:
+they are DeepSpeed's, the same under any wrapper.
 """
 import json
 import sys
@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 
 import dsframework.engine as engine_module
+from dsframework.config import load_run_config
 from dsframework.supervise import exit_process
 from dsframework.world import shutdown_distributed
-from dsframework.config import load_run_config
 
 PACKAGE = str(Path(engine_module.__file__).parent)
 state = {"step": None}  # None until the loop's first step begins

@@ -45,8 +45,10 @@ def layout(run, active):
 
 
 def memory_check(run, config, dims, active, cluster_name: str | None, *, force: bool) -> str:
-    """'predicted X GiB of Y GiB available (where Y comes from)'; a UserError when it does not fit
-    (a warning with --force). The planner's memory model, for the run's own layout."""
+    """'predicted X GiB of Y GiB available (where Y comes from); host H GiB of R GiB per node'; a
+    UserError when either does not fit (a warning with --force). The planner's memory model and fit
+    rule (planner/fit.py: the device per rank; a node's RAM to build, offload and export), for the
+    run's own layout."""
     from dsframework.dsconfig import resolve_batch
     from dsframework.launch import local_cluster
     from dsframework.planner.cluster import GiB, load_cluster
@@ -63,14 +65,15 @@ def memory_check(run, config, dims, active, cluster_name: str | None, *, force: 
     layout = run_layout(run.parallel, dp=dims.dp, micro_batch=batch.micro_batch, grad_accum=batch.grad_accum)
     job = Job(seq_len=run.data.seq_len, global_batch=batch.global_batch, precision=run.train.precision)
     fit = check_fit(describe_model(config, name=run.model.name), layout, job, cluster)
-    summary = f"predicted {fit.need / GiB:.2f} GiB of {fit.available / GiB:.1f} GiB available ({source})"
+    summary = (f"predicted {fit.need / GiB:.2f} GiB of {fit.available / GiB:.1f} GiB available ({source}); "
+               f"host {fit.host_need / GiB:.2f} GiB of {fit.host_available / GiB:.1f} GiB per node")
     if fit.fits:
         return summary
     preset = cluster_name or ("cpu-local" if cluster.name == "cpu-local" else "CLUSTER")
     plan = (f"dsf plan --model {run.model.name} --cluster {preset} --nodes {len(active)} "
             f"--gpus-per-node {ranks_per_node} --seq-len {job.seq_len} --global-batch {job.global_batch} "
             f"--precision {job.precision}")
-    error = UserError("memory per rank", None,
+    error = UserError("memory per rank" if fit.need > fit.available else "host memory per node", None,
                       f"{fit.why_not} ({source}) for tp {layout.tp} x pp {layout.pp} x dp {layout.dp}, "
                       f"ZeRO-{layout.zero_stage}, micro-batch {layout.micro_batch}",
                       f"find a layout that fits with `{plan}`, or pass --force to launch anyway")

@@ -3,6 +3,7 @@
     layout = run_layout(run.parallel, dp=dims.dp, micro_batch=batch.micro_batch, grad_accum=batch.grad_accum)
     fit = check_fit(describe_model(config), layout, Job(seq_len=512, global_batch=32, precision="bf16"), cluster)
     fit.fits, fit.need / GiB, fit.available / GiB      # busiest rank (with headroom) vs usable per rank
+    fit.host_need / GiB, fit.host_available / GiB      # a node's RAM to build, offload or export
 
 `dsf plan` asks it of every layout it searches (`search.evaluate`); `dsf launch` of the one layout
 the run config names, before any node starts: one rule, so a run `dsf plan` calls fitting passes
@@ -14,12 +15,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsframework.planner.cluster import Cluster, GiB
-from dsframework.planner.memory import Job, Layout, Memory, memory_per_rank
+from dsframework.planner.memory import (EXPORT_SHARD_BYTES, HostMemory, Job, Layout, Memory, host_memory_per_node,
+                                        memory_per_rank)
 from dsframework.planner.model import ModelDesc
 
 MEMORY_HEADROOM = 0.10  # allocator fragmentation and what the model does not count
 RESERVED_PER_GPU = 1.0 * GiB  # CUDA context, NCCL and library workspaces (0 on a CPU cluster)
-HOST_MEMORY_SHARE = 0.80  # of a node's RAM that offloaded states may take
+HOST_MEMORY_SHARE = 0.80  # of a node's RAM that building, offloaded states or export may take
 
 
 def usable_gpu_memory(cluster: Cluster) -> float:
@@ -29,13 +31,18 @@ def usable_gpu_memory(cluster: Cluster) -> float:
 
 @dataclass(frozen=True)
 class Fit:
-    """Bytes one rank needs and has; offloaded bytes one node needs and has."""
+    """Bytes one rank needs and has; host bytes one node needs (build, offload, export) and has."""
 
     memory: Memory
     need: float            # the busiest rank, plus MEMORY_HEADROOM
     available: float       # usable per rank (the device's memory less what CUDA itself takes)
-    host_need: float       # offloaded states of all ranks of a node
+    host: HostMemory       # a node's host memory in each phase
     host_available: float  # HOST_MEMORY_SHARE of a node's RAM
+
+    @property
+    def host_need(self) -> float:
+        """The node's host memory at its peak phase."""
+        return self.host.peak
 
     @property
     def fits(self) -> bool:
@@ -43,12 +50,13 @@ class Fit:
 
     @property
     def why_not(self) -> str:
-        """'predicted 113.0 GiB per rank > 11.7 GiB available', or '' when it fits."""
+        """'predicted 113.0 GiB per rank > 11.7 GiB available', 'predicted 150.2 GiB of host memory
+        per node to build the model > 99.8 GiB available', or '' when it fits."""
         if self.need > self.available:
             return f"predicted {self.need / GiB:.1f} GiB per rank > {self.available / GiB:.1f} GiB available"
         if self.host_need > self.host_available:
-            return (f"predicted {self.host_need / GiB:.1f} GiB offloaded per node > "
-                    f"{self.host_available / GiB:.1f} GiB of host memory available")
+            return (f"predicted {self.host_need / GiB:.1f} GiB of host memory per node {self.host.phase} > "
+                    f"{self.host_available / GiB:.1f} GiB available")
         return ""
 
 
@@ -60,11 +68,14 @@ def run_layout(parallel: Any, *, dp: int, micro_batch: int, grad_accum: int) -> 
                   grad_accum=grad_accum, activation_checkpointing=parallel.activation_checkpointing)
 
 
-def check_fit(desc: ModelDesc, layout: Layout, job: Job, cluster: Cluster) -> Fit:
+def check_fit(desc: ModelDesc, layout: Layout, job: Job, cluster: Cluster, *,
+              export_shard_bytes: float = EXPORT_SHARD_BYTES) -> Fit:
     """Memory of `layout` against `cluster`: the busiest rank plus headroom within the usable
-    device memory, and the offloaded states of a node's ranks within its share of host RAM."""
+    device memory, and a node's host memory (its ranks building their shares and holding their
+    offloaded states; or `dsf export`) within its share of host RAM."""
     memory = memory_per_rank(desc, layout, job)
     ranks_per_node = min(cluster.gpus_per_node, cluster.world)
+    host = host_memory_per_node(desc, layout, memory, ranks_per_node=ranks_per_node,
+                                export_shard_bytes=export_shard_bytes)
     return Fit(memory, need=memory.total * (1 + MEMORY_HEADROOM), available=usable_gpu_memory(cluster),
-               host_need=memory.cpu_per_rank * ranks_per_node,
-               host_available=cluster.cpu_memory_per_node * HOST_MEMORY_SHARE)
+               host=host, host_available=cluster.cpu_memory_per_node * HOST_MEMORY_SHARE)

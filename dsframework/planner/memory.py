@@ -1,9 +1,12 @@
-"""Bytes per rank of a layout: parameters, gradients, optimizer states, activations, buffers.
+"""Bytes per rank of a layout: parameters, gradients, optimizer states, activations, buffers;
+and the host memory a node needs to build the model, hold what is offloaded, and export it.
 
     layout = Layout(dp=8, tp=2, pp=1, zero_stage=3, micro_batch=2, grad_accum=4)
     mem = memory_per_rank(desc, layout, Job(seq_len=4096, global_batch=64, precision="bf16"))
     mem.total / 2**30                  # GiB on the busiest rank
     mem.cpu_per_rank                   # offloaded bytes in host memory, per rank
+    host = host_memory_per_node(desc, layout, mem, ranks_per_node=8)
+    host.build, host.offload, host.export, host.peak   # bytes of one node's RAM
 
 Model states follow what DeepSpeed (0.19) really allocates, which is more than the ZeRO paper's
 2 + 2 + 12 bytes per parameter in places (checked against live engines in
@@ -25,6 +28,21 @@ splitting, w the parameter bytes (4 fp32, 2 bf16/fp16), d the data-parallel size
 Offloading the optimizer moves its 12 P / d and an fp32 gradient partition (4 P / d) to host
 memory (ZeRO-2 then keeps no gradient partition on the device; ZeRO-3 keeps its w P / d one);
 offloading parameters (ZeRO-3) moves the w P / d parameter partition there too.
+
+Host memory per node (`host_memory_per_node`), in the phases of a run:
+- build: every rank materialises only its share, in fp32, on the host before DeepSpeed moves it
+  to the device: its tensor shard of its pipeline stage's parameters (P above, the busiest
+  stage), / d more under ZeRO-3 (partitioned at construction, zero.Init), plus one dense tensor
+  in flight (whole while its shard is cut or it is read from a checkpoint; the largest is
+  counted, typically the vocab x hidden embedding): 4 (P [/ d] + largest) bytes, times the ranks
+  of a node;
+- offload: the offloaded states above, times the ranks of a node. Build and offload are counted
+  together: a node's ranks are not in lockstep, one may allocate its offloaded states while
+  another still builds;
+- export: `dsf export` streams on one host: one output shard (EXPORT_SHARD_BYTES, or the whole
+  fp32 model when smaller, or the largest tensor when that is larger) plus one input tensor
+  group (the largest tensor's shards, fp32).
+The node's figure is the largest of build + offload and export.
 
 Activations (bytes saved for backward, per micro-batch) follow Korthikanti et al., "Reducing
 Activation Recomputation in Large Transformer Models" (2022), section 4: per layer
@@ -74,6 +92,8 @@ ZERO3_PREFETCH_BUCKET = 50_000_000
 ZERO3_PERSISTENCE_THRESHOLD = 100_000
 ADAM_STATE_BYTES = 8  # fp32 exp_avg + exp_avg_sq
 MASTER_BYTES = 4  # fp32 master copy of the parameters
+BUILD_BYTES = 4  # parameters are materialised in fp32, then cast and moved by DeepSpeed
+EXPORT_SHARD_BYTES = 50 * 10**9  # save_pretrained's max_shard_size default ("50GB", transformers 5)
 
 
 @dataclass(frozen=True)
@@ -335,3 +355,60 @@ def stage_memories(desc: ModelDesc, layout: Layout, job: Job) -> list[Memory]:
 def memory_per_rank(desc: ModelDesc, layout: Layout, job: Job) -> Memory:
     """The busiest stage's rank: the one whose total is largest."""
     return max(stage_memories(desc, layout, job), key=lambda memory: memory.total)
+
+
+# --- host memory per node -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class HostMemory:
+    """Bytes of one node's host memory in each phase of a run (see the module docstring)."""
+
+    build: float    # its ranks' shares, built in fp32, + one dense tensor each in flight
+    offload: float  # its ranks' offloaded states while training (Memory.cpu_per_rank each)
+    export: float   # `dsf export` on one host: one output shard + one input tensor group
+
+    @property
+    def train(self) -> float:
+        return self.build + self.offload
+
+    @property
+    def peak(self) -> float:
+        return max(self.train, self.export)
+
+    @property
+    def phase(self) -> str:
+        """What the peak is for, as a phrase: 'to build the model', 'to export the model', ..."""
+        if self.export > self.train:
+            return "to export the model (dsf export, one host)"
+        return "to build the model and hold its offloaded states" if self.offload else "to build the model"
+
+    def as_dict(self) -> dict[str, float]:
+        return {"build": self.build, "offload": self.offload, "export": self.export, "peak": self.peak}
+
+
+def largest_tensor(desc: ModelDesc) -> int:
+    """Elements of the model's largest single dense tensor (typically the vocab x hidden embedding)."""
+    return max(desc.embedding_params, desc.head_params, desc.position_params, *(n for n, _ in desc.layer_tensors))
+
+
+def build_bytes_per_rank(desc: ModelDesc, layout: Layout) -> float:
+    """Host bytes a rank peaks at while it builds or loads its share (busiest stage, fp32)."""
+    share = max(shape.params for shape in stage_shapes(desc, layout.tp, layout.pp))
+    if layout.zero_stage == 3:
+        share = share / layout.dp
+    return BUILD_BYTES * (share + largest_tensor(desc))
+
+
+def export_bytes(desc: ModelDesc, *, shard_bytes: float = EXPORT_SHARD_BYTES) -> float:
+    """Host bytes of a streaming `dsf export`: one fp32 output shard plus one input tensor group."""
+    largest = 4 * largest_tensor(desc)
+    shard = max(min(shard_bytes, 4 * desc.total_params), largest)  # a tensor never spans shards
+    return shard + largest
+
+
+def host_memory_per_node(desc: ModelDesc, layout: Layout, memory: Memory, *, ranks_per_node: int,
+                         export_shard_bytes: float = EXPORT_SHARD_BYTES) -> HostMemory:
+    """One node's host memory for `layout`: `memory` is memory_per_rank's (its offloaded bytes)."""
+    return HostMemory(build=ranks_per_node * build_bytes_per_rank(desc, layout),
+                      offload=ranks_per_node * memory.cpu_per_rank,
+                      export=export_bytes(desc, shard_bytes=export_shard_bytes))

@@ -22,11 +22,12 @@ def candidate_row(rank: int, c: Candidate) -> list[str]:
     return [str(rank), str(lay.tp), str(lay.pp), str(lay.dp), str(lay.zero_stage), offload,
             f"{lay.micro_batch}x{lay.grad_accum}", lay.activation_checkpointing,
             _gib(mem.params), _gib(mem.grads), _gib(mem.optimizer), _gib(mem.activations), _gib(mem.buffers),
-            _gib(mem.total), _gib(mem.cpu_per_rank), f"{c.time.total:.3g}", f"{c.tokens_per_s:,.0f}", f"{c.mfu:.2f}"]
+            _gib(mem.total), _gib(mem.cpu_per_rank), _gib(c.host.peak) if c.host else "-", f"{c.time.total:.3g}",
+            f"{c.tokens_per_s:,.0f}", f"{c.mfu:.2f}"]
 
 
 HEADER = ["#", "tp", "pp", "dp", "ZeRO", "offload", "micro x accum", "ckpt", "params", "grads", "optim",
-          "activ", "buffers", "total GiB", "cpu GiB", "step s", "tokens/s", "MFU"]
+          "activ", "buffers", "total GiB", "cpu GiB", "host GiB", "step s", "tokens/s", "MFU"]
 
 
 def _markdown(rows: list[list[str]]) -> str:
@@ -43,7 +44,9 @@ def plan_table(plan: Plan, *, top: int = 5) -> str:
            f"{desc.heads} heads / {desc.kv_heads} kv); {cluster.name}: {cluster.nodes} x {cluster.gpus_per_node} "
            f"GPUs of {_gib(cluster.memory_per_gpu)} GiB; seq {job.seq_len}, global batch {job.global_batch}, "
            f"{job.precision}; {len(plan.candidates)} layouts, {len(plan.fitting)} fit",
-           "(memory per GPU of the busiest rank, GiB; cpu: offloaded per rank)", ""]
+           "(memory per GPU of the busiest rank, GiB; cpu: offloaded per rank; host: per node of "
+           f"{_gib(cluster.cpu_memory_per_node)} GiB RAM, its ranks building their shares + offloaded, or dsf export)",
+           ""]
     fitting = plan.fitting[:top]
     if fitting:
         out.append(_markdown([HEADER] + [candidate_row(i + 1, c) for i, c in enumerate(fitting)]))

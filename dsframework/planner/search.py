@@ -10,7 +10,8 @@ The rules (each also enforced by dsf train): dp * tp * pp = world; tp divides th
 key/value heads and stays within a node; pp <= layers; the pipeline only with ZeRO 0/1;
 micro_batch * grad_accum * dp = global batch; parameter offload only with ZeRO-3 and optimizer
 offload; optimizer offload with ZeRO 1-3. A candidate fits when its busiest rank, plus the safety
-margin, stays within the GPU's memory and its offloaded states within the node's host memory.
+margin, stays within the GPU's memory, and a node's host memory holds what the run puts there:
+its ranks' shares while they are built plus their offloaded states, and `dsf export`.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from typing import Iterator
 
 from dsframework.planner.cluster import Cluster, GiB, resize
 from dsframework.planner.fit import check_fit
-from dsframework.planner.memory import Job, Layout, Memory
+from dsframework.planner.memory import HostMemory, Job, Layout, Memory
 from dsframework.planner.model import ModelDesc
 from dsframework.planner.speed import StepTime, step_time
 
@@ -35,6 +36,8 @@ class Candidate:
     why_not: str = ""  # when it does not fit
     tokens_per_s: float = 0.0
     mfu: float = 0.0
+    host: HostMemory | None = None  # one node's host memory: build, offload, export
+    over: float = 0.0  # need / available on the tighter side, device or host (> 1: does not fit)
 
     @property
     def family(self) -> str:
@@ -49,6 +52,7 @@ class Candidate:
                 "micro_batch": lay.micro_batch, "grad_accum": lay.grad_accum,
                 "activation_checkpointing": lay.activation_checkpointing, "fits": self.fits,
                 "memory": self.memory.as_dict(), "cpu_memory": self.memory.cpu_per_rank * self._ranks_per_node,
+                "host_memory": self.host.as_dict() if self.host else None,
                 "step_time_s": self.time.total, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu}
 
     _ranks_per_node: int = field(default=1, compare=False)
@@ -123,12 +127,14 @@ def evaluate(desc: ModelDesc, layout: Layout, job: Job, cluster: Cluster) -> Can
     if fit.need > fit.available:
         why = f"{fit.need / GiB:.1f} GiB > {fit.available / GiB:.1f} GiB per GPU"
     elif fit.host_need > fit.host_available:
-        why = f"{fit.host_need / GiB:.1f} GiB offloaded > {fit.host_available / GiB:.1f} GiB of host memory per node"
+        why = (f"{fit.host_need / GiB:.1f} GiB of host memory per node {fit.host.phase} > "
+               f"{fit.host_available / GiB:.1f} GiB")
     tokens_per_s = job.global_batch * job.seq_len / time.total
     peak = cluster.flops(job.precision) * cluster.world
     mfu = tokens_per_s * desc.flops_per_token(job.seq_len) / peak
+    over = max(fit.need / fit.available, fit.host_need / fit.host_available)
     return Candidate(layout, memory, time, fits=not why, why_not=why, tokens_per_s=tokens_per_s, mfu=mfu,
-                     _ranks_per_node=ranks_per_node)
+                     host=fit.host, over=over, _ranks_per_node=ranks_per_node)
 
 
 def _describe(layout: Layout) -> str:
@@ -144,7 +150,7 @@ def search(desc: ModelDesc, cluster: Cluster, job: Job, *, tp: int | None = None
     candidates.sort(key=lambda c: (not c.fits, -c.tokens_per_s if c.fits else 0, c.memory.total))
     dropped: dict[str, str] = {}
     fitting_families = {c.family for c in candidates if c.fits}
-    for c in candidates:  # the least memory-hungry member of each family that never fits
+    for c in sorted(candidates, key=lambda c: c.over):  # the closest miss of each family that never fits
         if not c.fits and c.family not in fitting_families and c.family not in dropped:
             dropped[c.family] = f"needs {c.why_not} at best ({_describe(c.layout)})"
     plan = Plan(desc, cluster, job, candidates, dropped, [])
@@ -159,7 +165,7 @@ def suggestions(desc: ModelDesc, cluster: Cluster, job: Job, candidates: list[Ca
     if not candidates:
         return [f"no layout satisfies the rules for {cluster.world} GPUs and global batch {job.global_batch}: "
                 "choose a global batch divisible by the data-parallel sizes, or unpin --tp/--pp/--zero-stage"]
-    closest = min(candidates, key=lambda c: c.memory.total)
+    closest = min(candidates, key=lambda c: c.over)
     out.append(f"closest: {family_of(closest.layout)} ({_describe(closest.layout)}) needs {closest.why_not}")
     for factor in (2, 4, 8, 16, 32, 64):
         bigger = resize(cluster, nodes=cluster.nodes * factor)

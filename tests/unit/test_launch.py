@@ -329,6 +329,26 @@ def test_memory_refusal_names_both_figures_and_force_goes_on(in_tmp):
     assert tiny.exit_code == 0 and re.search(r"# memory per rank: predicted 0\.\d+ GiB of", tiny.stdout)
 
 
+def test_memory_check_refuses_a_build_the_hosts_cannot_hold(in_tmp):
+    """8 GPUs of 141 GB hold llama-7b at ZeRO-2 either way; 64 GiB of RAM (51.2 usable) holds 8
+    ranks building eighths of it (tp 8), not 8 dense fp32 builds."""
+    profile = in_tmp / "small-host.json"
+    profile.write_text(json.dumps({"name": "h200-small-host", "memory_per_gpu": 141e9, "cpu_memory_per_node": 64 * 2**30,
+                                   "peak_flops": {"fp32": 67e12, "bf16": 989e12}}))
+    args = ["launch", TINY, "--num-gpus", "8", "--dry-run", "--cluster", str(profile), "--set", "model.name=llama-7b",
+            "--set", "parallel.zero_stage=2"]
+    with pytest.raises(UserError) as err:
+        CliRunner().invoke(cli, [*args, "--set", "train.micro_batch=4"], catch_exceptions=False, standalone_mode=False)
+    message = str(err.value)
+    assert message.startswith("host memory per node: predicted 204.7 GiB of host memory per node to build the model "
+                              "> 51.2 GiB available"), message
+    assert "tp 1 x pp 1 x dp 8" in message and "dsf plan --model llama-7b" in message and "--force" in message
+    sharded = CliRunner().invoke(cli, [*args, "--set", "parallel.tp=8"], catch_exceptions=False)
+    assert sharded.exit_code == 0, sharded.output
+    assert re.search(r"# memory per rank: predicted \d+\.\d+ GiB of 130\.3 GiB available .*; "
+                     r"host 2\d\.\d+ GiB of 51\.2 GiB per node", sharded.stdout), sharded.stdout
+
+
 def test_fit_agrees_with_the_planners_search():
     """The launch check is search.evaluate's rule: same fit for every layout of a small search."""
     from dsframework.planner.cluster import cluster_preset

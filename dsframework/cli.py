@@ -327,11 +327,14 @@ def train_cmd(run_yaml: Path, overrides: tuple[str, ...], resume: bool, overwrit
 @click.argument("out_dir", type=click.Path(path_type=Path))
 @click.option("--tag", help="checkpoint tag (default: latest)")
 @click.option("--overwrite", is_flag=True, help="replace a non-empty OUT_DIR")
-def export_cmd(ckpt_dir: Path, out_dir: Path, tag: str | None, overwrite: bool) -> None:
-    """Merge a checkpoint (any ZeRO stage) into a transformers directory at OUT_DIR."""
+@click.option("--max-shard-size", metavar="SIZE", help="largest weights file, e.g. 5GB or 500MB, as "
+              "save_pretrained's max_shard_size (default: its default, 50GB); more weights are split into "
+              "model-0000i-of-0000n.safetensors with model.safetensors.index.json")
+def export_cmd(ckpt_dir: Path, out_dir: Path, tag: str | None, overwrite: bool, max_shard_size: str | None) -> None:
+    """Merge a checkpoint (any layout) into a transformers directory at OUT_DIR, one shard at a time."""
     from dsframework.export import export_checkpoint
 
-    path = export_checkpoint(ckpt_dir, out_dir, tag=tag, overwrite=overwrite)
+    path = export_checkpoint(ckpt_dir, out_dir, tag=tag, overwrite=overwrite, max_shard_size=max_shard_size)
     click.echo(f"dsf: exported {ckpt_dir} -> {path} (load with AutoModelForCausalLM.from_pretrained)")
 
 

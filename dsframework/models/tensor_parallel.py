@@ -163,44 +163,58 @@ def _tied_copies(config: Any) -> set[str]:
     return {name for name, _ in model.named_parameters(remove_duplicate=False)} - unique
 
 
+def merge_tensor_parallel_tensor(name: str, parts: Sequence[torch.Tensor],
+                                 layouts: Sequence[Mapping[str, tuple[int, torch.Tensor, bool]]]) -> torch.Tensor:
+    """One dense tensor (transformers name and shape) from the tp ranks' parts of it, in rank order.
+
+        layouts = shard_layouts(config, tp)                          # once per export
+        dense = merge_tensor_parallel_tensor(name, [part_of_rank0, part_of_rank1], layouts)
+
+    A sharded parameter's slices go back where `dense_index` says (vocab padding dropped, GPT-2's
+    fused q|k|v rows re-interleaved; Conv1D weights transposed back to [in, out]); a replicated
+    tensor is rank 0's and must be equal on every rank. Only these parts are held, so an export
+    merges one parameter at a time.
+    """
+    first = parts[0]
+    if name not in layouts[0]:
+        for rank, part in enumerate(parts[1:], start=1):
+            if not torch.equal(part, first):
+                raise ValueError(f"{name}: the replicated tensor differs between tensor ranks 0 and {rank}")
+        return first
+    dim, _, transposed = layouts[0][name]
+    size = 1 + max(int(layout[name][1].max()) for layout in layouts)
+    shape = list(first.shape)
+    shape[dim] = size
+    dense = first.new_empty(shape)
+    filled = torch.zeros(size, dtype=torch.bool)
+    for layout, part in zip(layouts, parts):
+        index = layout[name][1]
+        kept = (index >= 0).nonzero().flatten()
+        dense.index_copy_(dim, index[kept], part.index_select(dim, kept))
+        filled[index[kept]] = True
+    if not filled.all():
+        raise ValueError(f"{name}: the shards cover {int(filled.sum())} of {size} slices")
+    return dense.t().contiguous() if transposed else dense
+
+
 def merge_tensor_parallel_shards(shards: Sequence[Mapping[str, torch.Tensor]], config: Any) -> dict[str, torch.Tensor]:
     """The dense state dict (transformers names and shapes) from the tp ranks' state dicts.
 
         dense = merge_tensor_parallel_shards([rank0_state, rank1_state], config)
         model.load_state_dict(dense)
 
-    Each shard's slices go back where `dense_index` says (vocab padding dropped, GPT-2's fused
-    q|k|v rows re-interleaved); replicated tensors are taken from rank 0 and must agree on every
-    rank. GPT-2's Conv1D weights are stored [in, out] by transformers: transposed back here.
-    A tied copy (lm_head.weight of a tied model) that some rank's state lacks is left out: the
-    embedding carries it, and the exported model ties them again.
+    Each tensor is merged by `merge_tensor_parallel_tensor` (slices back where `dense_index`
+    says; replicated tensors taken from rank 0, equal on every rank). A tied copy (lm_head.weight
+    of a tied model) that some rank's state lacks is left out: the embedding carries it, and the
+    exported model ties them again.
     """
     layouts = shard_layouts(config, len(shards))
     everywhere = set.intersection(*(set(shard) for shard in shards))
     merged: dict[str, torch.Tensor] = {}
-    for name, first in shards[0].items():
+    for name in shards[0]:
         if name not in everywhere:
             if name in _tied_copies(config):
                 continue
             raise ValueError(f"{name}: missing from the state of a tensor rank")
-        if name not in layouts[0]:
-            for rank, shard in enumerate(shards[1:], start=1):
-                if not torch.equal(shard[name], first):
-                    raise ValueError(f"{name}: the replicated tensor differs between tensor ranks 0 and {rank}")
-            merged[name] = first
-            continue
-        dim, _, transposed = layouts[0][name]
-        size = 1 + max(int(layout[name][1].max()) for layout in layouts)
-        shape = list(first.shape)
-        shape[dim] = size
-        dense = first.new_empty(shape)
-        filled = torch.zeros(size, dtype=torch.bool)
-        for layout, shard in zip(layouts, shards):
-            index = layout[name][1]
-            kept = (index >= 0).nonzero().flatten()
-            dense.index_copy_(dim, index[kept], shard[name].index_select(dim, kept))
-            filled[index[kept]] = True
-        if not filled.all():
-            raise ValueError(f"{name}: the shards cover {int(filled.sum())} of {size} slices")
-        merged[name] = dense.t().contiguous() if transposed else dense
+        merged[name] = merge_tensor_parallel_tensor(name, [shard[name] for shard in shards], layouts)
     return merged

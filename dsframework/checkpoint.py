@@ -5,6 +5,7 @@
         global_step100/          DeepSpeed model/optimizer shards, rng_rank<R>.pt per rank and
                                  dsf_manifest.json (every file's size, the layout it was saved at)
         global_step100.universal/  deepspeed's universal form, made when a run resumes at another dp
+        global_step100.universal-tp1pp1dp4/  the same for another tp x pp (x dp): dsframework.reshard
         hf_config/config.json    the transformers config the model was built from
         tokenizer/               the run's tokenizer
         run.yaml                 the resolved run config
@@ -130,6 +131,8 @@ def save(engine: Any, ckpt_dir: Path, *, step: int, consumed_samples: int, layou
         _write_atomically(partial / MANIFEST, json.dumps({"step": step, "layout": layout, "files": files}, indent=1))
         if final.exists():  # a later checkpoint of an abandoned branch of this run (latest is older)
             shutil.rmtree(final)
+        for stale in ckpt_dir.glob(tag + UNIVERSAL + "*"):  # conversions of what it replaces
+            shutil.rmtree(stale)
         os.replace(partial, final)
         _inject_fault("latest", step)
         _write_atomically(ckpt_dir / "latest", tag)

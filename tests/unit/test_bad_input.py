@@ -209,6 +209,10 @@ CASES = [
          ("train", "{run}/checkpoints/run.yaml", "--resume",
           *sets("model.overrides.num_hidden_layers=3", "output_dir={run}")),
          expect=("num_hidden_layers", "3", "differs from the checkpoint"), guard=("{run}",), needs_run_copy=True),
+    Case("train-resume-with-another-zero-stage",  # tp, pp and dp may change on resume; the ZeRO stage not
+         ("train", "{run}/checkpoints/run.yaml", "--resume", *sets("parallel.zero_stage=1", "output_dir={run}")),
+         expect=("parallel.zero_stage=1", "differs from the checkpoint's 2", "parallel.zero_stage=2"),
+         guard=("{run}",), needs_run_copy=True),
     # --- dsf train: model and data ----------------------------------------------------------------
     train_case("train-tp-larger-than-world", OUT + "parallel: {tp: 2}\n",
                expect=("world size", "1", "tp*pp", "{1}"), files=NOT_A_RUN),

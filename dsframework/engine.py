@@ -34,7 +34,8 @@ from dsframework.throughput import FlopsMeter
 from dsframework.parallel.pipeline import build_pipeline_module, stage_table
 from dsframework.parallel.topology import ParallelDims, build_grid, build_topology, check_model_layout
 from dsframework.models import build_model, count_parameters, resolve_model
-from dsframework.models.tensor_parallel import TensorParallelCausalLM, shard_model
+from dsframework.models.construct import build_for_layout
+from dsframework.models.tensor_parallel import TensorParallelCausalLM
 from dsframework.world import init_distributed, rank_zero_first
 
 
@@ -81,35 +82,55 @@ def layout_of(run: RunConfig, dims: ParallelDims) -> dict[str, int]:
     return {"world": dims.world, "tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "zero_stage": run.parallel.zero_stage}
 
 
-def resume_tag(run: RunConfig, dims: ParallelDims, manifest: dict[str, Any] | None) -> tuple[str, bool]:
+def resume_tag(run: RunConfig, dims: ParallelDims, manifest: dict[str, Any] | None, config: Any) -> tuple[str, bool]:
     """(tag to load, whether it is a universal checkpoint) for resuming at `dims`.
 
-    Only the data-parallel size may change (a node lost, or more nodes): ZeRO-1/2/3 shards are cut
-    per data-parallel rank, so rank 0 converts the checkpoint with deepspeed's ds_to_universal
-    and every rank loads its new shard of that. ZeRO-0 states are whole on every rank already.
+    The ZeRO stage and the model stay as saved (the model is checked before this is called);
+    tp, pp and dp may change, with the same global batch. Rank 0 converts the checkpoint once and
+    every rank then loads its new shard of it (`checkpoint.load_universal`):
+    - dp alone, at tp = pp = 1, ZeRO-1/2/3: deepspeed's ds_to_universal (`checkpoint.to_universal`);
+    - tp or pp (and dp beside them), ZeRO-1/2: `reshard.reshard`, through the dense layout.
+    ZeRO-0 states are whole on every rank of a layout: dp may change, tp and pp may not. ZeRO-3 with
+    tensor parallelism resumes at its saved layout only.
     """
     import torch.distributed
 
+    from dsframework.reshard import describe, reshard, universal_tag
+
     tag = ckpt.latest_tag(run.checkpoint_dir)
     saved, now = (manifest or {}).get("layout"), layout_of(run, dims)
-    if saved is None or saved["dp"] == now["dp"]:
+    if saved is None:  # written before manifests: its layout is unknown, taken to be this one
         return tag, False
-    for key in ("tp", "pp", "zero_stage"):
-        if saved[key] != now[key]:
-            raise UserError(f"parallel.{key}", now[key], f"differs from the checkpoint's {saved[key]}",
-                            f"resume with parallel.{key}={saved[key]} (only the data-parallel size may change)")
-    if now["zero_stage"] == 0:
+    stage = now["zero_stage"]
+    if saved["zero_stage"] != stage:
+        raise UserError("parallel.zero_stage", stage, f"differs from the checkpoint's {saved['zero_stage']} (a "
+                        "resume keeps the ZeRO stage; tp, pp and dp may change)",
+                        f"resume with parallel.zero_stage={saved['zero_stage']}")
+    if all(saved[key] == now[key] for key in ("tp", "pp", "dp")):
         return tag, False
-    if dims.tp_enabled or dims.pp_enabled:
-        raise UserError("world size", dims.world, f"changes dp {saved['dp']} -> {now['dp']}, which the universal "
-                        "checkpoint cannot do for dsf's tensor-parallel or pipeline layers",
-                        f"resume on {saved['world']} ranks")
+    was = ParallelDims(world=saved["world"], tp=saved["tp"], pp=saved["pp"])
+    change, keep = f"{describe(was)} -> {describe(dims)}", f"resume with parallel.tp={was.tp} parallel.pp={was.pp}"
+    layers_move = (was.tp, was.pp) != (dims.tp, dims.pp)
+    if stage == 0:
+        if not layers_move:
+            return tag, False
+        raise UserError("parallel.zero_stage", 0, f"cannot resume at another tp or pp ({change}): ZeRO-0 "
+                        "keeps its optimizer states in each layout's own files", keep)
+    if stage == 3 and (was.tp_enabled or dims.tp_enabled):
+        raise UserError("parallel.zero_stage", 3, f"with tensor parallelism resumes only at its saved layout "
+                        f"({change}): DeepSpeed's universal loader does not cut a ZeRO-3 parameter into tensor "
+                        "shards", f"{keep} on {was.world} ranks")
+    dp_only = not layers_move and not dims.tp_enabled and not dims.pp_enabled
+    target = tag + ckpt.UNIVERSAL if dp_only else universal_tag(tag, dims)
     with rank_zero_first():
         if torch.distributed.get_rank() == 0:
-            print(f"dsf: resuming at dp {now['dp']} from a checkpoint saved at dp {saved['dp']}: "
-                  f"converting {tag} to a universal checkpoint", flush=True)
-            ckpt.to_universal(run.checkpoint_dir, tag)
-    return tag + ckpt.UNIVERSAL, True
+            print(f"dsf: resuming at {describe(dims)} from a checkpoint saved at {describe(was)}: "
+                  f"converting {tag} into {target}", flush=True)
+            if dp_only:
+                ckpt.to_universal(run.checkpoint_dir, tag)
+            else:
+                reshard(run.checkpoint_dir, tag, config, saved=was, target=dims)
+    return target, True
 
 
 # --- the loop -----------------------------------------------------------------------------------
@@ -261,6 +282,7 @@ class Session:
     model_config: Any
     step: int = 0
     consumed_samples: int = 0
+    built: Any = None  # tp/pp: what this rank materialised and read (models.construct.Materialized)
 
 
 def checked_layout(run: RunConfig, config: Any, *, world: int) -> ParallelDims:
@@ -296,9 +318,6 @@ def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False) ->
     grid = build_grid(dims) if dims.tp_enabled else None
     dp_rank = topology.get_coord(rank).data
     ds_config = build_ds_config(run.train, run.parallel, dp_size=dims.dp)
-    load_tag, universal = resume_tag(run, dims, manifest) if resume else (None, False)
-    if universal:
-        ds_config["checkpoint"] = {"load_universal": True}
     ds_config["wall_clock_breakdown"] = run.logging.breakdown
     batch = resolve_batch(run.train.micro_batch, run.train.grad_accum, run.train.global_batch, dp_size=dims.dp)
 
@@ -320,18 +339,29 @@ def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False) ->
             run.checkpoint_dir.mkdir(parents=True, exist_ok=True)
             tokenizer.save_pretrained(str(run.checkpoint_dir / ckpt.TOKENIZER_DIR))
             ckpt.save_run_files(run.checkpoint_dir, config=config, run_yaml=dump_run_config(run))
-    # Under ZeRO-3 the model is built partitioned (no rank holds it whole), except with tensor
-    # parallelism: the shards are sliced from the dense layers first and DeepSpeed partitions
-    # them over the data-parallel group at initialize.
-    zero3 = ds_config if run.parallel.zero_stage == 3 and not dims.tp_enabled else None
-    model = build_model(source, config, seed=run.train.seed, zero3_ds_config=zero3)
-    num_parameters = count_parameters(model)
+    # On resume at another layout, rank 0 converts the checkpoint (the model is checked above).
+    load_tag, universal = resume_tag(run, dims, manifest, config) if resume else (None, False)
+    if universal:
+        ds_config["checkpoint"] = {"load_universal": True}
+    # Under ZeRO-3 the model is built partitioned (no rank holds it whole). With tensor or pipeline
+    # parallelism it is built on the meta device and each rank materialises only its own shards of
+    # its own stage (models/construct.py); under ZeRO-3 those are partitioned as they are made.
+    zero3 = ds_config if run.parallel.zero_stage == 3 else None
     checkpointing = run.parallel.activation_checkpointing == "full"
-    if dims.tp_enabled:  # every rank keeps its shard of each layer (sliced from the dense weights)
-        model = shard_model(model, group=grid.get_slice_parallel_group())
+    if dims.tp_enabled or dims.pp_enabled:
+        built = build_for_layout(
+            source, config, seed=run.train.seed,
+            tp_group=grid.get_slice_parallel_group() if dims.tp_enabled else None,
+            pipeline=(dims.pp, topology.get_coord(rank).pipe) if dims.pp_enabled else None,
+            partition_method=run.parallel.partition_method, zero3_ds_config=zero3,
+            mpu=grid)
+        model, num_parameters, construction = built.model, built.num_parameters, built.report
+    else:
+        construction = None
+        model = build_model(source, config, seed=run.train.seed, zero3_ds_config=zero3)
+        num_parameters = count_parameters(model)
     if dims.pp_enabled:
-        # Each stage takes its layers from the model every rank built (same init as one process;
-        # building only a stage's layers is what large models will need).
+        # Each stage's LayerSpecs reference the modules this rank materialised (the others are meta).
         model = build_pipeline_module(model, num_stages=dims.pp, partition_method=run.parallel.partition_method,
                                       activation_checkpoint_interval=int(checkpointing), topology=topology)
         if rank == 0:
@@ -347,7 +377,7 @@ def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False) ->
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config,
         mpu=None if dims.pp_enabled else grid)
     session = Session(run, rank, dims, dp_rank, batch, engine, tokenizer, train_blocks, eval_blocks,
-                      num_parameters, config)
+                      num_parameters, config, built=construction)
     if resume:
         state = ckpt.load(engine, run.checkpoint_dir, tag=load_tag)
         session.step, session.consumed_samples = state["step"], state["consumed_samples"]

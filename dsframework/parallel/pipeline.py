@@ -380,6 +380,20 @@ def partition_layers(specs: list, num_stages: int, method: str = "parameters") -
     return [int(p) for p in parts]
 
 
+def stage_module_paths(model: Any, *, num_stages: int, stage: int, partition_method: str = "parameters") -> list[str]:
+    """The HF module paths whose parameters stage `stage` holds, found before any stage is built
+    (on a meta model: the partition is computed from shapes alone, as PipelineModule does), so a
+    rank materialises only its own layers:
+
+        stage_module_paths(model, num_stages=2, stage=1)  # ['lm_head', 'model.layers.1', 'model.norm', ...]
+    """
+    specs = pipeline_layer_specs(model)
+    parts = partition_layers(specs, num_stages, partition_method)
+    _check_parts(parts, specs, partition_method)
+    return sorted({path for spec in specs[parts[stage]:parts[stage + 1]]
+                   for paths in hf_names(spec).values() for path in paths})
+
+
 def _check_parts(parts: list[int], specs: list, method: str) -> None:
     """Every stage needs at least one layer (an empty stage would wait forever in the schedule)."""
     num_stages = len(parts) - 1

@@ -1,8 +1,10 @@
-"""A model loaded from a local pretrained directory and sharded tp2 x pp2 over four ranks (the
-`dsf train` path: from_pretrained, tensor-parallel plan, pipeline stages) gives the logits of
-transformers' own model loaded from the same directory."""
+"""A model loaded from a local pretrained directory - saved as several safetensors files with an
+index - and sharded tp2 x pp2 over four ranks (the `dsf train` path: meta model, tensor-parallel
+plan, pipeline stages, each rank reading only its slices) gives the logits of transformers' own
+model loaded from the same directory, and each rank reads about its share of the bytes."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -26,7 +28,8 @@ def save_pretrained_model(model_type: str, path: Path) -> None:
     else:  # tied embeddings, fused q|k|v
         config = GPT2Config(vocab_size=101, n_embd=64, n_layer=3, n_head=4, n_positions=64)
         model = GPT2LMHeadModel(config)
-    model.save_pretrained(path)
+    model.save_pretrained(path, max_shard_size="40KB")  # several files and model.safetensors.index.json
+    assert (path / "model.safetensors.index.json").is_file() and len(list(path.glob("*.safetensors"))) > 3
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gpt2"])
@@ -48,3 +51,12 @@ def test_tp2_pp2_logits_equal_transformers(tmp_path, model_type):
     assert sharded["logits"].shape == want.shape == (2, 32, 101)
     assert torch.allclose(sharded["logits"], want, atol=1e-5, rtol=0), (
         f"max |diff| {(sharded['logits'] - want).abs().max().item():.3g}")
+
+    # Each rank read its slices: what it keeps (fp32 on disk, so 4 bytes an element), less the
+    # vocab padding rows it made up, and never the whole model.
+    on_disk = sum(p.stat().st_size for p in pretrained.glob("*.safetensors"))
+    for rank in range(4):
+        stats = json.loads(Path(f"{tmp_path / 'sharded.pt'}.rank{rank}.json").read_text())
+        kept = 4 * stats["parameters"]
+        assert 0.9 * kept <= stats["bytes_read"] <= kept, (rank, stats)
+        assert stats["bytes_read"] < 0.5 * on_disk, (rank, stats["bytes_read"], on_disk)

@@ -6,7 +6,9 @@ or fresh with --fresh - and save the full logits it gives on the first two eval 
 Any layout: a pipeline engine's logits come from its last stage (eval_batch), tensor-parallel
 vocab slices are gathered; one rank (last stage, tensor rank 0, data rank 0) writes OUT.pt.
 """
+import json
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -49,6 +51,9 @@ def main(argv):
     tensor_rank = session.engine.mpu.get_slice_parallel_rank() if session.dims.tp_enabled else 0
     if holds and tensor_rank == 0 and session.dp_rank == 0:
         torch.save({"input_ids": input_ids, "logits": logits.float()}, out)
+    if session.built is not None:  # what this rank materialised and read from a pretrained directory
+        stats = {"parameters": session.built.parameters, "bytes_read": session.built.bytes_read}
+        Path(f"{out}.rank{dist.get_rank()}.json").write_text(json.dumps(stats))
     shutdown_distributed()
 
 

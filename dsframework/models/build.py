@@ -152,6 +152,10 @@ def resolve_model(spec: ModelSpec) -> ModelSource:
         _check_override_names(fields, spec.overrides)
         config = _build_with_overrides(fields, spec.overrides, origin=name)
     _check_causal_lm(config, name)
+    if pretrained_dir is not None:
+        from dsframework.models.construct import check_pretrained_files
+
+        check_pretrained_files(pretrained_dir, config)
     return ModelSource(config, pretrained_dir, vocab_overridden="vocab_size" in spec.overrides)
 
 

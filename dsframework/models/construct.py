@@ -240,6 +240,30 @@ class PretrainedSlices:
         self._open.clear()
 
 
+def check_pretrained_files(directory: Path, config: Any) -> None:
+    """UserError unless the directory's safetensors (one file or an index of shards) hold every
+    tensor of `config`'s model at its shape. Reads the files' headers only; run before any rank
+    starts, so a broken download is named at once, whatever the layout. (pytorch_model.bin
+    directories are left to transformers.)"""
+    directory = Path(directory)
+    if not any((directory / name).is_file() for name in (SAFETENSORS_FILE, SAFETENSORS_INDEX)):
+        return
+    model = empty_model(config)
+    reader = PretrainedSlices(directory, aliases=tied_aliases(model), prefix=model.base_model_prefix)
+    try:
+        for name, param in model.named_parameters():
+            key = reader._stored_name(name)
+            if key is None:
+                raise UserError("model.name", str(directory), f"holds no tensor {name!r}",
+                                "point model.name at the complete pretrained directory")
+            stored = list(reader._handle(reader.where[key]).get_slice(key).get_shape())
+            if stored != list(param.shape):
+                raise UserError("model.name", str(reader.where[key]), f"tensor {key!r} has shape {stored}, "
+                                f"the config gives {list(param.shape)}", "use the config.json saved with these weights")
+    finally:
+        reader.close()
+
+
 def tied_aliases(model: nn.Module) -> dict[str, list[str]]:
     """{parameter name: its other names} for parameters reachable under several names."""
     names: dict[int, list[str]] = {}

@@ -419,3 +419,37 @@ def test_a_layout_error_is_named_before_the_rendezvous(tmp_path: Path, hf_home: 
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.splitlines() == [
         "dsf: error: parallel.pp=2: exceeds num_hidden_layers=1; choose pp in 1..1"], proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("damage", ["index-names-a-missing-shard", "shard-shapes-differ-from-config"])
+def test_a_broken_pretrained_directory_is_one_line_exit_2(tmp_path: Path, hf_home: Path, damage: str):
+    """A local pretrained directory saved as several safetensors files, then damaged: the file is
+    named before any rank starts (safetensors headers only), and nothing in it is touched."""
+    import json
+
+    from tests.unit.test_construct import save_pretrained
+
+    pretrained = tmp_path / "pretrained"
+    save_pretrained("llama", pretrained)
+    if damage == "index-names-a-missing-shard":
+        victim = sorted(set(json.loads((pretrained / "model.safetensors.index.json").read_text())
+                            ["weight_map"].values()))[1]
+        (pretrained / victim).unlink()
+        expect = (str(pretrained / victim), "is named by model.safetensors.index.json but is not there",
+                  "copy the missing shard")
+    else:
+        config = json.loads((pretrained / "config.json").read_text())
+        (pretrained / "config.json").write_text(json.dumps(dict(config, intermediate_size=128)))
+        expect = ("model.name", ".safetensors", "has shape [96, 64], the config gives [128, 64]",
+                  "use the config.json saved with these weights")
+    before = snapshot(pretrained)
+    (tmp_path / "run.yaml").write_text(OUT.replace("{tmp}", str(tmp_path)) + TINY_YAML_SETTINGS)
+    proc = run_dsf(["train", str(tmp_path / "run.yaml"), *sets(f"model.name={pretrained}")],
+                   cwd=tmp_path, home=hf_home)
+    report = f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+    assert proc.returncode == 2 and "Traceback" not in proc.stdout + proc.stderr, report
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dsf: error: "), report
+    assert all(part in lines[0] for part in expect), (expect, lines[0])
+    assert snapshot(pretrained) == before, "the pretrained directory is left as it was"
+    assert not (tmp_path / "out").exists()

@@ -23,13 +23,12 @@ import torch
 from torch import nn
 
 from dsframework.errors import UserError, divide
+from dsframework.models.families import SUPPORTED, family_of
 from dsframework.parallel.tensor import (ColumnParallelLinear, LayoutOnlyGroup, RowParallelLinear,
                                          VocabParallelEmbedding,
                                          VocabParallelLMHead, shard_index, tensor_parallel_rank,
                                          tensor_parallel_size, vocab_parallel_cross_entropy)
 
-LLAMA_FAMILY = ("llama", "mistral", "qwen2")
-SUPPORTED = (*LLAMA_FAMILY, "gpt2")
 
 
 def _llama_plan(model: Any, group: Any) -> None:
@@ -77,6 +76,9 @@ def _gpt2_plan(model: Any, group: Any) -> None:
     model.lm_head = VocabParallelLMHead.tied_to(embedding)
 
 
+PLANS = {"llama": _llama_plan, "gpt2": _gpt2_plan}  # family (models/families.py) -> plan
+
+
 def vocab_parallel_causal_lm_loss(logits_shard: torch.Tensor, labels: torch.Tensor, *, group: Any,
                                   vocab_size: int) -> torch.Tensor:
     """transformers' causal LM loss (token t predicts label t+1, mean over labels != -100) from
@@ -117,14 +119,11 @@ def shard_model(model: Any, *, group: Any) -> Any:
     The result keeps transformers' module tree and names, so the pipeline can cut it into
     stages (tp x pp); `apply_tensor_parallel` wraps it for the loss instead (tp x dp).
     """
-    model_type = model.config.model_type
-    if model_type in LLAMA_FAMILY:
-        _llama_plan(model, group)
-    elif model_type == "gpt2":
-        _gpt2_plan(model, group)
-    else:
-        raise UserError("parallel.tp", tensor_parallel_size(group), f"has no plan for {model_type!r}",
+    plan = PLANS.get(family_of(model.config.model_type))
+    if plan is None:
+        raise UserError("parallel.tp", tensor_parallel_size(group), f"has no plan for {model.config.model_type!r}",
                         f"use tp=1 (ZeRO) or a supported architecture: {', '.join(SUPPORTED)}")
+    plan(model, group)
     return model
 
 

@@ -54,8 +54,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from dsframework.errors import UserError
+from dsframework.models.families import SUPPORTED, family_of
 
-LLAMA_FAMILY = ("llama", "mistral", "qwen2")
 TIED_KEY = "embed"
 IGNORE_INDEX = -100  # HF's label for "no loss here"
 
@@ -275,12 +275,11 @@ def _spec(spec: Any, *, label: str, hf: dict[str, tuple[str, ...]]) -> Any:
 
 
 def _family(config: Any) -> str:
-    if config.model_type == "gpt2":
-        return "gpt2"
-    if config.model_type in LLAMA_FAMILY:
-        return "llama"
-    raise UserError("model.name", config.model_type, "has no pipeline adapter (parallel.pp > 1)",
-                    f"use a model of type {', '.join((*LLAMA_FAMILY, 'gpt2'))}, or set parallel.pp=1")
+    family = family_of(config.model_type)
+    if family is None:
+        raise UserError("model.name", config.model_type, "has no pipeline adapter (parallel.pp > 1)",
+                        f"use a model of type {', '.join(SUPPORTED)}, or set parallel.pp=1")
+    return family
 
 
 def _is_tied(model: Any, config: Any) -> bool:

@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-LLAMA_FAMILY = ("llama", "mistral", "qwen2")
+from dsframework.models.families import family_of
+
 # (Counts are exact, so the planner can be checked against a live engine to the byte.)
 
 
@@ -138,8 +139,5 @@ def _generic(config: Any, name: str) -> ModelDesc:
 def describe_model(config: Any, *, name: str | None = None) -> ModelDesc:
     """The ModelDesc of a transformers config (see the module docstring)."""
     name = name or getattr(config, "name_or_path", None) or config.model_type
-    if config.model_type in LLAMA_FAMILY:
-        return _llama(config, name)
-    if config.model_type == "gpt2":
-        return _gpt2(config, name)
-    return _generic(config, name)
+    count = {"llama": _llama, "gpt2": _gpt2}.get(family_of(config.model_type), _generic)
+    return count(config, name)

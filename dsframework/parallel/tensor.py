@@ -4,7 +4,7 @@ LM head and cross entropy.
 Every layer is built from its dense twin, so a tensor-parallel model computes the same function
 as the dense model it came from (up to fp32 rounding):
 
-    group = None                                   # or the tensor-parallel ProcessGroup (mpu)
+    group = grid.get_slice_parallel_group()        # the tensor-parallel ProcessGroup (mpu)
     up = ColumnParallelLinear.from_dense(mlp.up_proj, group=group)       # out dim sharded
     down = RowParallelLinear.from_dense(mlp.down_proj, group=group)      # in dim sharded
     y = down(F.silu(up(x)))                        # one all-reduce forward, one backward
@@ -25,8 +25,9 @@ output is [q | k | v]) are split per head with an explicit index of the output r
 
 Three layers of code (DESIGN.md, style rule 5): private collectives that return early when the
 group has one rank; one `torch.autograd.Function` per communication pattern; public wrappers
-whose docstrings say what runs forward and backward. `group=None` means the default (world)
-group, and with torch.distributed not initialized every layer is its dense twin.
+whose docstrings say what runs forward and backward. `group=None` is allowed only where there is
+no world to guess from (torch.distributed not initialized, or one rank): every layer is then its
+dense twin. Under torch.distributed, pass the group (`torch.distributed.group.WORLD` for all ranks).
 """
 from __future__ import annotations
 
@@ -71,18 +72,33 @@ class LayoutOnlyGroup:
     rank: int
 
 
+def _initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _checked(group: ProcessGroup | None) -> ProcessGroup | None:
+    """`group`, unless it is None in a world of several ranks: a tensor-parallel layer or mapping
+    never silently shards over the whole world (Megatron's
+    get_tensor_model_parallel_group_if_none asks the same)."""
+    if group is None and _initialized() and dist.get_world_size() > 1:
+        raise ValueError("tensor parallelism got group=None in a world of "
+                         f"{dist.get_world_size()} ranks: pass the tensor-parallel group "
+                         "(grid.get_slice_parallel_group()), or torch.distributed.group.WORLD for all ranks")
+    return group
+
+
 def tensor_parallel_size(group: ProcessGroup | LayoutOnlyGroup | None) -> int:
     """Ranks in `group` (1 when torch.distributed is not initialized)."""
     if isinstance(group, LayoutOnlyGroup):
         return group.size
-    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    return dist.get_world_size(_checked(group)) if _initialized() else 1
 
 
 def tensor_parallel_rank(group: ProcessGroup | LayoutOnlyGroup | None) -> int:
     """This process's rank inside `group` (0 when torch.distributed is not initialized)."""
     if isinstance(group, LayoutOnlyGroup):
         return group.rank
-    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+    return dist.get_rank(_checked(group)) if _initialized() else 0
 
 
 def _reduce(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
@@ -171,6 +187,7 @@ def copy_to_tensor_parallel_region(x: torch.Tensor, *, group: ProcessGroup | Non
 
     forward: identity (copy), backward: all-reduce (sum) of the gradient over `group`.
     """
+    _checked(group)
     return _CopyToTensorParallelRegion.apply(x, group)
 
 
@@ -179,6 +196,7 @@ def reduce_from_tensor_parallel_region(x: torch.Tensor, *, group: ProcessGroup |
 
     forward: all-reduce (sum) over `group`, backward: identity.
     """
+    _checked(group)
     return _ReduceFromTensorParallelRegion.apply(x, group)
 
 
@@ -187,6 +205,7 @@ def scatter_to_tensor_parallel_region(x: torch.Tensor, *, group: ProcessGroup | 
 
     forward: split along the last dimension, backward: all-gather along the last dimension.
     """
+    _checked(group)
     return _ScatterToTensorParallelRegion.apply(x, group)
 
 
@@ -195,6 +214,7 @@ def gather_from_tensor_parallel_region(x: torch.Tensor, *, group: ProcessGroup |
 
     forward: all-gather along the last dimension, backward: split (keep this rank's slice).
     """
+    _checked(group)
     return _GatherFromTensorParallelRegion.apply(x, group)
 
 

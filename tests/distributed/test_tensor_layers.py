@@ -39,6 +39,12 @@ WORLD = 2
 TOL = 1e-6
 
 
+def world():
+    """The group every check shards over: all ranks (None in-process, where nothing is initialized).
+    Passed explicitly: a layer given group=None under torch.distributed refuses to guess."""
+    return dist.group.WORLD if dist.is_initialized() else None
+
+
 class Expect:
     """Collects mismatches instead of raising, so every rank runs every collective of a check."""
 
@@ -76,20 +82,20 @@ def leaf(t: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------
-# Checks: f(expect, *, rank, tp), the same code at every world size; group=None (the world).
+# Checks: f(expect, *, rank, tp), the same code at every world size; group=world() (all ranks).
 # ----------------------------------------------------------------------------------------------
 
 def check_mappings(ex: Expect, *, rank: int, tp: int) -> None:
     xs, gs = torch.randn(tp, 2, 4), torch.randn(tp, 2, 4)  # every rank's input and upstream grad
 
     x = leaf(xs[rank])
-    y = copy_to_tensor_parallel_region(x, group=None)
+    y = copy_to_tensor_parallel_region(x, group=world())
     y.backward(gs[rank])
     ex.close("copy forward (identity)", y, xs[rank])
     ex.close("copy backward (all-reduce)", x.grad, gs.sum(0))
 
     x = leaf(xs[rank])
-    y = reduce_from_tensor_parallel_region(x, group=None)
+    y = reduce_from_tensor_parallel_region(x, group=world())
     y.backward(gs[rank])
     ex.close("reduce forward (all-reduce)", y, xs.sum(0))
     ex.close("reduce backward (identity)", x.grad, gs[rank])
@@ -97,14 +103,14 @@ def check_mappings(ex: Expect, *, rank: int, tp: int) -> None:
 
     full, gs_part = torch.randn(2, 3 * tp), torch.randn(tp, 2, 3)
     x = leaf(full)
-    y = scatter_to_tensor_parallel_region(x, group=None)
+    y = scatter_to_tensor_parallel_region(x, group=world())
     y.backward(gs_part[rank])
     ex.close("scatter forward (split last dim)", y, part(full, -1, rank, tp))
     ex.close("scatter backward (all-gather)", x.grad, torch.cat(list(gs_part), dim=-1))
 
     xs_part, gs_full = torch.randn(tp, 2, 3), torch.randn(tp, 2, 3 * tp)
     x = leaf(xs_part[rank])
-    y = gather_from_tensor_parallel_region(x, group=None)
+    y = gather_from_tensor_parallel_region(x, group=world())
     y.backward(gs_full[rank])
     ex.close("gather forward (all-gather last dim)", y, torch.cat(list(xs_part), dim=-1))
     ex.close("gather backward (split)", x.grad, part(gs_full[rank], -1, rank, tp))
@@ -112,7 +118,7 @@ def check_mappings(ex: Expect, *, rank: int, tp: int) -> None:
 
 def check_column(ex: Expect, *, rank: int, tp: int, gather_output: bool) -> None:
     dense = nn.Linear(6, 8)
-    layer = ColumnParallelLinear.from_dense(dense, group=None, gather_output=gather_output)
+    layer = ColumnParallelLinear.from_dense(dense, group=world(), gather_output=gather_output)
     x, g = torch.randn(2, 3, 6, requires_grad=True), torch.randn(2, 3, 8)
     dense(x).backward(g)
     y = dense(x).detach()
@@ -133,7 +139,7 @@ def check_column(ex: Expect, *, rank: int, tp: int, gather_output: bool) -> None
 
 def check_row(ex: Expect, *, rank: int, tp: int, input_is_parallel: bool) -> None:
     dense = nn.Linear(8, 6)
-    layer = RowParallelLinear.from_dense(dense, group=None, input_is_parallel=input_is_parallel)
+    layer = RowParallelLinear.from_dense(dense, group=world(), input_is_parallel=input_is_parallel)
     x, g = torch.randn(2, 3, 8, requires_grad=True), torch.randn(2, 3, 6)
     y = dense(x)
     y.backward(g)
@@ -150,8 +156,8 @@ def check_row(ex: Expect, *, rank: int, tp: int, input_is_parallel: bool) -> Non
 def check_mlp(ex: Expect, *, rank: int, tp: int) -> None:
     """Megatron MLP: Column (no gather) -> GELU -> Row (parallel input): one all-reduce each way."""
     up, down = nn.Linear(6, 8), nn.Linear(8, 6)
-    up_tp = ColumnParallelLinear.from_dense(up, group=None)
-    down_tp = RowParallelLinear.from_dense(down, group=None)
+    up_tp = ColumnParallelLinear.from_dense(up, group=world())
+    down_tp = RowParallelLinear.from_dense(down, group=world())
     x, g = torch.randn(2, 3, 6, requires_grad=True), torch.randn(2, 3, 6)
     y = down(F.gelu(up(x)))
     y.backward(g)
@@ -189,8 +195,8 @@ def check_gpt2_attention(ex: Expect, *, rank: int, tp: int) -> None:
     y.backward(g)
 
     index = shard_index([n_head] * 3, unit=head_dim, rank=rank, tp=tp, what="n_head")
-    c_attn = ColumnParallelLinear.from_dense_weight(w_attn.t(), b_attn, group=None, out_index=index)
-    c_proj = RowParallelLinear.from_dense_weight(w_proj.t(), b_proj, group=None)
+    c_attn = ColumnParallelLinear.from_dense_weight(w_attn.t(), b_attn, group=world(), out_index=index)
+    c_proj = RowParallelLinear.from_dense_weight(w_proj.t(), b_proj, group=world())
     x_tp = leaf(x)
     y_tp = c_proj(attend(c_attn(x_tp), n_head // tp))
     y_tp.backward(g)
@@ -204,7 +210,7 @@ def check_gpt2_attention(ex: Expect, *, rank: int, tp: int) -> None:
 
 def check_embedding(ex: Expect, *, rank: int, tp: int, vocab: int, padding_idx: int | None) -> None:
     dense = nn.Embedding(vocab, 5, padding_idx=padding_idx)
-    layer = VocabParallelEmbedding.from_dense(dense, group=None)
+    layer = VocabParallelEmbedding.from_dense(dense, group=world())
     ids = torch.randint(0, vocab, (3, 7))
     ids[0, :3] = torch.tensor([0, vocab - 1, padding_idx if padding_idx is not None else 1])
     g = torch.randn(3, 7, 5)
@@ -247,7 +253,7 @@ def check_cross_entropy(ex: Expect, *, rank: int, tp: int, vocab: int, padded_to
     loss.backward(g)
 
     shard = leaf(part(logits, -1, rank, tp))
-    loss_tp = vocab_parallel_cross_entropy(shard, target, group=None, vocab_size=vocab)
+    loss_tp = vocab_parallel_cross_entropy(shard, target, group=world(), vocab_size=vocab)
     loss_tp.backward(g)
     ex.close("per-token loss", loss_tp, loss)
     ignored = target == -100
@@ -268,10 +274,10 @@ def check_lm_head_tied(ex: Expect, *, rank: int, tp: int) -> None:
     loss = dense_cross_entropy(torch.tanh(emb(ids)) @ emb.weight.t(), target)
     loss.backward(g)
 
-    emb_tp = VocabParallelEmbedding.from_dense(emb, group=None)
+    emb_tp = VocabParallelEmbedding.from_dense(emb, group=world())
     head = VocabParallelLMHead.tied_to(emb_tp)
     ex.true("tied head shares the embedding's Parameter", head.weight is emb_tp.weight)
-    loss_tp = vocab_parallel_cross_entropy(head(torch.tanh(emb_tp(ids))), target, group=None, vocab_size=vocab)
+    loss_tp = vocab_parallel_cross_entropy(head(torch.tanh(emb_tp(ids))), target, group=world(), vocab_size=vocab)
     loss_tp.backward(g)
     ex.close("per-token loss", loss_tp, loss)
     ex.close("tied weight grad shard (embedding + head)", emb_tp.weight.grad,
@@ -288,10 +294,10 @@ def check_lm_head_untied(ex: Expect, *, rank: int, tp: int) -> None:
     loss = dense_cross_entropy(lm_head(h), target)
     loss.backward(g)
 
-    head = VocabParallelLMHead.from_dense(lm_head, group=None)
+    head = VocabParallelLMHead.from_dense(lm_head, group=world())
     padded = math.ceil(vocab / tp) * tp
     h_tp = leaf(h)
-    loss_tp = vocab_parallel_cross_entropy(head(h_tp), target, group=None, vocab_size=vocab)
+    loss_tp = vocab_parallel_cross_entropy(head(h_tp), target, group=world(), vocab_size=vocab)
     loss_tp.backward(g)
     ex.close("per-token loss", loss_tp, loss)
     ex.close("hidden grad", h_tp.grad, h.grad)
@@ -302,8 +308,8 @@ def check_lm_head_untied(ex: Expect, *, rank: int, tp: int) -> None:
 
 def check_indivisible_sizes_raise(ex: Expect, *, rank: int, tp: int) -> None:
     """A size that does not divide by tp is a UserError naming it (at tp=1 everything divides)."""
-    for build, name in [(lambda: ColumnParallelLinear(6, 2 * tp + 1, group=None), "out_features"),
-                        (lambda: RowParallelLinear(2 * tp + 1, 6, group=None), "in_features"),
+    for build, name in [(lambda: ColumnParallelLinear(6, 2 * tp + 1, group=world()), "out_features"),
+                        (lambda: RowParallelLinear(2 * tp + 1, 6, group=world()), "in_features"),
                         (lambda: shard_index([tp + 1], rank=rank, tp=tp, what="n_head"), "n_head")]:
         try:
             build()
@@ -313,8 +319,22 @@ def check_indivisible_sizes_raise(ex: Expect, *, rank: int, tp: int) -> None:
             ex.true(f"{name}: UserError at tp={tp}", tp > 1)
 
 
+def check_no_group_is_not_the_world(ex: Expect, *, rank: int, tp: int) -> None:
+    """group=None under torch.distributed with several ranks is refused, never taken as the world;
+    with no world to guess from (one process) the layer is its dense twin."""
+    for build, name in [(lambda: ColumnParallelLinear(4, 4, group=None), "ColumnParallelLinear"),
+                        (lambda: copy_to_tensor_parallel_region(torch.ones(2), group=None), "copy mapping")]:
+        try:
+            build()
+            ex.true(f"{name}: group=None accepted at tp={tp}", tp == 1)
+        except ValueError as err:
+            ex.true(f"{name}: message {err} does not name the fix", "get_slice_parallel_group" in str(err))
+            ex.true(f"{name}: refused at tp={tp}", tp > 1)
+
+
 CHECKS: dict[str, Callable[..., None]] = {
     "mappings": check_mappings,
+    "no_group_is_not_the_world": check_no_group_is_not_the_world,
     "column_gather_output": partial(check_column, gather_output=True),
     "column_parallel_output": partial(check_column, gather_output=False),
     "row_parallel_input": partial(check_row, input_is_parallel=True),

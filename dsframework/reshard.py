@@ -39,7 +39,8 @@ pipeline-replicated pattern. dsf keeps ds_to_universal for what it does exactly:
 at tp = pp = 1 (`checkpoint.to_universal`, ZeRO-1/2/3).
 
 Rank 0 holds the model's fp32 weights and both Adam moments in host memory while it converts
-(from all tensor and pipeline ranks): fine for what fits one host, as each rank's dense build is.
+(from all tensor and pipeline ranks): 12 bytes a parameter on one host, once per layout change.
+Unlike construction and export, this step is not yet streamed one parameter at a time.
 """
 from __future__ import annotations
 

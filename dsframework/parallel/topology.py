@@ -11,8 +11,9 @@ Tensor-parallel ranks are adjacent (the 'model' axis is innermost), so a tensor-
 sits on one node, where its per-layer all-reduces use the fast link. ZeRO shards only across the
 data-parallel group, which the grid hands to DeepSpeed.
 
-Checks are pure (no torch.distributed, no disk): `check_layout` is called by `dsf config`, by
-`dsf train` before any process group exists, and by the planner.
+Checks are pure (no torch.distributed, no disk): one rule set, `layout_problem`, which
+`check_layout` raises for `dsf train` (before any process group exists) and `dsf launch`, and by
+which the planner's search keeps only valid layouts (its property test uses it as the oracle).
 """
 from __future__ import annotations
 
@@ -57,25 +58,37 @@ def _divisors(n: int) -> str:
     return "{" + ", ".join(str(d) for d in range(1, n + 1) if n % d == 0) + "}"
 
 
+def layout_problem(dims: ParallelDims, *, num_heads: int, num_kv_heads: int, num_layers: int,
+                   ranks_per_node: int | None = None, dp: int | None = None) -> UserError | None:
+    """The first rule the layout breaks for this model and these nodes (None: it fits them).
+
+    One rule set for `dsf train` and `dsf launch` (`check_layout`) and the planner's search, which
+    enumerates only layouts for which this is None."""
+    if dp is not None and dp != dims.dp:
+        return UserError("parallel.dp", dp, f"but world {dims.world} / (tp*pp = {dims.tp * dims.pp}) = {dims.dp}",
+                         f"set parallel.dp={dims.dp} or leave it out, or run on {dp * dims.tp * dims.pp} ranks")
+    if num_heads % dims.tp:
+        return UserError("parallel.tp", dims.tp, f"does not divide num_attention_heads={num_heads}",
+                         f"choose tp in {_divisors(num_heads)}")
+    if num_kv_heads % dims.tp:
+        return UserError("parallel.tp", dims.tp, f"does not divide num_key_value_heads={num_kv_heads}",
+                         f"choose tp in {_divisors(num_kv_heads)}")
+    if dims.pp > num_layers:
+        return UserError("parallel.pp", dims.pp, f"exceeds num_hidden_layers={num_layers}",
+                         f"choose pp in 1..{num_layers}")
+    if ranks_per_node is not None and dims.tp > ranks_per_node:
+        return UserError("parallel.tp", dims.tp, f"exceeds the {ranks_per_node} ranks on one node",
+                         f"tensor-parallel ranks must share a node: choose tp <= {ranks_per_node}")
+    return None
+
+
 def check_layout(dims: ParallelDims, *, num_heads: int, num_kv_heads: int, num_layers: int,
                  ranks_per_node: int | None = None, dp: int | None = None) -> None:
     """UserError unless the layout fits the model and the nodes (each rule names the fix)."""
-    if dp is not None and dp != dims.dp:
-        raise UserError("parallel.dp", dp, f"but world {dims.world} / (tp*pp = {dims.tp * dims.pp}) = {dims.dp}",
-                        f"set parallel.dp={dims.dp} or leave it out, or run on "
-                        f"{dp * dims.tp * dims.pp} ranks")
-    if num_heads % dims.tp:
-        raise UserError("parallel.tp", dims.tp, f"does not divide num_attention_heads={num_heads}",
-                        f"choose tp in {_divisors(num_heads)}")
-    if num_kv_heads % dims.tp:
-        raise UserError("parallel.tp", dims.tp, f"does not divide num_key_value_heads={num_kv_heads}",
-                        f"choose tp in {_divisors(num_kv_heads)}")
-    if dims.pp > num_layers:
-        raise UserError("parallel.pp", dims.pp, f"exceeds num_hidden_layers={num_layers}",
-                        f"choose pp in 1..{num_layers}")
-    if ranks_per_node is not None and dims.tp > ranks_per_node:
-        raise UserError("parallel.tp", dims.tp, f"exceeds the {ranks_per_node} ranks on one node",
-                        f"tensor-parallel ranks must share a node: choose tp <= {ranks_per_node}")
+    problem = layout_problem(dims, num_heads=num_heads, num_kv_heads=num_kv_heads, num_layers=num_layers,
+                             ranks_per_node=ranks_per_node, dp=dp)
+    if problem is not None:
+        raise problem
 
 
 def check_model_layout(dims: ParallelDims, config: Any, *, dp: int | None = None,

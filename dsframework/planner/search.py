@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from dsframework.parallel.topology import ParallelDims, layout_problem
 from dsframework.planner.cluster import Cluster, GiB, resize
 from dsframework.planner.fit import check_fit
 from dsframework.planner.memory import HostMemory, Job, Layout, Memory
@@ -94,12 +95,15 @@ def enumerate_layouts(desc: ModelDesc, cluster: Cluster, job: Job, *, tp: int | 
     """Every layout the rules allow (pin tp, pp or zero_stage to restrict)."""
     world = cluster.world
     for t in _divisors(cluster.gpus_per_node):
-        if (tp is not None and t != tp) or desc.heads % t or desc.kv_heads % t or world % t:
+        if (tp is not None and t != tp) or world % t:
             continue
         for p in _divisors(world // t):
-            if (pp is not None and p != pp) or p > desc.layers:
+            dims = ParallelDims(world=world, tp=t, pp=p)
+            if (pp is not None and p != pp) or layout_problem(
+                    dims, num_heads=desc.heads, num_kv_heads=desc.kv_heads, num_layers=desc.layers,
+                    ranks_per_node=cluster.gpus_per_node) is not None:
                 continue
-            d = world // (t * p)
+            d = dims.dp
             if job.global_batch % d:
                 continue
             per_replica = job.global_batch // d

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from dsframework.config import build_run_config
 from dsframework.dsconfig import build_ds_config, validate_ds_config
+from dsframework.parallel.topology import ParallelDims, check_model_layout
 from dsframework.planner.cluster import CLUSTER_PRESETS, cluster_preset
 from dsframework.planner.memory import Job
 from dsframework.planner.model import describe_model
@@ -49,6 +50,9 @@ def test_every_candidate_is_valid(config, cluster_name, nodes, gpus_per_node, se
         assert lay.dp * lay.tp * lay.pp == cluster.world
         assert lay.micro_batch * lay.grad_accum * lay.dp == job.global_batch
         assert lay.pp == 1 or lay.zero_stage <= 1, "the pipeline engine takes ZeRO 0/1 only"
+        # the rules dsf train and dsf launch apply (one rule set) accept it
+        check_model_layout(ParallelDims(world=cluster.world, tp=lay.tp, pp=lay.pp), config,
+                           ranks_per_node=gpus_per_node, dp=lay.dp)
         assert config.num_attention_heads % lay.tp == 0 and config.num_key_value_heads % lay.tp == 0
         assert lay.tp <= gpus_per_node and lay.pp <= config.num_hidden_layers
         assert not lay.offload_param or (lay.zero_stage == 3 and lay.offload_optimizer)

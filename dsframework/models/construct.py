@@ -107,8 +107,8 @@ def _cut(read: Callable[[int, int, int], torch.Tensor], param: nn.Parameter, den
     """This rank's part of a dense tensor, from `read(dim, start, stop)` (a slice of the stored
     tensor along `dim`, in the stored layout): along `partition_dim` at `dense_index` (padding rows
     zero), transposed back when the dense tensor is stored [in, out] (GPT-2's Conv1D)."""
-    if not getattr(param, "tensor_model_parallel", False):
-        return read(0, 0, dense_shape[0]) if len(dense_shape) else read(0, 0, 0)
+    if not getattr(param, "tensor_model_parallel", False):  # replicated: all of it
+        return read(0, 0, dense_shape[0])
     dim = param.partition_dim
     transposed = getattr(param, "dense_transposed", False)
     stored_dim = (1 - dim) if transposed else dim
@@ -202,36 +202,34 @@ class PretrainedSlices:
                     return key
         return None
 
+    def stored(self, name: str, dense_shape: Any) -> Any:
+        """The safetensors slice of parameter `name`, checked against its dense shape (the dense
+        module's own layout: a Conv1D weight is [in, out]); a UserError names what is wrong."""
+        key = self._stored_name(name)
+        if key is None:
+            raise UserError("model.name", str(self.directory), f"holds no tensor {name!r}",
+                            "point model.name at the complete pretrained directory")
+        tensor_slice = self._handle(self.where[key]).get_slice(key)
+        stored, expected = list(tensor_slice.get_shape()), list(dense_shape)
+        if stored != expected:
+            raise UserError("model.name", str(self.where[key]), f"tensor {key!r} has shape {stored}, the config "
+                            f"gives {expected}", "use the config.json saved with these weights")
+        return tensor_slice
+
     def values(self, path: str, template: nn.Module, module: nn.Module) -> dict[str, torch.Tensor]:
         out = {}
         for name, param in module._parameters.items():
             if param is None:
                 continue
-            full = f"{path}.{name}"
-            key = self._stored_name(full)
-            if key is None:
-                raise UserError("model.name", str(self.directory), f"holds no tensor {full!r}",
-                                "point model.name at the complete pretrained directory")
-            file = self.where[key]
-            tensor_slice = self._handle(file).get_slice(key)
             dense_shape = template._parameters[name].shape
-            stored = list(tensor_slice.get_shape())
-            expected = list(dense_shape)  # the dense module's own layout (Conv1D: [in, out])
-            if stored != expected:
-                raise UserError("model.name", str(file), f"tensor {key!r} has shape {stored}, the config "
-                                f"gives {expected}", "use the config.json saved with these weights")
+            tensor_slice = self.stored(f"{path}.{name}", dense_shape)
 
             def read(dim: int, start: int, stop: int, tensor_slice=tensor_slice) -> torch.Tensor:
                 piece = tensor_slice[start:stop] if dim == 0 else tensor_slice[:, start:stop]
-                if not stored:  # a scalar
-                    piece = tensor_slice[:]
                 self.bytes_read += piece.numel() * piece.element_size()
                 return piece.to(param.dtype)
 
-            if not getattr(param, "tensor_model_parallel", False):
-                out[name] = read(0, 0, stored[0]) if stored else read(0, 0, 0)
-            else:
-                out[name] = _cut(read, param, dense_shape)
+            out[name] = _cut(read, param, dense_shape)
         return out
 
     def close(self) -> None:
@@ -252,14 +250,7 @@ def check_pretrained_files(directory: Path, config: Any) -> None:
     reader = PretrainedSlices(directory, aliases=tied_aliases(model), prefix=model.base_model_prefix)
     try:
         for name, param in model.named_parameters():
-            key = reader._stored_name(name)
-            if key is None:
-                raise UserError("model.name", str(directory), f"holds no tensor {name!r}",
-                                "point model.name at the complete pretrained directory")
-            stored = list(reader._handle(reader.where[key]).get_slice(key).get_shape())
-            if stored != list(param.shape):
-                raise UserError("model.name", str(reader.where[key]), f"tensor {key!r} has shape {stored}, "
-                                f"the config gives {list(param.shape)}", "use the config.json saved with these weights")
+            reader.stored(name, param.shape)
     finally:
         reader.close()
 

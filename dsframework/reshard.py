@@ -56,6 +56,7 @@ from deepspeed.checkpoint.constants import (BASE_OPTIMIZER_STATE, CAT_DIM, OPTIM
 
 from dsframework.checkpoint import MANIFEST, PARTIAL, UNIVERSAL
 from dsframework.errors import UserError
+from dsframework.models.tensor_parallel import merge_tensor_parallel_tensor
 from dsframework.parallel.topology import ParallelDims
 
 States = dict[str, torch.Tensor]  # state name ("fp32", "exp_avg", ...) -> tensor
@@ -135,19 +136,6 @@ def _tensor_layouts(config: Any, tp: int) -> list[dict[str, tuple[int, torch.Ten
 
 
 # --- dense <-> shards -----------------------------------------------------------------------------
-
-def merge_shards(shards: list[torch.Tensor], layouts: list[tuple[int, torch.Tensor, bool]]) -> torch.Tensor:
-    """The dense tensor (transformers' orientation) from each tensor rank's shard."""
-    dim, _, transposed = layouts[0]
-    size = 1 + max(int(index.max()) for _, index, _ in layouts)
-    shape = list(shards[0].shape)
-    shape[dim] = size
-    dense = shards[0].new_zeros(shape)
-    for (_, index, _), shard in zip(layouts, shards):
-        kept = (index >= 0).nonzero().flatten()
-        dense.index_copy_(dim, index[kept], shard.index_select(dim, kept))
-    return dense.t().contiguous() if transposed else dense
-
 
 def concatenated_shards(dense: torch.Tensor, layouts: list[tuple[int, torch.Tensor, bool]]) -> torch.Tensor:
     """Every tensor rank's shard of `dense`, concatenated along the partition dim in rank order
@@ -236,8 +224,8 @@ def dense_states(config: Any, saved: ParallelDims, shards: list[dict[str, States
                             f"model's {len(expected)} parameters missing)",
                             "resume with the model the checkpoint was saved with")
         if hf in layouts[0]:
-            per_rank = [layout[hf] for layout in layouts]
-            dense[hf] = {key: merge_shards([rank[hf][key] for rank in by_hf], per_rank) for key in by_hf[0][hf]}
+            dense[hf] = {key: merge_tensor_parallel_tensor(hf, [rank[hf][key] for rank in by_hf], layouts)
+                         for key in by_hf[0][hf]}
         else:
             dense[hf] = by_hf[0][hf]  # replicated: the same on every tensor rank
         got = dense[hf]["fp32"].shape

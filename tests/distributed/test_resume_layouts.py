@@ -115,9 +115,9 @@ def test_dense_and_shards_round_trip_as_the_plan_cuts_them(case):
     from transformers import AutoConfig
 
     from dsframework.models import PRESETS, causal_lm_class
-    from dsframework.models.tensor_parallel import shard_layouts, shard_model
+    from dsframework.models.tensor_parallel import merge_tensor_parallel_tensor, shard_layouts, shard_model
     from dsframework.parallel.tensor import LayoutOnlyGroup
-    from dsframework.reshard import concatenated_shards, hf_parameter_shapes, merge_shards
+    from dsframework.reshard import concatenated_shards, hf_parameter_shapes
 
     preset, overrides, tp = SHARD_CASES[case]
     fields = {**PRESETS[preset], "vocab_size": 17, **overrides}  # 17: padded to a multiple of tp
@@ -135,4 +135,5 @@ def test_dense_and_shards_round_trip_as_the_plan_cuts_them(case):
         stored = concatenated_shards(weights[name], per_rank)
         for rank, chunk in enumerate(stored.chunk(tp, dim=per_rank[0][0])):
             assert torch.equal(chunk, ranks[rank][name]), f"{name}: rank {rank}'s chunk"
-        assert torch.equal(merge_shards([shards[name] for shards in ranks], per_rank), weights[name]), name
+        assert torch.equal(merge_tensor_parallel_tensor(name, [shards[name] for shards in ranks], layouts),
+                           weights[name]), name

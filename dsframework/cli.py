@@ -44,10 +44,13 @@ def cli() -> None:
 @click.option("--micro-batch", type=int, help="sequences per rank per forward")
 @click.option("--grad-accum", type=int, help="micro-batches per optimizer step")
 @click.option("--global-batch", type=int, help="sequences per optimizer step over all ranks")
-@click.option("--world-size", type=int, help="all ranks (dp = world / (tp * pp)); without it "
+@click.option("--world-size", type=int, help="all ranks (dp = world / (tp * pp * cp)); without it "
               "train_batch_size is left out and DeepSpeed derives it at launch")
 @click.option("--tp", type=int, default=1, show_default=True, help="tensor-parallel size")
 @click.option("--pp", type=int, default=1, show_default=True, help="pipeline stages (ZeRO 0/1 only)")
+@click.option("--cp", type=int, default=1, show_default=True, help="context-parallel size (DeepSpeed Ulysses)")
+@click.option("--zero-hpz", type=int, default=1, show_default=True,
+              help="ZeRO-3 hpZ: secondary weight shards within groups of this many ranks")
 @click.option("--optimizer", type=click.Choice(["adamw", "adam"]), default="adamw", show_default=True)
 @click.option("--lr", type=float, default=1e-3, show_default=True)
 @click.option("--weight-decay", type=float, default=0.0, show_default=True)
@@ -66,7 +69,7 @@ def config_cmd(world_size: int | None, output: Path | None, force: bool, **flags
     """
     from dsframework.config import build_run_config
     from dsframework.dsconfig import build_ds_config, dumps, validate_ds_config
-    from dsframework.parallel.topology import ParallelDims
+    from dsframework.parallel.topology import ParallelDims, grid_problem
 
     if world_size is not None and world_size < 1:
         raise UserError("--world-size", world_size, "must be >= 1", "pass the number of data-parallel ranks")
@@ -75,15 +78,18 @@ def config_cmd(world_size: int | None, output: Path | None, force: bool, **flags
                         "pass --world-size, or give --micro-batch and --grad-accum instead")
     train_keys = ("micro_batch", "grad_accum", "global_batch", "optimizer", "lr", "weight_decay",
                   "grad_clip", "warmup_steps", "steps", "lr_schedule", "precision")
-    parallel_keys = ("zero_stage", "offload_optimizer", "offload_param", "nvme_path", "tp", "pp")
+    parallel_keys = ("zero_stage", "offload_optimizer", "offload_param", "nvme_path", "tp", "pp", "cp", "zero_hpz")
     sections = {"train": {k: flags[k] for k in train_keys if flags[k] is not None},
                 "parallel": {k: flags[k] for k in parallel_keys}}
     if output is not None and output.exists() and not force:
         raise UserError("--output", str(output), "exists", "choose another file or pass --force")
     try:
         run = build_run_config(sections)
-        model_parallel = run.parallel.tp * run.parallel.pp
-        dims = ParallelDims(world=world_size or model_parallel, tp=run.parallel.tp, pp=run.parallel.pp)
+        model_parallel = run.parallel.tp * run.parallel.pp * run.parallel.cp
+        dims = ParallelDims.of(run.parallel, world=world_size or model_parallel)
+        problem = grid_problem(dims) if world_size else None  # the layout's rules that need no model
+        if problem is not None:
+            raise problem
         ds = build_ds_config(run.train, run.parallel, dp_size=dims.dp)
     except UserError as err:  # name the flag the user typed, not the config field behind it
         raise UserError(_flag_for(err.field), err.value, err.rule, err.fix) from None
@@ -99,7 +105,7 @@ def config_cmd(world_size: int | None, output: Path | None, force: bool, **flags
         return
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(text)
-    layout = f"tp={dims.tp} pp={dims.pp} dp={dims.dp if world_size else 'any'}"
+    layout = f"tp={dims.tp} pp={dims.pp} cp={dims.cp} dp={dims.dp if world_size else 'any'}"
     click.echo(f"dsf: wrote {output} (ZeRO-{run.parallel.zero_stage}, {layout})", err=True)
 
 

@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any, Literal, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from dsframework.errors import UserError, did_you_mean
+from dsframework.parallel.topology import composition_problem
 
 
 class _Spec(BaseModel):
@@ -90,7 +91,12 @@ class ParallelSpec(_Spec):
     nvme_path: str = Field("/local_nvme", description="directory for nvme offload")
     tp: int = Field(1, ge=1, description="tensor-parallel size (Megatron-style layers)")
     pp: int = Field(1, ge=1, description="pipeline stages (DeepSpeed's pipeline engine)")
-    dp: int | None = Field(None, ge=1, description="data-parallel size; default: world / (tp * pp)")
+    cp: int = Field(1, ge=1, description="context-parallel size (DeepSpeed Ulysses): each rank of a group "
+                    "holds seq_len / cp tokens of the same sequences; divides the heads and seq_len")
+    dp: int | None = Field(None, ge=1, description="data-parallel size; default: world / (tp * pp * cp)")
+    zero_hpz: int = Field(1, ge=1, description="ZeRO-3 hierarchical partitioning (ZeRO++ hpZ): a secondary copy "
+                          "of the weight shards within each group of this many ranks (a node), so the backward "
+                          "all-gathers stay on the node's links")
     partition_method: str = Field("parameters", description="pipeline partition: parameters, "
                                   "uniform or type:<regex>")
     activation_checkpointing: Literal["none", "full"] = Field(
@@ -112,14 +118,14 @@ class ParallelSpec(_Spec):
                              "or parallel.offload_param=none")
         return device
 
-    @field_validator("pp")
-    @classmethod
-    def _pipeline_needs_zero_0_or_1(cls, pp: int, info: ValidationInfo) -> int:
-        stage = info.data.get("zero_stage")
-        if pp > 1 and stage is not None and stage > 1:
-            raise ValueError(f"needs zero_stage 0 or 1 (DeepSpeed's pipeline engine), got zero_stage={stage}; "
-                             "set parallel.zero_stage=1 or parallel.pp=1")
-        return pp
+    @model_validator(mode="after")
+    def _axes_compose(self) -> "ParallelSpec":
+        # The same rules parallel.topology applies with the world known (one rule set).
+        problem = composition_problem(tp=self.tp, pp=self.pp, cp=self.cp, zero_stage=self.zero_stage,
+                                      zero_hpz=self.zero_hpz)
+        if problem is not None:
+            raise problem
+        return self
 
     @field_validator("partition_method")
     @classmethod
@@ -259,6 +265,9 @@ def _format_validation_error(err: ValidationError) -> UserError:
             if isinstance(ann, type) and issubclass(ann, BaseModel):
                 parent = ann
         return UserError(field, None, f"unknown key {loc[-1]!r}", did_you_mean(loc[-1], parent.model_fields))
+    raised = first.get("ctx", {}).get("error")
+    if isinstance(raised, UserError):  # a rule that phrased itself (e.g. topology.composition_problem)
+        return raised
     msg = first["msg"].removeprefix("Value error, ")
     if first["type"] == "value_error":  # our own validators say the rule and the fix
         return UserError(field, first.get("input"), msg)

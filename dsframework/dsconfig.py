@@ -111,6 +111,9 @@ def _zero_section(parallel: ParallelSpec) -> dict[str, Any]:
         zero.pop("allgather_bucket_size")
         zero.update(stage3_prefetch_bucket_size=50_000_000, stage3_param_persistence_threshold=100_000,
                     stage3_gather_16bit_weights_on_model_save=False)
+    if parallel.zero_hpz > 1:
+        # ZeRO++ hpZ: a secondary copy of the weight shards within each group of this many ranks.
+        zero["zero_hpz_partition_size"] = parallel.zero_hpz
     if parallel.offload_optimizer != "none":
         zero["offload_optimizer"] = _offload(parallel.offload_optimizer, parallel.nvme_path)
     if parallel.offload_param != "none":
@@ -138,6 +141,9 @@ def build_ds_config(train: TrainSpec, parallel: ParallelSpec, *, dp_size: int) -
         ds["pipeline"] = {"stages": parallel.pp, "partition": parallel.partition_method,
                           "activation_checkpoint_interval": int(parallel.activation_checkpointing == "full"),
                           "pipe_partitioned": True, "grad_partitioned": True}
+    if parallel.cp > 1:
+        # DeepSpeed Ulysses: ZeRO shards and reduces over data x context ranks; the batch counts replicas.
+        ds["sequence_parallel_size"] = parallel.cp
     if train.grad_clip > 0:
         ds["gradient_clipping"] = train.grad_clip
     if train.precision == "bf16":
@@ -198,7 +204,8 @@ def _quiet_deepspeed() -> Iterator[None]:
     level = logger.level
     logger.setLevel(logging.ERROR)
     try:
-        yield
+        with contextlib.redirect_stdout(sys.stderr):  # and Python-level prints where sys.stdout is not fd 1
+            yield
     finally:
         sys.stdout.flush()
         os.dup2(saved_stdout, 1)

@@ -286,9 +286,9 @@ class Session:
 
 
 def checked_layout(run: RunConfig, config: Any, *, world: int) -> ParallelDims:
-    """tp x pp x dp of `world` ranks, by the rules of parallel.topology for this model config."""
-    dims = ParallelDims(world=world, tp=run.parallel.tp, pp=run.parallel.pp)
-    check_model_layout(dims, config, dp=run.parallel.dp,
+    """tp x pp x cp x dp of `world` ranks, by the rules of parallel.topology for this model config."""
+    dims = ParallelDims.of(run.parallel, world=world)
+    check_model_layout(dims, config, dp=run.parallel.dp, seq_len=run.data.seq_len,
                        ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     return dims
 

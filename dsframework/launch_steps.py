@@ -34,13 +34,14 @@ def resources(hostfile: Path | None, num_gpus: int):
 
 
 def layout(run, active):
-    """tp x pp x dp of the active slots, checked by the rules dsf train applies, and the model config."""
+    """tp x pp x cp x dp of the active slots, checked by the rules dsf train applies, and the model config."""
     from dsframework.models import resolve_model
     from dsframework.parallel.topology import ParallelDims, check_model_layout
 
-    dims = ParallelDims(world=sum(len(slots) for slots in active.values()), tp=run.parallel.tp, pp=run.parallel.pp)
+    dims = ParallelDims.of(run.parallel, world=sum(len(slots) for slots in active.values()))
     config = resolve_model(run.model).config  # the same rules dsf train applies, before any node starts
-    check_model_layout(dims, config, dp=run.parallel.dp, ranks_per_node=min(len(slots) for slots in active.values()))
+    check_model_layout(dims, config, dp=run.parallel.dp, seq_len=run.data.seq_len,
+                       ranks_per_node=min(len(slots) for slots in active.values()))
     return dims, config
 
 

@@ -406,19 +406,45 @@ def test_bad_input_is_one_line_exit_2_and_leaves_outputs_alone(case: Case, tmp_p
         assert not (tmp_path / rel).exists(), f"{rel} was created\n{report}"
 
 
-def test_a_layout_error_is_named_before_the_rendezvous(tmp_path: Path, hf_home: Path):
-    """Rank 0 of 2 started alone (rank 1 never comes): a pipeline deeper than the model is named at
-    once, not after waiting for rank 1 where the process group forms (30 minutes by default)."""
+LAYOUT_ERRORS = {  # (world, settings, the one line)
+    "pipeline-deeper-than-the-model": (2, ("parallel.zero_stage=1", "parallel.pp=2", "model.overrides.num_hidden_layers=1"),
+                                       "parallel.pp=2: exceeds num_hidden_layers=1; choose pp in 1..1"),
+    "cp-not-dividing-seq-len": (2, ("parallel.cp=2", "data.seq_len=63"),
+                                "parallel.cp=2: does not divide data.seq_len=63; choose data.seq_len a multiple of 2"),
+    "cp-not-dividing-heads": (3, ("parallel.cp=3",),
+                              "parallel.cp=3: does not divide the 4 attention heads; choose cp in {1, 2, 4}"),
+    "cp-not-dividing-kv-heads": (3, ("parallel.cp=3", "model.overrides.num_attention_heads=6",
+                                     "model.overrides.hidden_size=48"),
+                                 "parallel.cp=3: neither divides nor is a multiple of the 2 key/value heads; "
+                                 "choose cp in {1, 2} or a multiple of 2"),
+    "hpz-not-dividing-dp": (2, ("parallel.zero_stage=3", "parallel.zero_hpz=4"),
+                            "parallel.zero_hpz=4: does not divide the 2 ranks ZeRO shards across (dp=2 x cp=1); "
+                            "choose zero_hpz in {1, 2}"),
+    "hpz-below-zero-3": (2, ("parallel.zero_stage=2", "parallel.zero_hpz=2"),
+                         "parallel.zero_hpz=2: needs zero_stage=3 (hpZ partitions ZeRO-3's weights), got zero_stage=2; "
+                         "set parallel.zero_stage=3 or parallel.zero_hpz=1"),
+    "cp-with-pp": (4, ("parallel.zero_stage=1", "parallel.pp=2", "parallel.cp=2"),
+                   "parallel.cp=2: does not compose with parallel.pp=2: DeepSpeed's Ulysses runs in its plain engine, "
+                   "not the pipeline engine; supported: tp x pp x dp with ZeRO 0-1; tp x cp x dp with ZeRO 0-3; "
+                   "zero_hpz with ZeRO-3 over cp x dp (tp = pp = 1)"),
+}
+
+
+@pytest.mark.parametrize("case", LAYOUT_ERRORS)
+def test_a_layout_error_is_named_before_the_rendezvous(tmp_path: Path, hf_home: Path, case: str):
+    """Rank 0 of a world started alone (the other ranks never come): a layout that cannot run is
+    named at once, not after waiting for the others where the process group forms (30 minutes by
+    default)."""
     from tests.distributed.launcher import free_port
 
-    env = dict(dsf_env(hf_home), RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+    world, settings, line = LAYOUT_ERRORS[case]
+    env = dict(dsf_env(hf_home), RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    args = ["train", str(TINY_YAML), *sets(f"output_dir={tmp_path / 'out'}", "parallel.zero_stage=1",
-                                           "parallel.pp=2", "model.overrides.num_hidden_layers=1")]
+    args = ["train", str(TINY_YAML), *sets(f"output_dir={tmp_path / 'out'}", *settings)]
     proc = subprocess.run(dsf_command() + args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert proc.stderr.splitlines() == [
-        "dsf: error: parallel.pp=2: exceeds num_hidden_layers=1; choose pp in 1..1"], proc.stderr[-3000:]
+    assert proc.stderr.splitlines() == [f"dsf: error: {line}"], proc.stderr[-3000:]
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("damage", ["index-names-a-missing-shard", "shard-shapes-differ-from-config"])

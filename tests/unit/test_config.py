@@ -244,11 +244,12 @@ ROUND_TRIP_CASES = {
         "train.eps=1.0e-12", "train.weight_decay=0.1", "train.grad_clip=0", "train.lr_schedule=linear",
         "train.warmup_steps=1000", "train.min_lr_ratio=0", "train.precision=bf16", "train.seed=0",
         "parallel.zero_stage=3", "parallel.offload_optimizer=nvme", "parallel.offload_param=cpu",
-        "parallel.nvme_path=/scratch/nvme", "parallel.tp=2", "parallel.dp=4",
+        "parallel.nvme_path=/scratch/nvme", "parallel.tp=2", "parallel.cp=2", "parallel.dp=4",
         "parallel.partition_method=type:Decoder", "parallel.activation_checkpointing=full", "checkpoint.every=0", "checkpoint.save_final=false",
         "logging.every=1", "logging.eval_every=0", "logging.progress=false", "logging.cluster=h100-80gb",
         "logging.breakdown=true", "output_dir=runs/x y",
     ]),
+    "hierarchical-zero": ({}, ["parallel.zero_stage=3", "parallel.cp=2", "parallel.zero_hpz=4"]),
     "odd-floats": ({"train": {"lr": 1.0e-20, "eps": 1.5e-300, "min_lr_ratio": 1.0}}, ["train.weight_decay=1e-5"]),
 }
 
@@ -271,7 +272,7 @@ def test_everything_changed_case_differs_from_defaults_in_every_section():
     for section in _sections():
         model = type(getattr(run, section))
         for key in model.model_fields:
-            if (section, key) == ("parallel", "pp"):
-                continue  # pp > 1 needs ZeRO 0/1, and this case exercises ZeRO-3 offload
+            if (section, key) in (("parallel", "pp"), ("parallel", "zero_hpz")):
+                continue  # pp > 1 needs ZeRO 0/1 and hpZ needs tp 1: this case has ZeRO-3 offload and tp 2
             assert getattr(getattr(run, section), key) != getattr(getattr(default, section), key), \
                 f"{section}.{key} is not exercised by the round trip"

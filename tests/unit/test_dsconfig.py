@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import shlex
 from pathlib import Path
 
+import deepspeed  # noqa: F401 - imported before CliRunner swaps sys.stdout: its logger binds the real one
 import pytest
 from click.testing import CliRunner
 
@@ -170,3 +172,25 @@ def test_every_preset_file_has_a_command_and_every_family_is_there():
 def test_preset_matches_the_command(out, args):
     assert (PRESET_DIR / out).read_text() == _invoke(args), (
         f"ds_configs/{out} drifted from `dsf {' '.join(args)}`; run ds_configs/regenerate.sh")
+
+
+def test_context_parallel_and_hpz_json_carry_their_keys_and_pass_deepspeed_config():
+    """world 8 = cp 2 x dp 4, ZeRO-3 with hpZ groups of 4: the batch counts the 4 replicas; DeepSpeed
+    reads sequence_parallel_size and zero_hpz_partition_size."""
+    ds = json.loads(_invoke(["config", "--cp", "2", "--zero-stage", "3", "--zero-hpz", "4", "--world-size", "8",
+                             "--micro-batch", "1", "--global-batch", "16"]))
+    assert (ds["train_batch_size"], ds["gradient_accumulation_steps"]) == (16, 4)
+    assert ds["sequence_parallel_size"] == 2 and ds["zero_optimization"]["zero_hpz_partition_size"] == 4
+    validate_ds_config(ds, dp_size=4)
+    plain = json.loads(_invoke(["config", "--zero-stage", "3", "--micro-batch", "1", "--grad-accum", "1"]))
+    assert "sequence_parallel_size" not in plain and "zero_hpz_partition_size" not in plain["zero_optimization"]
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--cp", "2", "--pp", "2"], "--cp=2: does not compose with parallel.pp=2"),
+    (["--zero-hpz", "2", "--zero-stage", "1"], "--zero-hpz=2: needs zero_stage=3"),
+    (["--zero-hpz", "4", "--zero-stage", "3", "--world-size", "6"], "--zero-hpz=4: does not divide the 6 ranks"),
+])
+def test_cli_refuses_axes_that_do_not_compose(args, match):
+    with pytest.raises(UserError, match=re.escape(match)):  # `dsf` prints it as one line, exit 2
+        CliRunner().invoke(cli, ["config", "--micro-batch", "1", "--grad-accum", "1", *args], catch_exceptions=False)

@@ -12,33 +12,37 @@ from dsframework.parallel.topology import ParallelDims, build_topology, check_la
 
 
 def _factorizations(world):
-    for tp, pp in itertools.product(range(1, world + 1), repeat=2):
-        if world % (tp * pp) == 0:
-            yield tp, pp, world // (tp * pp)
+    for tp, pp, cp in itertools.product(range(1, world + 1), repeat=3):
+        if world % (tp * pp * cp) == 0 and not (cp > 1 and pp > 1):  # cp and pp do not compose
+            yield tp, pp, cp, world // (tp * pp * cp)
 
 
 LAYOUTS = [(w, *f) for w in (1, 2, 4, 8) for f in _factorizations(w)]
 
 
-@pytest.mark.parametrize("world,tp,pp,dp", LAYOUTS)
-def test_every_factorization_builds_a_grid_with_tp_innermost(world, tp, pp, dp):
-    dims = ParallelDims(world=world, tp=tp, pp=pp)
+@pytest.mark.parametrize("world,tp,pp,cp,dp", LAYOUTS)
+def test_every_factorization_builds_a_grid_with_tp_innermost_then_cp(world, tp, pp, cp, dp):
+    dims = ParallelDims(world=world, tp=tp, pp=pp, cp=cp)
     assert dims.dp == dp and dims.tp_enabled == (tp > 1) and dims.pp_enabled == (pp > 1)
+    assert dims.cp_enabled == (cp > 1) and dims.zero_ranks == dp * cp
     topo = build_topology(dims)
     assert topo.world_size() == world
     assert (topo.get_dim("pipe"), topo.get_dim("data"), topo.get_dim("model")) == (pp, dp, tp)
+    assert topo.get_dim("seq") == (cp if cp > 1 else 0)  # no seq axis without context parallelism
     for rank in range(world):
         coord = topo.get_coord(rank)
-        # tensor-parallel peers are consecutive ranks: rank = ((pipe * dp) + data) * tp + model
-        assert rank == (coord.pipe * dp + coord.data) * tp + coord.model
+        # tensor peers are consecutive ranks, context peers next: rank = ((pipe*dp + data)*cp + seq)*tp + model
+        assert rank == ((coord.pipe * dp + coord.data) * cp + getattr(coord, "seq", 0)) * tp + coord.model
     tp_groups = topo.get_axis_comm_lists("model")
     if tp > 1:
         assert all(group == list(range(group[0], group[0] + tp)) for group in tp_groups)
+    if cp > 1:
+        assert all(group == list(range(group[0], group[0] + cp * tp, tp)) for group in topo.get_axis_comm_lists("seq"))
 
 
 @pytest.mark.parametrize("world,tp,pp", [(8, 3, 1), (6, 2, 2), (2, 4, 1)])
 def test_world_not_divisible_names_the_choices(world, tp, pp):
-    with pytest.raises(UserError, match=r"not divisible by tp\*pp") as err:
+    with pytest.raises(UserError, match=r"not divisible by tp\*pp\*cp") as err:
         ParallelDims(world=world, tp=tp, pp=pp)
     assert "\n" not in str(err.value)
 
@@ -51,7 +55,17 @@ LLAMA = dict(num_heads=4, num_kv_heads=2, num_layers=2)
     (ParallelDims(world=3, tp=3), dict(LLAMA), r"parallel.tp=3: does not divide num_attention_heads=4; choose tp in \{1, 2, 4\}"),
     (ParallelDims(world=4, pp=4), dict(LLAMA), r"parallel.pp=4: exceeds num_hidden_layers=2; choose pp in 1..2"),
     (ParallelDims(world=4, tp=2), dict(LLAMA, ranks_per_node=1), r"parallel.tp=2: exceeds the 1 ranks on one node"),
-    (ParallelDims(world=8, tp=2, pp=2), dict(LLAMA, dp=4), r"parallel.dp=4: but world 8 / \(tp\*pp = 4\) = 2"),
+    (ParallelDims(world=8, tp=2, pp=2), dict(LLAMA, dp=4), r"parallel.dp=4: but world 8 / \(tp\*pp\*cp = 4\) = 2"),
+    (ParallelDims(world=8, cp=8), dict(LLAMA), r"parallel.cp=8: does not divide the 4 attention heads; choose cp in \{1, 2, 4\}"),
+    (ParallelDims(world=8, tp=2, cp=4), dict(LLAMA), r"parallel.cp=4: does not divide the 2 attention heads per tensor rank \(tp=2\)"),
+    (ParallelDims(world=3, cp=3), dict(num_heads=6, num_kv_heads=2, num_layers=2),
+     r"parallel.cp=3: neither divides nor is a multiple of the 2 key/value heads; choose cp in \{1, 2\} or a multiple of 2"),
+    (ParallelDims(world=4, cp=2), dict(LLAMA, seq_len=63), r"parallel.cp=2: does not divide data.seq_len=63"),
+    (ParallelDims(world=4, cp=2, pp=2), dict(LLAMA), r"parallel.cp=2: does not compose with parallel.pp=2.*supported: "),
+    (ParallelDims(world=6, zero_stage=3, zero_hpz=4), dict(LLAMA),
+     r"parallel.zero_hpz=4: does not divide the 6 ranks ZeRO shards across \(dp=6 x cp=1\); choose zero_hpz in \{1, 2, 3, 6\}"),
+    (ParallelDims(world=4, zero_stage=2, zero_hpz=2), dict(LLAMA), r"parallel.zero_hpz=2: needs zero_stage=3"),
+    (ParallelDims(world=4, tp=2, zero_stage=3, zero_hpz=2), dict(LLAMA), r"parallel.zero_hpz=2: does not compose with parallel.tp=2"),
 ])
 def test_layout_rules(dims, kwargs, match):
     with pytest.raises(UserError, match=match):
@@ -61,6 +75,10 @@ def test_layout_rules(dims, kwargs, match):
 def test_a_fitting_layout_passes():
     check_layout(ParallelDims(world=8, tp=2, pp=2), num_heads=32, num_kv_heads=8, num_layers=32,
                  ranks_per_node=8, dp=2)
+    check_layout(ParallelDims(world=8, cp=4, zero_stage=3, zero_hpz=8), num_heads=32, num_kv_heads=8,
+                 num_layers=32, seq_len=4096, dp=2)
+    # Ulysses copies key/value heads when cp is a multiple of them (MQA at cp 4)
+    check_layout(ParallelDims(world=4, cp=4), num_heads=8, num_kv_heads=1, num_layers=2, seq_len=64)
 
 
 def test_model_layout_reads_heads_kv_heads_and_layers_from_the_config():
@@ -84,6 +102,10 @@ def test_model_layout_reads_heads_kv_heads_and_layers_from_the_config():
     (["parallel.partition_method=best"], "must be parameters, uniform or type:<regex>"),
     (["parallel.partition_method=type:("], "invalid regex"),
     (["parallel.tp=0"], "parallel.tp=0"),
+    (["parallel.cp=0"], "parallel.cp=0"),
+    (["parallel.cp=2", "parallel.pp=2"], r"^parallel.cp=2: does not compose with parallel.pp=2.*supported: tp x pp x dp"),
+    (["parallel.zero_hpz=2", "parallel.zero_stage=2"], r"^parallel.zero_hpz=2: needs zero_stage=3"),
+    (["parallel.zero_hpz=2", "parallel.zero_stage=3", "parallel.tp=2"], r"^parallel.zero_hpz=2: does not compose with"),
 ])
 def test_static_parallel_rules(overrides, match):
     with pytest.raises(UserError, match=match):

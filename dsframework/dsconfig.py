@@ -21,6 +21,8 @@ from typing import Any, Iterator
 
 from dsframework.config import ParallelSpec, TrainSpec
 from dsframework.errors import UserError
+from dsframework.runtime_facts import (ZERO3_PERSISTENCE_THRESHOLD, ZERO3_PREFETCH_BUCKET, ZERO_ALLGATHER_BUCKET,
+                                       ZERO_REDUCE_BUCKET)
 
 # Large enough that DeepSpeed never prints its own per-step line; dsf logs progress itself.
 _STEPS_PER_PRINT = 1_000_000_000
@@ -104,12 +106,13 @@ def _zero_section(parallel: ParallelSpec) -> dict[str, Any]:
         # Overlap communication with compute, and contiguous gradients to avoid fragmentation:
         # the settings DeepSpeed's own tutorials recommend for stages 1-3.
         zero.update(overlap_comm=True, contiguous_gradients=True,
-                    reduce_bucket_size=50_000_000, allgather_bucket_size=50_000_000)
+                    reduce_bucket_size=ZERO_REDUCE_BUCKET, allgather_bucket_size=ZERO_ALLGATHER_BUCKET)
     if parallel.zero_stage >= 1 and parallel.pp > 1:
         zero["overlap_comm"] = False  # the pipeline engine turns it off anyway, with a warning
     if parallel.zero_stage == 3:
         zero.pop("allgather_bucket_size")
-        zero.update(stage3_prefetch_bucket_size=50_000_000, stage3_param_persistence_threshold=100_000,
+        zero.update(stage3_prefetch_bucket_size=ZERO3_PREFETCH_BUCKET,
+                    stage3_param_persistence_threshold=ZERO3_PERSISTENCE_THRESHOLD,
                     stage3_gather_16bit_weights_on_model_save=False)
     if parallel.zero_hpz > 1:
         # ZeRO++ hpZ: a secondary copy of the weight shards within each group of this many ranks.

@@ -355,16 +355,18 @@ def layer_parameter_counts(specs: list) -> list[int]:
 def partition_layers(specs: list, num_stages: int, method: str = "parameters") -> list[int]:
     """Stage boundaries (stage s holds layers parts[s]:parts[s+1]), as PipelineModule computes them.
 
-    Pure (no process group): the same calls to deepspeed's partition_uniform/partition_balanced as
-    PipelineModule._partition_layers, so a table or a plan can be made before any rank starts.
+    Pure (no process group): DeepSpeed's partition_uniform/partition_balanced as
+    PipelineModule._partition_layers calls them, from runtime_facts (the planner's stage shapes
+    use the same; a unit test pins them to DeepSpeed's), so a table or a plan can be made before
+    any rank starts.
     """
-    from deepspeed.runtime import utils as ds_utils
+    from dsframework.runtime_facts import partition_balanced, partition_uniform
 
     method_l = method.lower()
     if method_l == "uniform":
-        parts = ds_utils.partition_uniform(num_items=len(specs), num_parts=num_stages)
+        parts = partition_uniform(len(specs), num_stages)
     elif method_l == "parameters":
-        parts = ds_utils.partition_balanced(weights=layer_parameter_counts(specs), num_parts=num_stages)
+        parts = partition_balanced(layer_parameter_counts(specs), num_stages)
     elif method_l.startswith("type:"):
         pattern = re.compile(method.split(":", 1)[1], re.IGNORECASE)
         weights = [1 if pattern.search(spec.typename.__name__) else 0 for spec in specs]
@@ -372,7 +374,7 @@ def partition_layers(specs: list, num_stages: int, method: str = "parameters") -
             names = sorted({spec.typename.__name__ for spec in specs})
             raise UserError("parallel.partition_method", method, "matches no layer type",
                             f"match one of {', '.join(names)} (e.g. type:DecoderLayer)")
-        parts = ds_utils.partition_balanced(weights=weights, num_parts=num_stages)
+        parts = partition_balanced(weights, num_stages)
     else:
         raise UserError("parallel.partition_method", method, "is not a partition method",
                         "use parameters, uniform or type:<regex>")

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsframework.errors import divide
+from dsframework.runtime_facts import padded_vocab
 
 ProcessGroup = dist.ProcessGroup
 
@@ -438,8 +439,7 @@ def _vocab_layout(num_embeddings: int, *, group: ProcessGroup | None,
                   padding_to_multiple: int | None) -> tuple[int, int, int]:
     """(padded vocab size, first row, end row) of this rank's contiguous vocab range."""
     tp, rank = tensor_parallel_size(group), tensor_parallel_rank(group)
-    multiple = math.lcm(padding_to_multiple or 1, tp)
-    padded = -(-num_embeddings // multiple) * multiple
+    padded = padded_vocab(num_embeddings, tp=tp, multiple=padding_to_multiple)  # the planner counts the same
     part = divide(padded, tp, what="padded vocab size")
     return padded, rank * part, (rank + 1) * part
 

@@ -18,6 +18,8 @@ from dsframework.errors import UserError, did_you_mean
 
 GiB = 1024 ** 3
 GB = 1e9
+MATMUL_EFFICIENCY = 0.45  # a transformer layer's achieved / peak FLOP/s on a GPU (good-run MFU);
+#                           the default of Cluster.matmul_efficiency, which `dsf calibrate` measures
 
 
 @dataclass(frozen=True)
@@ -36,8 +38,15 @@ class Cluster:
     host_to_device_bandwidth: float = 25 * GB  # PCIe: what CPU offload pays per GPU
     op_overhead_s: float = 8e-6  # fixed cost of one kernel / operator call (launch, dispatch)
     collective_latency_s: float = 30e-6  # fixed cost of one small collective (NCCL in a node)
-    matmul_efficiency: float = 0.45  # a transformer layer's achieved / peak FLOP/s (good-run MFU)
-    cores_per_node: int | None = None  # CPU ranks: when ranks outnumber cores, idle ranks lend theirs
+    matmul_efficiency: float = MATMUL_EFFICIENCY  # a transformer layer's achieved / peak FLOP/s
+    cores_per_node: int | None = None  # set for CPU ranks only (cpu-local, `dsf calibrate` on a CPU):
+    #                                    when ranks outnumber cores, idle ranks lend theirs
+
+    @property
+    def is_cpu(self) -> bool:
+        """CPU ranks rather than accelerators: no CUDA context to reserve, the host does the
+        work itself (no launch overlap). One test for the planner's fit and speed models."""
+        return self.cores_per_node is not None
 
     @property
     def world(self) -> int:

@@ -20,12 +20,12 @@ from dsframework.planner.memory import (EXPORT_SHARD_BYTES, HostMemory, Job, Lay
 from dsframework.planner.model import ModelDesc
 
 MEMORY_HEADROOM = 0.10  # allocator fragmentation and what the model does not count
-RESERVED_PER_GPU = 1.0 * GiB  # CUDA context, NCCL and library workspaces (0 on a CPU cluster)
+RESERVED_PER_GPU = 1.0 * GiB  # CUDA context, NCCL and library workspaces (0 on CPU ranks: Cluster.is_cpu)
 HOST_MEMORY_SHARE = 0.80  # of a node's RAM that building, offloaded states or export may take
 
 
 def usable_gpu_memory(cluster: Cluster) -> float:
-    reserved = 0.0 if cluster.name.startswith("cpu") else RESERVED_PER_GPU
+    reserved = 0.0 if cluster.is_cpu else RESERVED_PER_GPU
     return cluster.memory_per_gpu - reserved
 
 
@@ -61,9 +61,10 @@ class Fit:
 
 
 def run_layout(parallel: Any, *, dp: int, micro_batch: int, grad_accum: int) -> Layout:
-    """The planner's Layout of a run config's `parallel` section (nvme offload counts as offloaded)."""
-    return Layout(dp=dp, tp=parallel.tp, pp=parallel.pp, zero_stage=parallel.zero_stage,
-                  offload_optimizer=parallel.offload_optimizer != "none",
+    """The planner's Layout of a run config's `parallel` section (nvme offload counts as
+    offloaded); `dp` is the replicas, world / (tp x pp x cp) (ParallelDims.dp)."""
+    return Layout(dp=dp, tp=parallel.tp, pp=parallel.pp, cp=parallel.cp, zero_stage=parallel.zero_stage,
+                  zero_hpz=parallel.zero_hpz, offload_optimizer=parallel.offload_optimizer != "none",
                   offload_param=parallel.offload_param != "none", micro_batch=micro_batch,
                   grad_accum=grad_accum, activation_checkpointing=parallel.activation_checkpointing)
 

@@ -82,14 +82,11 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Literal
 
+from dsframework.parallel.topology import ParallelDims
 from dsframework.planner.model import ModelDesc
+from dsframework.runtime_facts import (STAGE0_ALLREDUCE_BUCKET, ZERO3_PERSISTENCE_THRESHOLD, ZERO3_PREFETCH_BUCKET,
+                                       ZERO_ALLGATHER_BUCKET, ZERO_REDUCE_BUCKET, padded_vocab, partition_balanced)
 
-# DeepSpeed settings the JSON we write uses (dsconfig.py), in elements.
-REDUCE_BUCKET = 50_000_000
-ALLGATHER_BUCKET = 50_000_000
-STAGE0_ALLREDUCE_BUCKET = 500_000_000
-ZERO3_PREFETCH_BUCKET = 50_000_000
-ZERO3_PERSISTENCE_THRESHOLD = 100_000
 ADAM_STATE_BYTES = 8  # fp32 exp_avg + exp_avg_sq
 MASTER_BYTES = 4  # fp32 master copy of the parameters
 BUILD_BYTES = 4  # parameters are materialised in fp32, then cast and moved by DeepSpeed
@@ -111,9 +108,10 @@ class Job:
 
 @dataclass(frozen=True)
 class Layout:
-    """One way to run the job: the rank grid, ZeRO, offload, batch split and checkpointing."""
+    """One way to run the job: the rank grid, ZeRO, offload, batch split and checkpointing.
+    `dims` is the same grid as the ParallelDims dsf train checks (world = dp x tp x pp x cp)."""
 
-    dp: int
+    dp: int  # data-parallel replicas (each sees its own sequences)
     tp: int = 1
     pp: int = 1
     zero_stage: int = 0
@@ -122,10 +120,22 @@ class Layout:
     micro_batch: int = 1
     grad_accum: int = 1
     activation_checkpointing: Literal["none", "full"] = "none"
+    cp: int = 1  # context parallel (Ulysses): each rank of a group holds seq_len / cp tokens
+    zero_hpz: int = 1  # ZeRO-3 hpZ: a secondary weight partition within groups of this many ranks
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def zero_ranks(self) -> int:
+        """Ranks ZeRO shards states over: data x context (ParallelDims.zero_ranks)."""
+        return self.dp * self.cp
+
+    @property
+    def dims(self) -> ParallelDims:
+        return ParallelDims(world=self.world, tp=self.tp, pp=self.pp, cp=self.cp, zero_stage=self.zero_stage,
+                            zero_hpz=self.zero_hpz)
 
 
 @dataclass(frozen=True)
@@ -170,7 +180,8 @@ class StageShape:
 
 
 def _padded_vocab_rows(vocab: int, tp: int) -> int:
-    return -(-vocab // tp)  # vocab padded to a multiple of tp, split in tp slices
+    """Rows of the embedding (and an untied or vocab-parallel head) one tensor rank holds."""
+    return padded_vocab(vocab, tp=tp) // tp
 
 
 def _items(desc: ModelDesc, tp: int) -> list[tuple[int, int, str]]:
@@ -190,34 +201,6 @@ def _items(desc: ModelDesc, tp: int) -> list[tuple[int, int, str]]:
             + [(desc.final_norm_params, desc.final_norm_params, "norm"), (head, head_persistent, "head")])
 
 
-def _balanced_parts(weights: list[int], parts: int) -> list[int]:
-    """Stage boundaries minimising the largest stage's weight (contiguous), like DeepSpeed's
-    partition_balanced; binary search on the bound with a greedy fill."""
-    if parts >= len(weights):
-        return list(range(parts + 1))[: len(weights) + 1] + [len(weights)] * (parts - len(weights))
-    lo, hi = max(weights), sum(weights)
-    while lo < hi:
-        bound = (lo + hi) // 2
-        count, acc = 1, 0
-        for w in weights:
-            if acc + w > bound:
-                count, acc = count + 1, w
-            else:
-                acc += w
-        lo, hi = (bound + 1, hi) if count > parts else (lo, bound)
-    bounds, acc = [0], 0
-    for i, w in enumerate(weights):
-        if acc + w > lo or len(weights) - i < parts - (len(bounds) - 1):
-            bounds.append(i)
-            acc = w
-        else:
-            acc += w
-    bounds = bounds[:parts] + [len(weights)]
-    while len(bounds) < parts + 1:
-        bounds.insert(-1, bounds[-2] + 1)
-    return bounds
-
-
 @lru_cache(maxsize=4096)
 def stage_shapes(desc: ModelDesc, tp: int, pp: int) -> tuple[StageShape, ...]:
     """Each pipeline stage's parameters (per tensor rank), balanced by parameters as
@@ -226,7 +209,7 @@ def stage_shapes(desc: ModelDesc, tp: int, pp: int) -> tuple[StageShape, ...]:
     items = _items(desc, tp)
     if desc.tied and pp == 1:
         items[-1] = (0, 0, "head")
-    bounds = _balanced_parts([n for n, _, _ in items], pp)
+    bounds = partition_balanced([n for n, _, _ in items], pp)
     shapes = []
     for s in range(pp):
         chunk = items[bounds[s]:bounds[s + 1]]
@@ -245,31 +228,78 @@ def _rms_norm_bytes(h: int, w: int) -> int:
     return h * (4 + w + w) + 4
 
 
-def layer_activation_bytes(desc: ModelDesc, *, micro_batch: int, seq_len: int, tp: int, precision: str) -> float:
-    """Bytes one decoder layer saves for backward, one micro-batch (see the module docstring)."""
-    bs = micro_batch * seq_len
-    h, f, a = desc.hidden, desc.ffn, desc.heads
-    kv = desc.kv_heads * desc.head_dim
+# What transformers' activation functions (ACT2FN) save for backward besides their output, in
+# tensors of the MLP's width (measured with saved-tensor hooks; test_planner_context.py re-measures
+# every entry): gelu_new is written out in elementwise ops (x, x^3, tanh, ...), gelu_pytorch_tanh
+# and silu are one fused op that keeps its input, relu and tanh keep only their output (which the
+# next matmul keeps anyway). An activation not listed is counted as keeping its input.
+ACTIVATION_SAVED = {"gelu_new": 4, "gelu_fast": 7, "quick_gelu": 2, "gelu_10": 2, "gelu": 1,
+                    "gelu_pytorch_tanh": 1, "silu": 1, "swish": 1, "mish": 1, "relu2": 1,
+                    "relu": 0, "tanh": 0, "sigmoid": 0}
+
+
+def activation_saved(name: str) -> int:
+    """Tensors of the MLP's width `name` keeps for backward besides its output (ACTIVATION_SAVED)."""
+    return ACTIVATION_SAVED.get(name, 1)
+
+
+def ulysses_kv_heads(desc: ModelDesc, *, tp: int, cp: int) -> int:
+    """Key/value heads a rank's attention sees per token of its shard after Ulysses' all-to-all:
+    kv/tp when cp divides them; cp when cp is a multiple (DeepSpeed repeats each kv head so every
+    rank gets one, over the whole sequence)."""
+    kv = desc.kv_heads // tp
+    return kv if cp <= 1 or kv % cp == 0 else cp
+
+
+def layer_activation_bytes(desc: ModelDesc, *, micro_batch: int, seq_len: int, tp: int, precision: str,
+                           cp: int = 1) -> float:
+    """Bytes one decoder layer saves for backward on one rank, one micro-batch (see the module
+    docstring). `seq_len` is the whole sequence; with context parallelism each rank holds
+    seq_len / cp of its tokens, and in attention (after Ulysses' all-to-all) q, k, v, the output
+    and the log-sum-exp of the whole sequence for heads / cp heads: the same elements per token of
+    its shard, k and v at `ulysses_kv_heads`, and the output saved twice (sdpa's, and the
+    all-to-all's result, which o_proj keeps)."""
+    bs = micro_batch * seq_len / cp  # this rank's tokens
+    h, f, a, hd = desc.hidden, desc.ffn, desc.heads, desc.head_dim
+    kv = ulysses_kv_heads(desc, tp=tp, cp=cp) * hd * tp  # per token, before the / tp below
+    ulysses_out = h if cp > 1 else 0
     w = 4 if precision == "fp32" else 2
+    act = activation_saved(desc.activation)
     if desc.family == "llama":
         norms = 2 * _rms_norm_bytes(h, w)
-        split = (h + kv + kv + h + 4 * f) * w + a * 4  # q, k, v, out, MLP; lse in fp32
+        # q, k, v, out (+ its all-to-all copy), MLP: gate, up, act(gate), their product (+ what
+        # the activation keeps); lse in fp32
+        split = (h + kv + kv + h + ulysses_out + (3 + act) * f) * w + a * 4
         return bs * (norms + split / tp)
     if desc.family == "gpt2":
         norms = 2 * (2 * h * w + 2 * 4)
-        split = (6 * h + 5 * f) * w + a * 4
+        split = (6 * h + ulysses_out + (1 + act) * f) * w + a * 4
         extra = 0.0
         if desc.dropout > 0:  # masks (1 byte); attention dropout forces the s x s math kernel
             extra = 2 * h + 5 * a * seq_len / tp * w / 2
         return bs * (norms + split / tp + extra)
     # Generic: Korthikanti's GPT count at 2-byte activations, scaled to this precision.
-    return bs * h * (10 + 24 / tp + 5 * a * seq_len / (h * tp)) * (w / 2)
+    return bs * h * (10 + (24 + 2 * (cp > 1)) / tp + 5 * a * seq_len / (h * tp)) * (w / 2)
+
+
+def ulysses_buffer_bytes(desc: ModelDesc, *, micro_batch: int, seq_len: int, tp: int, precision: str,
+                         cp: int) -> float:
+    """Ulysses' all-to-all working set in one layer: the contiguous send copy and the received
+    tensor of q, k, v (forward) or their gradients (backward), plus the output's pair; one layer
+    at a time."""
+    if cp <= 1:
+        return 0.0
+    bs = micro_batch * seq_len / cp
+    w = 4 if precision == "fp32" else 2
+    kv = ulysses_kv_heads(desc, tp=tp, cp=cp) * desc.head_dim
+    return 2 * bs * (2 * desc.hidden / tp + 2 * kv) * w
 
 
 def _edge_activation_bytes(desc: ModelDesc, shape: StageShape, *, micro_batch: int, seq_len: int, tp: int,
-                           precision: str) -> float:
-    """The first stage's token ids; the last stage's final norm and fp32 logits for the loss."""
-    bs = micro_batch * seq_len
+                           precision: str, cp: int = 1) -> float:
+    """The first stage's token ids; the last stage's final norm and fp32 logits for the loss
+    (for this rank's seq_len / cp tokens)."""
+    bs = micro_batch * seq_len / cp
     w = 4 if precision == "fp32" else 2
     total = 0.0
     if shape.first:
@@ -284,12 +314,16 @@ def _edge_activation_bytes(desc: ModelDesc, shape: StageShape, *, micro_batch: i
 # --- the breakdown --------------------------------------------------------------------------------
 
 def _model_states(shape: StageShape, layout: Layout, job: Job) -> dict[str, float]:
-    """Bytes of params, grads, optimizer (on the device) and cpu_* (offloaded) for one rank."""
-    P, d, w, z = shape.params, layout.dp, job.param_bytes, layout.zero_stage
+    """Bytes of params, grads, optimizer (on the device) and cpu_* (offloaded) for one rank.
+    ZeRO partitions over data x context ranks (`Layout.zero_ranks`); hpZ adds its secondary
+    partition of the weights, w P / zero_hpz (`hpz_secondary`, counted in params)."""
+    P, d, w, z = shape.params, layout.zero_ranks, job.param_bytes, layout.zero_stage
     if z == 3:  # the partition, plus gathered copies of the persistent ones (one rank: the same)
         params = w * P / d + (w * shape.persistent if d > 1 else 0)
     else:
         params = w * P
+    hpz_secondary = w * P / layout.zero_hpz if z == 3 and layout.zero_hpz > 1 else 0.0
+    params += hpz_secondary
     if z == 0:
         grads = w * P + (4 * P if job.precision == "bf16" else 0)
     elif z == 1:
@@ -302,33 +336,36 @@ def _model_states(shape: StageShape, layout: Layout, job: Job) -> dict[str, floa
     else:
         optimizer = (MASTER_BYTES + ADAM_STATE_BYTES) * P / d
     states = {"params": params, "grads": grads, "optimizer": optimizer,
-              "cpu_params": 0.0, "cpu_grads": 0.0, "cpu_optimizer": 0.0}
+              "cpu_params": 0.0, "cpu_grads": 0.0, "cpu_optimizer": 0.0, "hpz_secondary": hpz_secondary}
     if layout.offload_optimizer:
         states["cpu_optimizer"], states["optimizer"] = optimizer, 0.0
         if z >= 2:  # the fp32 gradient partition lives in host memory; ZeRO-2 copies reduced
             states["cpu_grads"] = 4 * P / d  # buckets straight into it, ZeRO-3 keeps its own
             states["grads"] = 0.0 if z == 2 else states["grads"]  # device partition as well
     if layout.offload_param:
-        states["cpu_params"], states["params"] = w * P / d, (w * shape.persistent if d > 1 else 0)
+        states["cpu_params"] = w * P / d
+        states["params"] = (w * shape.persistent if d > 1 else 0) + hpz_secondary
     return states
 
 
 def _buffers(desc: ModelDesc, shape: StageShape, layout: Layout, job: Job, layer_act: float) -> float:
-    P, d, w, z = shape.params, layout.dp, job.param_bytes, layout.zero_stage
-    bs = layout.micro_batch * job.seq_len
+    P, d, w, z = shape.params, layout.zero_ranks, job.param_bytes, layout.zero_stage
+    bs = layout.micro_batch * job.seq_len / layout.cp  # this rank's tokens
     total = 0.0
     if z == 0 and d > 1:
         total += min(STAGE0_ALLREDUCE_BUCKET, P) * w
     if z in (1, 2):
-        total += min(REDUCE_BUCKET, P) * w + min(ALLGATHER_BUCKET, P) * w + 4 * P / d
+        total += min(ZERO_REDUCE_BUCKET, P) * w + min(ZERO_ALLGATHER_BUCKET, P) * w + 4 * P / d
     if z == 3:
         layer_full = sum(n // layout.tp if s else n for n, s in desc.layer_tensors)
-        total += min(REDUCE_BUCKET, P) * w + 2 * layer_full * w + min(ZERO3_PREFETCH_BUCKET, layer_full) * w
+        total += min(ZERO_REDUCE_BUCKET, P) * w + 2 * layer_full * w + min(ZERO3_PREFETCH_BUCKET, layer_full) * w
         total += 4 * P / d
     if shape.last:  # logits (w bytes) and their fp32 gradient in the backward
         total += bs * _padded_vocab_rows(desc.vocab, layout.tp) * (w + 4)
     if layout.pp > 1:
         total += 2 * bs * desc.hidden * w
+    total += ulysses_buffer_bytes(desc, micro_batch=layout.micro_batch, seq_len=job.seq_len, tp=layout.tp,
+                                  precision=job.precision, cp=layout.cp)
     if layout.activation_checkpointing == "full" and shape.layers:
         total += layer_act  # one layer recomputed at a time
     return total
@@ -337,18 +374,20 @@ def _buffers(desc: ModelDesc, shape: StageShape, layout: Layout, job: Job, layer
 def stage_memories(desc: ModelDesc, layout: Layout, job: Job) -> list[Memory]:
     """The memory of a rank of each pipeline stage (one entry without a pipeline)."""
     layer_act = layer_activation_bytes(desc, micro_batch=layout.micro_batch, seq_len=job.seq_len, tp=layout.tp,
-                                       precision=job.precision)
-    kept_per_layer = (layout.micro_batch * job.seq_len * desc.hidden * job.param_bytes
+                                       precision=job.precision, cp=layout.cp)
+    kept_per_layer = (layout.micro_batch * job.seq_len / layout.cp * desc.hidden * job.param_bytes
                       if layout.activation_checkpointing == "full" else layer_act)
     memories = []
     for index, shape in enumerate(stage_shapes(desc, layout.tp, layout.pp)):
         in_flight = min(layout.pp - index, layout.grad_accum) if layout.pp > 1 else 1
         edge = _edge_activation_bytes(desc, shape, micro_batch=layout.micro_batch, seq_len=job.seq_len,
-                                      tp=layout.tp, precision=job.precision)
-        memories.append(Memory(**_model_states(shape, layout, job),
-                               activations=in_flight * (shape.layers * kept_per_layer + edge),
+                                      tp=layout.tp, precision=job.precision, cp=layout.cp)
+        states = _model_states(shape, layout, job)
+        hpz = states.pop("hpz_secondary")
+        memories.append(Memory(**states, activations=in_flight * (shape.layers * kept_per_layer + edge),
                                buffers=_buffers(desc, shape, layout, job, layer_act), stage=index,
-                               parts={"params_elements": shape.params, "layers": shape.layers}))
+                               parts={"params_elements": shape.params, "layers": shape.layers,
+                                      "hpz_secondary": hpz}))
     return memories
 
 
@@ -395,7 +434,7 @@ def build_bytes_per_rank(desc: ModelDesc, layout: Layout) -> float:
     """Host bytes a rank peaks at while it builds or loads its share (busiest stage, fp32)."""
     share = max(shape.params for shape in stage_shapes(desc, layout.tp, layout.pp))
     if layout.zero_stage == 3:
-        share = share / layout.dp
+        share = share / layout.zero_ranks
     return BUILD_BYTES * (share + largest_tensor(desc))
 
 

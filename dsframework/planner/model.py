@@ -38,6 +38,8 @@ class ModelDesc:
     head_params: int  # untied lm_head (0 when tied to the embedding), split by vocab
     tied: bool
     dropout: float = 0.0  # residual/attention dropout probability (GPT-2 presets: 0 or 0.1)
+    activation: str = "silu"  # the MLP's activation function, as the config names it (hidden_act,
+    #                           GPT-2's activation_function): what autograd saves depends on it
 
     @property
     def layer_sharded(self) -> int:
@@ -94,7 +96,8 @@ def _llama(config: Any, name: str) -> ModelDesc:
                      layers=config.num_hidden_layers, vocab=config.vocab_size,
                      embedding_params=config.vocab_size * h, position_params=0, layer_tensors=tuple(tensors),
                      final_norm_params=h,
-                     head_params=0 if tied else config.vocab_size * h, tied=tied)
+                     head_params=0 if tied else config.vocab_size * h, tied=tied,
+                     activation=getattr(config, "hidden_act", None) or "silu")
 
 
 def _gpt2(config: Any, name: str) -> ModelDesc:
@@ -107,7 +110,8 @@ def _gpt2(config: Any, name: str) -> ModelDesc:
     return ModelDesc(name=name, family="gpt2", hidden=h, ffn=ffn, heads=config.n_head, kv_heads=config.n_head,
                      layers=config.n_layer, vocab=config.vocab_size, embedding_params=config.vocab_size * h,
                      position_params=config.n_positions * h, layer_tensors=tensors,
-                     final_norm_params=2 * h, head_params=0, tied=True, dropout=dropout)
+                     final_norm_params=2 * h, head_params=0, tied=True, dropout=dropout,
+                     activation=config.activation_function)
 
 
 def _generic(config: Any, name: str) -> ModelDesc:
@@ -133,7 +137,8 @@ def _generic(config: Any, name: str) -> ModelDesc:
     return ModelDesc(name=name, family="generic", hidden=h, ffn=getattr(config, "intermediate_size", 4 * h),
                      heads=heads, kv_heads=getattr(config, "num_key_value_heads", None) or heads,
                      layers=len(layers), vocab=config.vocab_size, embedding_params=embedding, position_params=0,
-                     layer_tensors=layer_tensors, final_norm_params=rest, head_params=head, tied=tied)
+                     layer_tensors=layer_tensors, final_norm_params=rest, head_params=head, tied=tied,
+                     activation=getattr(config, "hidden_act", None) or getattr(config, "activation_function", "gelu"))
 
 
 def describe_model(config: Any, *, name: str | None = None) -> ModelDesc:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from dsframework.planner.cluster import GiB
-from dsframework.planner.search import Candidate, Plan, family_of
+from dsframework.planner.search import Candidate, Plan, describe_grid, family_of
 
 
 def _gib(x: float) -> str:
@@ -19,14 +19,15 @@ def _gib(x: float) -> str:
 def candidate_row(rank: int, c: Candidate) -> list[str]:
     lay, mem = c.layout, c.memory
     offload = "+".join(w for w, on in (("opt", lay.offload_optimizer), ("param", lay.offload_param)) if on) or "-"
-    return [str(rank), str(lay.tp), str(lay.pp), str(lay.dp), str(lay.zero_stage), offload,
+    zero = f"{lay.zero_stage} hpZ{lay.zero_hpz}" if lay.zero_hpz > 1 else str(lay.zero_stage)
+    return [str(rank), str(lay.tp), str(lay.pp), str(lay.cp), str(lay.dp), zero, offload,
             f"{lay.micro_batch}x{lay.grad_accum}", lay.activation_checkpointing,
             _gib(mem.params), _gib(mem.grads), _gib(mem.optimizer), _gib(mem.activations), _gib(mem.buffers),
             _gib(mem.total), _gib(mem.cpu_per_rank), _gib(c.host.peak) if c.host else "-", f"{c.time.total:.3g}",
             f"{c.tokens_per_s:,.0f}", f"{c.mfu:.2f}"]
 
 
-HEADER = ["#", "tp", "pp", "dp", "ZeRO", "offload", "micro x accum", "ckpt", "params", "grads", "optim",
+HEADER = ["#", "tp", "pp", "cp", "dp", "ZeRO", "offload", "micro x accum", "ckpt", "params", "grads", "optim",
           "activ", "buffers", "total GiB", "cpu GiB", "host GiB", "step s", "tokens/s", "MFU"]
 
 
@@ -63,9 +64,14 @@ def plan_table(plan: Plan, *, top: int = 5) -> str:
     best = plan.best
     if best is not None:
         out.append("")
-        out.append(f"best: {family_of(best.layout)}, tp {best.layout.tp} x pp {best.layout.pp} x dp {best.layout.dp}, "
+        out.append(f"best: {family_of(best.layout)}, {describe_grid(best.layout)}, "
                    f"micro-batch {best.layout.micro_batch} x {best.layout.grad_accum}, checkpointing "
                    f"{best.layout.activation_checkpointing}: {best.tokens_per_s:,.0f} tokens/s predicted")
+        if best.layout.cp > 1:
+            flat = next((c for c in plan.fitting if c.layout.cp == 1), None)
+            if flat is not None:  # (when none fits, `dropped` says why)
+                out.append(f"  fastest without context parallelism: {describe_grid(flat.layout)}, "
+                           f"{flat.tokens_per_s:,.0f} tokens/s ({flat.tokens_per_s / best.tokens_per_s:.0%} of the best)")
     return "\n".join(out)
 
 
@@ -78,7 +84,7 @@ def run_config_dict(candidate: Candidate, *, model_name: str, seq_len: int, glob
         "data": {"seq_len": seq_len},
         "train": {"global_batch": global_batch, "micro_batch": lay.micro_batch, "grad_accum": None,
                   "precision": precision},
-        "parallel": {"tp": lay.tp, "pp": lay.pp, "zero_stage": lay.zero_stage,
+        "parallel": {"tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "zero_stage": lay.zero_stage, "zero_hpz": lay.zero_hpz,
                      "offload_optimizer": "cpu" if lay.offload_optimizer else "none",
                      "offload_param": "cpu" if lay.offload_param else "none",
                      "activation_checkpointing": lay.activation_checkpointing},

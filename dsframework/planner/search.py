@@ -6,10 +6,13 @@
     plan.dropped_families            # {"ZeRO-2": "needs 92.1 GiB > 80.0 GiB per GPU at best ...", ...}
     plan.suggestions                 # when nothing fits: what would
 
-The rules (each also enforced by dsf train): dp * tp * pp = world; tp divides the attention and
-key/value heads and stays within a node; pp <= layers; the pipeline only with ZeRO 0/1;
-micro_batch * grad_accum * dp = global batch; parameter offload only with ZeRO-3 and optimizer
-offload; optimizer offload with ZeRO 1-3. A candidate fits when its busiest rank, plus the safety
+The rules are topology.layout_problem's, the ones dsf train applies (dp * tp * pp * cp = world;
+tp divides the attention and key/value heads and stays within a node; cp divides the heads per
+tensor rank and the sequence, and divides or is a multiple of the kv heads; pp <= layers; the
+pipeline only with ZeRO 0/1 and without cp; hpZ only with ZeRO-3, tp = 1, dividing dp * cp), plus
+the search's own: micro_batch * grad_accum * dp = global batch; parameter offload only with
+ZeRO-3 and optimizer offload; optimizer offload with ZeRO 1-3; hpZ groups within a node and
+smaller than the ZeRO group (a group of all of them is plain ZeRO-3 with a second copy). A candidate fits when its busiest rank, plus the safety
 margin, stays within the GPU's memory, and a node's host memory holds what the run puts there:
 its ranks' shares while they are built plus their offloaded states, and `dsf export`.
 """
@@ -47,7 +50,8 @@ class Candidate:
     def as_dict(self) -> dict:
         """The `dsf plan --json` record (schema documented in the README)."""
         lay = self.layout
-        return {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "zero_stage": lay.zero_stage,
+        return {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "zero_stage": lay.zero_stage,
+                "zero_hpz": lay.zero_hpz,
                 "offload_optimizer": "cpu" if lay.offload_optimizer else "none",
                 "offload_param": "cpu" if lay.offload_param else "none",
                 "micro_batch": lay.micro_batch, "grad_accum": lay.grad_accum,
@@ -79,8 +83,9 @@ class Plan:
 
 
 def family_of(layout: Layout) -> str:
-    """'ZeRO-2', 'ZeRO-3 + offload (optimizer, params)', ... for the dropped-families report."""
-    name = f"ZeRO-{layout.zero_stage}"
+    """'ZeRO-2', 'ZeRO-3 + hpZ', 'ZeRO-3 + offload (optimizer, params)', ... for the
+    dropped-families report."""
+    name = f"ZeRO-{layout.zero_stage}" + (" + hpZ" if layout.zero_hpz > 1 else "")
     offloaded = [what for what, on in (("optimizer", layout.offload_optimizer), ("params", layout.offload_param)) if on]
     return name + (f" + offload ({', '.join(offloaded)})" if offloaded else "")
 
@@ -91,35 +96,46 @@ def _divisors(n: int) -> list[int]:
 
 
 def enumerate_layouts(desc: ModelDesc, cluster: Cluster, job: Job, *, tp: int | None = None,
-                      pp: int | None = None, zero_stage: int | None = None) -> Iterator[Layout]:
-    """Every layout the rules allow (pin tp, pp or zero_stage to restrict)."""
-    world = cluster.world
-    for t in _divisors(cluster.gpus_per_node):
+                      pp: int | None = None, zero_stage: int | None = None, cp: int | None = None) -> Iterator[Layout]:
+    """Every layout the rules allow (pin tp, pp, cp or zero_stage to restrict)."""
+    world, per_node = cluster.world, cluster.gpus_per_node
+    for t in _divisors(per_node):
         if (tp is not None and t != tp) or world % t:
             continue
         for p in _divisors(world // t):
-            dims = ParallelDims(world=world, tp=t, pp=p)
-            if (pp is not None and p != pp) or layout_problem(
-                    dims, num_heads=desc.heads, num_kv_heads=desc.kv_heads, num_layers=desc.layers,
-                    ranks_per_node=cluster.gpus_per_node) is not None:
+            if pp is not None and p != pp:
                 continue
-            d = dims.dp
-            if job.global_batch % d:
-                continue
-            per_replica = job.global_batch // d
-            for stage in ((0, 1) if p > 1 else (0, 1, 2, 3)):
-                if zero_stage is not None and stage != zero_stage:
+            for c in _divisors(world // (t * p)):
+                if cp is not None and c != cp:
                     continue
-                offloads = [(False, False)] + ([(True, False)] if stage >= 1 else []) + (
-                    [(True, True)] if stage == 3 else [])
-                for offload_optimizer, offload_param in offloads:
-                    for micro in _divisors(per_replica):
-                        if micro > MAX_MICRO_BATCH:
-                            break
-                        for checkpointing in ("none", "full"):
-                            yield Layout(dp=d, tp=t, pp=p, zero_stage=stage, offload_optimizer=offload_optimizer,
-                                         offload_param=offload_param, micro_batch=micro,
-                                         grad_accum=per_replica // micro, activation_checkpointing=checkpointing)
+                dims = ParallelDims(world=world, tp=t, pp=p, cp=c)
+                if layout_problem(dims, num_heads=desc.heads, num_kv_heads=desc.kv_heads, num_layers=desc.layers,
+                                  seq_len=job.seq_len, ranks_per_node=per_node) is not None:
+                    continue
+                d = dims.dp
+                if job.global_batch % d:
+                    continue
+                per_replica = job.global_batch // d
+                for stage in ((0, 1) if p > 1 else (0, 1, 2, 3)):
+                    if zero_stage is not None and stage != zero_stage:
+                        continue
+                    hpz_sizes = [1] + ([n for n in _divisors(dims.zero_ranks) if 1 < n < dims.zero_ranks
+                                        and n <= per_node] if stage == 3 and t == 1 else [])
+                    offloads = [(False, False)] + ([(True, False)] if stage >= 1 else []) + (
+                        [(True, True)] if stage == 3 else [])
+                    for hpz in hpz_sizes:
+                        assert layout_problem(ParallelDims(world=world, tp=t, pp=p, cp=c, zero_stage=stage,
+                                                           zero_hpz=hpz), num_heads=desc.heads,
+                                              num_kv_heads=desc.kv_heads, num_layers=desc.layers) is None
+                        for offload_optimizer, offload_param in offloads:
+                            for micro in _divisors(per_replica):
+                                if micro > MAX_MICRO_BATCH:
+                                    break
+                                for checkpointing in ("none", "full"):
+                                    yield Layout(dp=d, tp=t, pp=p, cp=c, zero_stage=stage, zero_hpz=hpz,
+                                                 offload_optimizer=offload_optimizer, offload_param=offload_param,
+                                                 micro_batch=micro, grad_accum=per_replica // micro,
+                                                 activation_checkpointing=checkpointing)
 
 
 def evaluate(desc: ModelDesc, layout: Layout, job: Job, cluster: Cluster) -> Candidate:
@@ -141,25 +157,42 @@ def evaluate(desc: ModelDesc, layout: Layout, job: Job, cluster: Cluster) -> Can
                      host=fit.host, over=over, _ranks_per_node=ranks_per_node)
 
 
+def describe_grid(layout: Layout) -> str:
+    """'tp 2 pp 1 dp 4', 'tp 1 pp 1 cp 8 dp 2, hpZ 8': the axes in use (cp and hpZ when > 1)."""
+    grid = f"tp {layout.tp} pp {layout.pp}" + (f" cp {layout.cp}" if layout.cp > 1 else "") + f" dp {layout.dp}"
+    return grid + (f", hpZ {layout.zero_hpz}" if layout.zero_hpz > 1 else "")
+
+
 def _describe(layout: Layout) -> str:
-    return (f"tp {layout.tp} pp {layout.pp} dp {layout.dp}, micro-batch {layout.micro_batch}, "
-            f"checkpointing {layout.activation_checkpointing}")
+    return f"{describe_grid(layout)}, micro-batch {layout.micro_batch}, checkpointing {layout.activation_checkpointing}"
+
+
+NO_CONTEXT_PARALLEL = "cp 1 (no context parallelism)"
 
 
 def search(desc: ModelDesc, cluster: Cluster, job: Job, *, tp: int | None = None, pp: int | None = None,
-           zero_stage: int | None = None, suggest: bool = True) -> Plan:
-    """All candidates, fitting ones first by predicted tokens/s, then the rest by memory."""
+           zero_stage: int | None = None, cp: int | None = None, suggest: bool = True) -> Plan:
+    """All candidates, fitting ones first by predicted tokens/s, then the rest by memory.
+
+    `dropped_families` gives, for each family (ZeRO stage, hpZ, offload) none of whose layouts
+    fits, its closest miss; and when only context-parallel layouts fit, the closest miss without
+    (key NO_CONTEXT_PARALLEL): why the plan splits the sequence."""
     candidates = [evaluate(desc, layout, job, cluster)
-                  for layout in enumerate_layouts(desc, cluster, job, tp=tp, pp=pp, zero_stage=zero_stage)]
+                  for layout in enumerate_layouts(desc, cluster, job, tp=tp, pp=pp, zero_stage=zero_stage, cp=cp)]
     candidates.sort(key=lambda c: (not c.fits, -c.tokens_per_s if c.fits else 0, c.memory.total))
     dropped: dict[str, str] = {}
     fitting_families = {c.family for c in candidates if c.fits}
     for c in sorted(candidates, key=lambda c: c.over):  # the closest miss of each family that never fits
         if not c.fits and c.family not in fitting_families and c.family not in dropped:
             dropped[c.family] = f"needs {c.why_not} at best ({_describe(c.layout)})"
+    if fitting_families and not any(c.fits for c in candidates if c.layout.cp == 1):
+        misses = [c for c in candidates if c.layout.cp == 1]
+        if misses:
+            c = min(misses, key=lambda c: c.over)
+            dropped[NO_CONTEXT_PARALLEL] = f"needs {c.why_not} at best ({family_of(c.layout)}, {_describe(c.layout)})"
     plan = Plan(desc, cluster, job, candidates, dropped, [])
     if suggest and not plan.fitting:
-        plan.suggestions = suggestions(desc, cluster, job, candidates, tp=tp, pp=pp, zero_stage=zero_stage)
+        plan.suggestions = suggestions(desc, cluster, job, candidates, tp=tp, pp=pp, zero_stage=zero_stage, cp=cp)
     return plan
 
 
@@ -168,7 +201,7 @@ def suggestions(desc: ModelDesc, cluster: Cluster, job: Job, candidates: list[Ca
     out = []
     if not candidates:
         return [f"no layout satisfies the rules for {cluster.world} GPUs and global batch {job.global_batch}: "
-                "choose a global batch divisible by the data-parallel sizes, or unpin --tp/--pp/--zero-stage"]
+                "choose a global batch divisible by the data-parallel sizes, or unpin --tp/--pp/--cp/--zero-stage"]
     closest = min(candidates, key=lambda c: c.over)
     out.append(f"closest: {family_of(closest.layout)} ({_describe(closest.layout)}) needs {closest.why_not}")
     for factor in (2, 4, 8, 16, 32, 64):
@@ -178,8 +211,9 @@ def suggestions(desc: ModelDesc, cluster: Cluster, job: Job, candidates: list[Ca
             break
     if any(pins.values()):
         if search(desc, cluster, job, suggest=False).fitting:
-            out.append("unpinning --tp/--pp/--zero-stage would fit")
+            out.append("unpinning --tp/--pp/--cp/--zero-stage would fit")
     return out
 
 
-__all__ = ["Candidate", "Plan", "search", "evaluate", "enumerate_layouts", "family_of"]
+__all__ = ["Candidate", "Plan", "search", "evaluate", "enumerate_layouts", "family_of", "describe_grid",
+           "NO_CONTEXT_PARALLEL"]

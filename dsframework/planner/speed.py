@@ -1,12 +1,17 @@
 """Step time of a layout: compute at a fraction of peak, plus the communication left exposed.
 
     t = step_time(desc, layout, job, cluster)
-    t.total, t.compute, t.tp_comm, t.dp_comm, t.pp_bubble, t.pp_comm, t.offload
+    t.total, t.compute, t.tp_comm, t.cp_comm, t.dp_comm, t.pp_bubble, t.pp_comm, t.offload
     tokens_per_s = job.global_batch * job.seq_len / t.total
 
 Every constant and overlap assumption is named below, in one place. Ring collectives over n ranks
 move 2 (n-1)/n of the buffer per rank for an all-reduce and (n-1)/n for a reduce-scatter or an
-all-gather, plus a fixed latency; a group that spans nodes runs at the inter-node bandwidth.
+all-gather, plus a fixed latency; an all-to-all moves (n-1)/n of its buffer; a group that spans
+nodes runs at the inter-node bandwidth. The grid's order is tensor (innermost), context, data,
+pipe, so a group of tensor ranks sits on one node first, then the context group (tp x cp ranks).
+Context parallelism (Ulysses) does four all-to-alls per layer forward (q, k, v in, the output
+back) and four backward, none overlapped; ZeRO-3 with hpZ gathers the forward's weights across
+the whole ZeRO group and the backward's from the secondary partition inside the hpZ group.
 Fixed costs (operator dispatch, ZeRO-3's module hooks and fetches) come from the cluster
 profile; on a GPU the host runs ahead of the device, so only what exceeds the compute shows.
 Checked against measured tokens/s of every layout on CPU ranks by bench/plan_vs_measured.py.
@@ -16,20 +21,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dsframework.planner.cluster import Cluster
-from dsframework.planner.memory import ZERO3_PERSISTENCE_THRESHOLD, Job, Layout, stage_shapes
+from dsframework.planner.memory import Job, Layout, stage_shapes, ulysses_kv_heads
 from dsframework.planner.model import ModelDesc
+from dsframework.runtime_facts import ZERO3_PERSISTENCE_THRESHOLD
 
-MATMUL_EFFICIENCY = 0.45  # default achieved / peak (the cluster's matmul_efficiency overrides it)
+# (Achieved / peak FLOP/s is the cluster's `matmul_efficiency`: a preset's default, or measured.)
 REPLICATED_FRACTION = 0.15  # of a layer's time that tensor parallelism does not split (norms,
 #                             residual adds, rotary, the loss: every tensor rank does all of it)
 RECOMPUTE_FACTOR = 4 / 3  # full checkpointing runs the forward twice: 4 passes instead of 3
 DP_OVERLAP = 0.5  # share of ZeRO's gradient reduction hidden behind the backward pass
 ZERO3_GATHER_OVERLAP = 0.5  # share of ZeRO-3's parameter all-gathers hidden by prefetching
 TP_OVERLAP = 0.0  # Megatron TP all-reduces sit on the critical path
+CP_OVERLAP = 0.0  # Ulysses' all-to-alls too: attention waits for them, the next linear for the result
 CPU_ADAM_PARAMS_PER_S = 1.0e9  # DeepSpeedCPUAdam, parameters updated per second per rank
 OPS_PER_LAYER = 90  # operator calls of one decoder layer's forward + backward, one micro-batch
 OPS_PER_STEP = 200  # the engine's per-step calls: clipping, optimizer, schedule, bookkeeping
 ZERO3_OPS_PER_FETCH = 20  # ZeRO-3's hook bookkeeping around each parameter fetch or release
+ULYSSES_OPS_PER_LAYER = 40  # Ulysses' rearranges, contiguous copies and all-to-all calls, one layer
 ZERO3_OPS_PER_MODULE_PASS = 150  # ZeRO-3's Python hooks on every module, forward and backward
 # (DeepSpeed's parameter coordinator; what makes ZeRO-3 slow for small models)
 # The fixed cost of one operator call and of one small collective come from the cluster
@@ -45,11 +53,12 @@ class StepTime:
     pp_comm: float
     offload: float
     overhead: float = 0.0  # operator calls and ZeRO-3 fetch bookkeeping, independent of size
+    cp_comm: float = 0.0  # Ulysses' all-to-alls
 
     @property
     def total(self) -> float:
-        return (self.compute + self.tp_comm + self.dp_comm + self.pp_bubble + self.pp_comm + self.offload
-                + self.overhead)
+        return (self.compute + self.tp_comm + self.cp_comm + self.dp_comm + self.pp_bubble + self.pp_comm
+                + self.offload + self.overhead)
 
 
 def _ring(bytes_: float, ranks: int, bandwidth: float, *, all_reduce: bool, latency: float) -> float:
@@ -57,6 +66,12 @@ def _ring(bytes_: float, ranks: int, bandwidth: float, *, all_reduce: bool, late
         return 0.0
     factor = 2 * (ranks - 1) / ranks if all_reduce else (ranks - 1) / ranks
     return factor * bytes_ / bandwidth + latency
+
+
+def _all_to_all(bytes_: float, ranks: int, bandwidth: float, *, latency: float) -> float:
+    if ranks <= 1:
+        return 0.0
+    return (ranks - 1) / ranks * bytes_ / bandwidth + latency
 
 
 def _bandwidth(cluster: Cluster, group_span: int) -> float:
@@ -67,7 +82,7 @@ def _bandwidth(cluster: Cluster, group_span: int) -> float:
 def step_time(desc: ModelDesc, layout: Layout, job: Job, cluster: Cluster) -> StepTime:
     """Seconds per optimizer step (see the module docstring for the model)."""
     w = job.param_bytes
-    tokens_per_rank = job.global_batch * job.seq_len / layout.dp  # each replica's share
+    tokens_per_rank = job.global_batch * job.seq_len / (layout.dp * layout.cp)  # each rank's share
     flops = desc.flops_per_token(job.seq_len) * tokens_per_rank / (layout.tp * layout.pp)
     if layout.activation_checkpointing == "full":
         flops *= RECOMPUTE_FACTOR
@@ -78,47 +93,67 @@ def step_time(desc: ModelDesc, layout: Layout, job: Job, cluster: Cluster) -> St
     stages = stage_shapes(desc, layout.tp, layout.pp)
     busiest = max(stages, key=lambda s: s.params)
     micro_batches = layout.grad_accum
-    activation_bytes = layout.micro_batch * job.seq_len * desc.hidden * w
+    local_tokens = layout.micro_batch * job.seq_len / layout.cp
+    activation_bytes = local_tokens * desc.hidden * w
+    lat = cluster.collective_latency_s
+    recompute = layout.activation_checkpointing == "full"
 
     # Tensor parallel: 2 all-reduces forward, 2 backward per layer and micro-batch (+2 recompute),
     # and 4 more for the vocab-parallel embedding and loss.
-    tp_calls = ((4 + 2 * (layout.activation_checkpointing == "full")) * busiest.layers + 4) * micro_batches
+    tp_calls = ((4 + 2 * recompute) * busiest.layers + 4) * micro_batches
     tp_comm = (1 - TP_OVERLAP) * tp_calls * _ring(activation_bytes, layout.tp,
                                                    _bandwidth(cluster, layout.tp), all_reduce=True,
-                                                   latency=cluster.collective_latency_s)
+                                                   latency=lat)
 
-    # Data parallel: the dp group's ranks sit tp apart (tensor ranks are innermost).
-    dp_bw = _bandwidth(cluster, layout.dp * layout.tp)
-    lat = cluster.collective_latency_s
+    # Context parallel (Ulysses): per layer, q, k, v and the output each cross the context group
+    # once forward (again with recompute) and their gradients once backward.
+    cp_comm = 0.0
+    if layout.cp > 1:
+        kv = ulysses_kv_heads(desc, tp=layout.tp, cp=layout.cp) * desc.head_dim
+        cp_bw = _bandwidth(cluster, layout.tp * layout.cp)
+        per_pass = sum(_all_to_all(local_tokens * width * w, layout.cp, cp_bw, latency=lat)
+                       for width in (desc.hidden / layout.tp, kv, kv, desc.hidden / layout.tp))
+        forwards = 1 + recompute  # each forward also all-gathers the position ids (small)
+        cp_comm = (1 - CP_OVERLAP) * ((2 + recompute) * per_pass + forwards * lat) * busiest.layers * micro_batches
+
+    # Data parallel: ZeRO's group is data x context; its ranks sit tp apart (tensor ranks are
+    # innermost), and an hpZ group is zero_hpz consecutive ranks.
+    d = layout.zero_ranks
+    dp_bw = _bandwidth(cluster, d * layout.tp)
     grad_bytes = busiest.params * w
     if layout.zero_stage == 0:  # one all-reduce, bucketed behind the backward pass
-        reduce = _ring(grad_bytes, layout.dp, dp_bw, all_reduce=True, latency=lat)
+        reduce = _ring(grad_bytes, d, dp_bw, all_reduce=True, latency=lat)
         gather = 0.0
     elif layout.zero_stage == 1:  # reduce to the owners at the boundary, gather updated params after
-        reduce = _ring(grad_bytes, layout.dp, dp_bw, all_reduce=False, latency=lat)
-        gather = _ring(grad_bytes, layout.dp, dp_bw, all_reduce=False, latency=lat)
+        reduce = _ring(grad_bytes, d, dp_bw, all_reduce=False, latency=lat)
+        gather = _ring(grad_bytes, d, dp_bw, all_reduce=False, latency=lat)
     elif layout.zero_stage == 2:  # gradients are reduce-scattered at every micro-batch
-        reduce = micro_batches * _ring(grad_bytes, layout.dp, dp_bw, all_reduce=False, latency=lat)
-        gather = _ring(grad_bytes, layout.dp, dp_bw, all_reduce=False, latency=lat)  # updated params
+        reduce = micro_batches * _ring(grad_bytes, d, dp_bw, all_reduce=False, latency=lat)
+        gather = _ring(grad_bytes, d, dp_bw, all_reduce=False, latency=lat)  # updated params
     else:  # ZeRO-3: gather parameters for forward and backward of every micro-batch
-        reduce = micro_batches * _ring(grad_bytes, layout.dp, dp_bw, all_reduce=False, latency=lat)
-        gather = (1 - ZERO3_GATHER_OVERLAP) * 2 * micro_batches * _ring(grad_bytes, layout.dp, dp_bw,
-                                                                        all_reduce=False, latency=lat)
+        reduce = micro_batches * _ring(grad_bytes, d, dp_bw, all_reduce=False, latency=lat)
+        forward = _ring(grad_bytes, d, dp_bw, all_reduce=False, latency=lat)
+        if layout.zero_hpz > 1:  # backward's from the secondary partition, inside the hpZ group
+            backward = _ring(grad_bytes, layout.zero_hpz, _bandwidth(cluster, layout.zero_hpz), all_reduce=False,
+                             latency=lat)
+        else:
+            backward = forward
+        gather = (1 - ZERO3_GATHER_OVERLAP) * micro_batches * (forward + backward)
     dp_comm = (1 - DP_OVERLAP) * reduce + gather
 
     # Pipeline: (p - 1) idle micro-batch slots of the 1F1B schedule, and activations sent across.
     bubble = compute * (layout.pp - 1) / micro_batches if layout.pp > 1 else 0.0
-    if cluster.cores_per_node and cluster.gpus_per_node > cluster.cores_per_node:
+    if cluster.is_cpu and cluster.gpus_per_node > cluster.cores_per_node:
         # CPU ranks sharing cores: in the bubble the busy ranks get the idle ones' share.
         bubble /= cluster.gpus_per_node / cluster.cores_per_node
     pp_comm = 0.0
     if layout.pp > 1:
         pp_bw = _bandwidth(cluster, layout.tp * layout.dp * 2)
-        pp_comm = 2 * micro_batches * (activation_bytes / layout.tp / pp_bw + cluster.collective_latency_s)
+        pp_comm = 2 * micro_batches * (activation_bytes / layout.tp / pp_bw + lat)
 
     # Offload: the optimizer step on the CPU, gradients down and parameters up over PCIe.
     offload = 0.0
-    partition = busiest.params / layout.dp
+    partition = busiest.params / d
     if layout.offload_optimizer:
         offload += partition / CPU_ADAM_PARAMS_PER_S + 2 * partition * 4 / cluster.host_to_device_bandwidth
     if layout.offload_param:
@@ -132,11 +167,13 @@ def step_time(desc: ModelDesc, layout: Layout, job: Job, cluster: Cluster) -> St
         modules = len(desc.layer_tensors) + 1
         overhead += (2 * modules * busiest.layers * micro_batches * ZERO3_OPS_PER_MODULE_PASS
                      * cluster.op_overhead_s)
-    if layout.zero_stage == 3 and layout.dp > 1:
+    if layout.zero_stage == 3 and d > 1:
         fetched = sum(1 for n, s in desc.layer_tensors if (n // layout.tp if s else n) > ZERO3_PERSISTENCE_THRESHOLD)
         fetches = 2 * fetched * busiest.layers * micro_batches
-        overhead += fetches * (cluster.collective_latency_s + ZERO3_OPS_PER_FETCH * cluster.op_overhead_s)
-    if not cluster.cores_per_node:  # a GPU: the host issues work while the device computes
+        overhead += fetches * (lat + ZERO3_OPS_PER_FETCH * cluster.op_overhead_s)
+    if layout.cp > 1:  # Ulysses' reshapes and copies around its 8 all-to-alls (and the position gather)
+        overhead += ULYSSES_OPS_PER_LAYER * passes * busiest.layers * micro_batches * cluster.op_overhead_s
+    if not cluster.is_cpu:  # a GPU: the host issues work while the device computes
         overhead = max(0.0, overhead - compute)
     return StepTime(compute=compute, tp_comm=tp_comm, dp_comm=dp_comm, pp_bubble=bubble, pp_comm=pp_comm,
-                    offload=offload, overhead=overhead)
+                    offload=offload, overhead=overhead, cp_comm=cp_comm)

@@ -2,9 +2,11 @@
 
 For 500 random Llama-family models (heads, kv heads, layers, widths, vocabularies) on random
 clusters (GPU type, nodes, GPUs per node) and jobs (sequence length, global batch, precision),
-every candidate obeys the rules, and the DeepSpeed JSON of the ones `dsf plan` shows (the top
-fitting layouts and the closest misses) passes DeepSpeed's own DeepSpeedConfig at its
-data-parallel size, with the run config `dsf train` would read.
+every candidate obeys the rules (tensor, pipeline, context parallel and hpZ axes alike: the
+layout dsf train would check, ParallelDims with cp and zero_hpz, is accepted by
+check_model_layout), and the DeepSpeed JSON of the ones `dsf plan` shows (the top fitting
+layouts, the closest misses, and the best context-parallel and hpZ ones) passes DeepSpeed's own
+DeepSpeedConfig at its data-parallel size, with the run config `dsf train` would read.
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ def models(draw):
 
 @settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(config=models(), cluster_name=st.sampled_from(CLUSTER_PRESETS), nodes=st.sampled_from([1, 2, 3, 4, 16, 64]),
-       gpus_per_node=st.sampled_from([1, 2, 4, 8]), seq_len=st.sampled_from([128, 512, 2048, 8192]),
+       gpus_per_node=st.sampled_from([1, 2, 4, 8]), seq_len=st.sampled_from([128, 512, 2048, 8192, 131072]),
        batch_factor=st.integers(1, 64), precision=st.sampled_from(["fp32", "bf16", "fp16"]))
 def test_every_candidate_is_valid(config, cluster_name, nodes, gpus_per_node, seq_len, batch_factor, precision):
     desc = describe_model(config, name="random")
@@ -47,21 +49,32 @@ def test_every_candidate_is_valid(config, cluster_name, nodes, gpus_per_node, se
     plan = search(desc, cluster, job, suggest=False)
     for c in plan.candidates:
         lay = c.layout
-        assert lay.dp * lay.tp * lay.pp == cluster.world
+        assert lay.dp * lay.tp * lay.pp * lay.cp == cluster.world == lay.world
         assert lay.micro_batch * lay.grad_accum * lay.dp == job.global_batch
         assert lay.pp == 1 or lay.zero_stage <= 1, "the pipeline engine takes ZeRO 0/1 only"
         # the rules dsf train and dsf launch apply (one rule set) accept it
-        check_model_layout(ParallelDims(world=cluster.world, tp=lay.tp, pp=lay.pp), config,
-                           ranks_per_node=gpus_per_node, dp=lay.dp)
+        dims = ParallelDims(world=cluster.world, tp=lay.tp, pp=lay.pp, cp=lay.cp, zero_stage=lay.zero_stage,
+                            zero_hpz=lay.zero_hpz)
+        assert dims == lay.dims and dims.dp == lay.dp and dims.zero_ranks == lay.zero_ranks
+        check_model_layout(dims, config, ranks_per_node=gpus_per_node, dp=lay.dp, seq_len=seq_len)
         assert config.num_attention_heads % lay.tp == 0 and config.num_key_value_heads % lay.tp == 0
+        assert lay.cp == 1 or (lay.pp == 1 and seq_len % lay.cp == 0)
+        assert lay.zero_hpz == 1 or (lay.zero_stage == 3 and lay.tp == 1 and lay.zero_ranks % lay.zero_hpz == 0
+                                     and lay.zero_hpz <= gpus_per_node)
         assert lay.tp <= gpus_per_node and lay.pp <= config.num_hidden_layers
         assert not lay.offload_param or (lay.zero_stage == 3 and lay.offload_optimizer)
         assert c.memory.total > 0 and c.time.total > 0
     misses = [c for c in plan.candidates if not c.fits]
-    for c in plan.fitting[:SHOWN_FITTING] + misses[:SHOWN_MISSES]:
+    shown = plan.fitting[:SHOWN_FITTING] + misses[:SHOWN_MISSES]
+    for axis in (lambda lay: lay.cp > 1, lambda lay: lay.zero_hpz > 1):  # the best of each new axis too
+        shown += [c for c in plan.candidates if axis(c.layout)][:1]
+    for c in shown:
         run = build_run_config(run_config_dict(c, model_name="tiny-llama", seq_len=seq_len,
                                                global_batch=job.global_batch, precision=precision))
         ds = build_ds_config(run.train, run.parallel, dp_size=c.layout.dp)
         assert ds["train_batch_size"] == (ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"]
                                           * c.layout.dp)
+        assert (run.parallel.cp, run.parallel.zero_hpz) == (c.layout.cp, c.layout.zero_hpz)
+        assert ds.get("sequence_parallel_size", 1) == c.layout.cp
+        assert ds["zero_optimization"].get("zero_hpz_partition_size", 1) == c.layout.zero_hpz
         validate_ds_config(ds, dp_size=c.layout.dp)

@@ -1,0 +1,86 @@
+"""Facts about what the run does that the planner must count the same way: one copy of each.
+
+    ZERO_REDUCE_BUCKET                   # elements; dsconfig.py writes it, planner/memory.py counts it
+    padded_vocab(50257, tp=2)            # 50258: rows the vocab-parallel embedding holds, all ranks
+    partition_balanced([5, 1, 1, 5], 2)  # [0, 2, 4]: DeepSpeed's pipeline stage boundaries
+
+Pure (no torch, no torch.distributed, no disk), so the planner imports it. Each fact has one
+home here and its users import it: the ZeRO settings `dsconfig.py` writes into the DeepSpeed JSON
+and `planner/memory.py` turns into buffer bytes; the vocabulary padding of
+`parallel/tensor.py`'s VocabParallelEmbedding / LMHead and the planner's embedding and logits
+rows; and the stage boundaries of `parallel/pipeline.py` (which rank materialises which layers)
+and the planner's stage shapes. `partition_balanced` is DeepSpeed's own algorithm
+(deepspeed.runtime.utils.partition_balanced, which PipelineModule runs), rewritten vectorised so
+planning thousands of layouts stays fast; tests/unit/test_planner_facts.py pins it to
+DeepSpeed's output on random and real weights.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+# --- ZeRO settings dsf writes into the DeepSpeed JSON (elements) ------------------------------------
+ZERO_REDUCE_BUCKET = 50_000_000          # zero_optimization.reduce_bucket_size (stages 1-3)
+ZERO_ALLGATHER_BUCKET = 50_000_000       # zero_optimization.allgather_bucket_size (stages 1-2)
+ZERO3_PREFETCH_BUCKET = 50_000_000       # zero_optimization.stage3_prefetch_bucket_size
+ZERO3_PERSISTENCE_THRESHOLD = 100_000    # stage3_param_persistence_threshold: smaller tensors stay whole
+STAGE0_ALLREDUCE_BUCKET = 500_000_000    # DeepSpeed's default allreduce_bucket_size (stage 0; not written)
+
+
+# --- vocabulary padding --------------------------------------------------------------------------
+
+def padded_vocab(num_embeddings: int, *, tp: int, multiple: int | None = None) -> int:
+    """Rows of the vocab-parallel embedding / head over all tensor ranks: `num_embeddings` padded
+    to a multiple of lcm(`multiple`, tp) with zero rows; each rank holds this / tp of them."""
+    step = math.lcm(multiple or 1, tp)
+    return -(-num_embeddings // step) * step
+
+
+# --- pipeline stage boundaries ---------------------------------------------------------------------
+
+def partition_uniform(num_items: int, num_parts: int) -> list[int]:
+    """DeepSpeed's partition_uniform: `num_parts` + 1 boundaries, the first parts one larger."""
+    if num_items <= num_parts:
+        return [min(p, num_items) for p in range(num_parts + 1)]
+    chunk, residual = divmod(num_items, num_parts)
+    return [p * chunk + min(p, residual) for p in range(num_parts + 1)]
+
+
+def partition_balanced(weights: list[int] | list[float], num_parts: int) -> list[int]:
+    """DeepSpeed's partition_balanced (deepspeed.runtime.utils, what PipelineModule runs for
+    partition_method 'parameters' and 'type:...'): the linear-partition dynamic programme that
+    minimises the heaviest part minus the lightest, ties going to the last split point, as
+    DeepSpeed breaks them. Same result; the inner loop over split points is a numpy row."""
+    n, m = len(weights), num_parts
+    if n <= m:
+        return partition_uniform(n, m)
+    prefix = np.zeros(n + 1)
+    prefix[1:] = np.cumsum(np.asarray(weights, dtype=np.float64))
+    dp_max = np.full((n + 1, m + 1), np.inf)
+    dp_min = np.full((n + 1, m + 1), np.inf)
+    position = np.zeros((n + 1, m + 1), dtype=np.int64)
+    dp_max[0, 0] = 0.0  # (DeepSpeed leaves dp_min[0, 0] at inf; so does this)
+    rows = np.arange(n + 1)
+    for j in range(1, m + 1):
+        i = rows[j:, None]                      # prefixes with at least j items
+        k = rows[None, :n]                      # the last part is items k..i-1
+        seg = prefix[i] - prefix[k]
+        hi = np.maximum(dp_max[:n, j - 1][None, :], seg)
+        lo = np.minimum(dp_min[:n, j - 1][None, :], seg)
+        cost = np.where(k < i, hi - lo, np.nan)  # k >= i: not a split of this prefix
+        # DeepSpeed keeps the last k whose cost is <= every earlier one: the last minimum
+        # (a cost of inf only where nothing finite exists, which j <= i rules out).
+        best = np.nanmin(cost, axis=1)
+        last = n - 1 - np.argmax((cost == best[:, None])[:, ::-1], axis=1)
+        position[j:, j] = last
+        dp_max[j:, j] = hi[np.arange(len(last)), last]
+        dp_min[j:, j] = lo[np.arange(len(last)), last]
+    parts = [n]
+    for j in range(m, 0, -1):
+        parts.append(int(position[parts[-1], j]))
+    return parts[::-1]
+
+
+__all__ = ["ZERO_REDUCE_BUCKET", "ZERO_ALLGATHER_BUCKET", "ZERO3_PREFETCH_BUCKET", "ZERO3_PERSISTENCE_THRESHOLD",
+           "STAGE0_ALLREDUCE_BUCKET", "padded_vocab", "partition_uniform", "partition_balanced"]

@@ -1,7 +1,7 @@
 """Bytes per rank of a layout: parameters, gradients, optimizer states, activations, buffers;
 and the host memory a node needs to build the model, hold what is offloaded, and export it.
 
-    layout = Layout(dp=8, tp=2, pp=1, zero_stage=3, micro_batch=2, grad_accum=4)
+    layout = Layout(dp=8, tp=2, pp=1, zero_stage=3, micro_batch=2, grad_accum=4)   # cp=, zero_hpz= too
     mem = memory_per_rank(desc, layout, Job(seq_len=4096, global_batch=64, precision="bf16"))
     mem.total / 2**30                  # GiB on the busiest rank
     mem.cpu_per_rank                   # offloaded bytes in host memory, per rank
@@ -24,6 +24,13 @@ splitting, w the parameter bytes (4 fp32, 2 bf16/fp16), d the data-parallel size
            persistent ones
            (<= 1e5 elements,
            kept whole)
+           + w P / N with hpZ
+
+d is the ranks ZeRO shards over: data x context parallel (`Layout.zero_ranks`; the context ranks
+of a replica hold the same weights, DeepSpeed's sequence-data-parallel group). ZeRO++ hpZ
+(`zero_hpz` = N) keeps a secondary copy of the weight partitions inside each group of N ranks,
+w P / N bytes, so backward's all-gathers stay inside the group; gradients and optimizer states
+stay sharded over all d.
 
 Offloading the optimizer moves its 12 P / d and an fp32 gradient partition (4 P / d) to host
 memory (ZeRO-2 then keeps no gradient partition on the device; ZeRO-3 keeps its w P / d one);
@@ -64,6 +71,19 @@ the math kernel; and the layers are transformers' own. Per layer, in elements of
                                          (+ 2 h bytes of dropout masks, + 5 a s / t with attention
                                          dropout, as in Korthikanti)
 
+The MLP's count depends on its activation function (`ACTIVATION_SAVED`, tensors of width f it
+keeps besides its output): SwiGLU keeps gate, up, act(gate) and their product (3 f) + the
+activation's (silu: 1); GPT-2's MLP keeps the activation's output (f) + the activation's
+(gelu_new: 4, the 5 f above; gelu_pytorch_tanh: 1).
+
+Context parallelism (DeepSpeed Ulysses, cp ranks per sequence): each rank holds seq_len / cp
+tokens outside attention, so every per-token term above is per token of its shard. Attention
+all-to-alls q, k, v to the whole sequence for heads / cp heads, the same elements per shard token,
+except that k and v of kv / tp < cp heads are repeated to one head per rank (cp heads' worth per
+token); the output comes back through an all-to-all, so the copy o_proj keeps is a second tensor
+beside sdpa's (+ h per token). The all-to-alls' send and receive buffers of one layer are a buffer.
+Measured in tests/unit/test_planner_context.py (a fake process group of cp ranks in one process).
+
 With full activation checkpointing a layer keeps only its input (h elements); its full
 activations exist again, one layer at a time, during the backward recompute (counted as a
 buffer). Selective recomputation (Korthikanti section 4.2) recomputes exactly the s x s term that
@@ -71,8 +91,9 @@ sdpa never stores, so it equals `none` here and is not offered. The first and la
 keep the embedding's token ids, the final norm's inputs and the fp32 logits the loss reads (b s V
 / t x 4 bytes). Under 1F1B, stage i holds min(pp - i, grad_accum) micro-batches in flight.
 
-Buffers: ZeRO's communication buckets (reduce 5e7 elements, all-gather 5e7 at stages 1-2,
-ZeRO-3's prefetch bucket and the gathered working set of two layers), the fp32 gradient
+Buffers: ZeRO's communication buckets (the sizes dsconfig.py writes, from runtime_facts: reduce
+5e7 elements, all-gather 5e7 at stages 1-2, ZeRO-3's prefetch bucket and the gathered working
+set of two layers), the fp32 gradient
 partition made at the optimizer step, DeepSpeed's 5e8-element all-reduce bucket at stage 0, the
 logits and their gradient, pipeline send/receive buffers, and the recompute working set.
 """
@@ -273,7 +294,10 @@ def layer_activation_bytes(desc: ModelDesc, *, micro_batch: int, seq_len: int, t
         return bs * (norms + split / tp)
     if desc.family == "gpt2":
         norms = 2 * (2 * h * w + 2 * 4)
-        split = (6 * h + ulysses_out + (1 + act) * f) * w + a * 4
+        # q, k, v views of the fused QKV output and sdpa's contiguous copies, out; under Ulysses
+        # q, k, v arrive contiguous from the all-to-all (3h) and the output is kept twice (2h)
+        attention = 6 * h if cp <= 1 else 5 * h
+        split = (attention + (1 + act) * f) * w + a * 4
         extra = 0.0
         if desc.dropout > 0:  # masks (1 byte); attention dropout forces the s x s math kernel
             extra = 2 * h + 5 * a * seq_len / tp * w / 2

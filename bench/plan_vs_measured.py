@@ -2,11 +2,13 @@
 
     .venv/bin/python bench/plan_vs_measured.py                 # small-llama, 4 ranks, ~5-8 min
     .venv/bin/python bench/plan_vs_measured.py --profile cpu4.json --json
+    .venv/bin/python bench/plan_vs_measured.py --axes hpz    # leave out context parallel layouts
 
 1. Calibrates this machine (`dsf calibrate --ranks 4`) unless --profile is given.
-2. Plans the job on that profile and takes every (tp, pp, ZeRO stage) the rules allow, each with
-   the micro-batch the planner prefers for it (no offload, no checkpointing: what changes the
-   speed of a model this small is the layout).
+2. Plans the job on that profile and takes every (tp, pp, cp, ZeRO stage, hpZ) the rules allow,
+   each with the micro-batch the planner prefers for it (no offload, no checkpointing: what
+   changes the speed of a model this small is the layout). --axes chooses which of the newer
+   axes take part (default: hpz,cp; at 4 ranks hpZ is ZeRO-3 with groups of 2, cp is 2 or 4).
 3. Trains each with `deepspeed --num_gpus 4 dsf train` for --steps steps and takes the median
    tokens/s of the steps after --warmup.
 4. Prints predicted and measured tokens/s side by side, the Spearman rank correlation, and how
@@ -52,25 +54,29 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return cov / norm if norm else 0.0
 
 
-def layouts_to_measure(plan) -> list:
-    """The planner's favourite candidate of each (tp, pp, zero_stage), no offload, no checkpointing."""
+def layouts_to_measure(plan, axes: set[str] = frozenset({"hpz", "cp"})) -> list:
+    """The planner's favourite candidate of each (tp, pp, cp, zero_stage, zero_hpz), no offload,
+    no checkpointing; cp > 1 only with "cp" in `axes`, hpZ only with "hpz"."""
     chosen = {}
     for c in plan.fitting:  # ranked fastest first
         lay = c.layout
         if lay.offload_optimizer or lay.activation_checkpointing != "none":
             continue
-        chosen.setdefault((lay.tp, lay.pp, lay.zero_stage), c)
+        if (lay.cp > 1 and "cp" not in axes) or (lay.zero_hpz > 1 and "hpz" not in axes):
+            continue
+        chosen.setdefault((lay.tp, lay.pp, lay.cp, lay.zero_stage, lay.zero_hpz), c)
     return sorted(chosen.values(), key=lambda c: -c.tokens_per_s)
 
 
 def measure(candidate, args, work: Path) -> float:
     lay = candidate.layout
-    out = work / f"tp{lay.tp}_pp{lay.pp}_z{lay.zero_stage}_mb{lay.micro_batch}"
+    out = work / f"tp{lay.tp}_pp{lay.pp}_cp{lay.cp}_z{lay.zero_stage}_hpz{lay.zero_hpz}_mb{lay.micro_batch}"
     sets = [f"model.name={args.model}", "model.overrides.vocab_size=512", "data.dataset=counting",
             "data.num_examples=3000", f"data.seq_len={args.seq_len}", f"train.steps={args.steps}",
             f"train.global_batch={args.global_batch}", f"train.micro_batch={lay.micro_batch}",
             "train.grad_accum=null", "train.precision=fp32", "train.warmup_steps=1",
-            f"parallel.tp={lay.tp}", f"parallel.pp={lay.pp}", f"parallel.zero_stage={lay.zero_stage}",
+            f"parallel.tp={lay.tp}", f"parallel.pp={lay.pp}", f"parallel.cp={lay.cp}",
+            f"parallel.zero_stage={lay.zero_stage}", f"parallel.zero_hpz={lay.zero_hpz}",
             "logging.every=1", "logging.eval_every=0", "logging.progress=false", "checkpoint.every=0",
             "checkpoint.save_final=false", f"output_dir={out}"]
     cmd = [str(BIN / "deepspeed"), "--num_gpus", str(args.ranks), "--master_port", str(free_port()),
@@ -93,6 +99,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=4, help="steps left out of the median")
     parser.add_argument("--profile", type=Path, help="a dsf calibrate profile (default: calibrate now)")
+    parser.add_argument("--axes", default="hpz,cp",
+                        help="newer axes to include, comma-separated: hpz, cp (empty: tp x pp x ZeRO only)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
 
@@ -109,14 +117,15 @@ def main(argv: list[str] | None = None) -> None:
     source = resolve_model(ModelSpec(name=args.model, overrides={"vocab_size": 512}))
     desc = describe_model(source.config, name=args.model)
     plan = search(desc, cluster, Job(seq_len=args.seq_len, global_batch=args.global_batch, precision="fp32"))
-    chosen = layouts_to_measure(plan)
+    chosen = layouts_to_measure(plan, {a.strip() for a in args.axes.split(",") if a.strip()})
     with tempfile.TemporaryDirectory(prefix="dsf-plan-bench-") as tmp:
         measured = [measure(c, args, Path(tmp)) for c in chosen]
     predicted = [c.tokens_per_s for c in chosen]
     rho = spearman(predicted, measured)
     best_measured = max(measured)
     first_choice = measured[0] / best_measured  # chosen[0] is the planner's first choice
-    rows = [{"tp": c.layout.tp, "pp": c.layout.pp, "dp": c.layout.dp, "zero_stage": c.layout.zero_stage,
+    rows = [{"tp": c.layout.tp, "pp": c.layout.pp, "cp": c.layout.cp, "dp": c.layout.dp,
+             "zero_stage": c.layout.zero_stage, "zero_hpz": c.layout.zero_hpz,
              "micro_batch": c.layout.micro_batch, "grad_accum": c.layout.grad_accum,
              "predicted_tokens_per_s": p, "measured_tokens_per_s": m} for c, p, m in zip(chosen, predicted, measured)]
     if args.json:
@@ -126,11 +135,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{args.model} on {args.ranks} CPU ranks, seq {args.seq_len}, global batch {args.global_batch}, fp32; "
           f"profile {profile['name']} (fp32 {profile['peak_flops']['fp32'] / 1e9:.1f} GFLOP/s per rank, "
           f"all-reduce {profile['intra_node_bandwidth'] / 1e9:.2f} GB/s)\n")
-    print("| planner rank | tp | pp | dp | ZeRO | micro x accum | predicted tokens/s | measured tokens/s | measured rank |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| planner rank | tp | pp | cp | dp | ZeRO | micro x accum | predicted tokens/s | measured tokens/s | "
+          "measured rank |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     order = sorted(range(len(measured)), key=lambda i: -measured[i])
     for i, row in enumerate(rows):
-        print(f"| {i + 1} | {row['tp']} | {row['pp']} | {row['dp']} | {row['zero_stage']} | "
+        zero = f"{row['zero_stage']} hpZ{row['zero_hpz']}" if row["zero_hpz"] > 1 else str(row["zero_stage"])
+        print(f"| {i + 1} | {row['tp']} | {row['pp']} | {row['cp']} | {row['dp']} | {zero} | "
               f"{row['micro_batch']}x{row['grad_accum']} | {row['predicted_tokens_per_s']:,.0f} | "
               f"{row['measured_tokens_per_s']:,.0f} | {order.index(i) + 1} |")
     print(f"\nSpearman rank correlation: {rho:.2f} (target >= 0.7)")

@@ -135,12 +135,13 @@ def test_dsf_plan_table_and_json_schema():
     assert table.exit_code == 0 and "tokens/s" in table.output and "| 3 |" in table.output
     data = json.loads(_plan(*args, "--json").stdout)
     record = data["candidates"][0]
-    assert set(record) >= {"dp", "tp", "pp", "zero_stage", "offload_optimizer", "offload_param", "micro_batch",
+    assert set(record) >= {"dp", "tp", "pp", "cp", "zero_stage", "zero_hpz", "offload_optimizer", "offload_param",
+                           "micro_batch",
                            "grad_accum", "activation_checkpointing", "fits", "memory", "cpu_memory",
                            "step_time_s", "tokens_per_s"}
     assert set(record["memory"]) == {"params", "grads", "optimizer", "activations", "buffers", "total"}
     assert record["fits"] and record["memory"]["total"] < 80 * GiB
-    assert record["dp"] * record["tp"] * record["pp"] == 16
+    assert record["dp"] * record["tp"] * record["pp"] * record["cp"] == 16
 
 
 def test_dsf_plan_writes_a_run_config_dsf_train_reads(tmp_path):

@@ -114,6 +114,9 @@ def _zero_section(parallel: ParallelSpec) -> dict[str, Any]:
         zero.update(stage3_prefetch_bucket_size=ZERO3_PREFETCH_BUCKET,
                     stage3_param_persistence_threshold=ZERO3_PERSISTENCE_THRESHOLD,
                     stage3_gather_16bit_weights_on_model_save=False)
+    if parallel.zero_stage == 3 and parallel.cp > 1:
+        # ZeRO-3's reduce-scatter path: the one parallel.context.zero_gradient_scale corrects for.
+        zero["reduce_scatter"] = True
     if parallel.zero_hpz > 1:
         # ZeRO++ hpZ: a secondary copy of the weight shards within each group of this many ranks.
         zero["zero_hpz_partition_size"] = parallel.zero_hpz

@@ -79,7 +79,8 @@ def check_output_dir(run: RunConfig, *, resume: bool, overwrite: bool) -> dict[s
 
 def layout_of(run: RunConfig, dims: ParallelDims) -> dict[str, int]:
     """What a checkpoint records of the layout it was saved at (its manifest's `layout`)."""
-    return {"world": dims.world, "tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "zero_stage": run.parallel.zero_stage}
+    return {"world": dims.world, "tp": dims.tp, "pp": dims.pp, "cp": dims.cp, "dp": dims.dp,
+            "zero_stage": run.parallel.zero_stage, "zero_hpz": dims.zero_hpz}
 
 
 def resume_tag(run: RunConfig, dims: ParallelDims, manifest: dict[str, Any] | None, config: Any) -> tuple[str, bool]:
@@ -106,6 +107,11 @@ def resume_tag(run: RunConfig, dims: ParallelDims, manifest: dict[str, Any] | No
         raise UserError("parallel.zero_stage", stage, f"differs from the checkpoint's {saved['zero_stage']} (a "
                         "resume keeps the ZeRO stage; tp, pp and dp may change)",
                         f"resume with parallel.zero_stage={saved['zero_stage']}")
+    for key in ("cp", "zero_hpz"):  # (absent from manifests written before these axes: 1)
+        if saved.get(key, 1) != now[key]:
+            raise UserError(f"parallel.{key}", now[key], f"differs from the checkpoint's {saved.get(key, 1)} (a resume "
+                            "keeps the context-parallel size and the hpZ group; tp, pp and dp may change)",
+                            f"resume with parallel.{key}={saved.get(key, 1)}")
     if all(saved[key] == now[key] for key in ("tp", "pp", "dp")):
         return tag, False
     was = ParallelDims(world=saved["world"], tp=saved["tp"], pp=saved["pp"])
@@ -174,9 +180,26 @@ def step_batches(blocks: Any, sampler: BlockSampler, consumed: int) -> list:
     return [blocks[indices] for indices in sampler.micro_batches(consumed)]
 
 
-def _train_step(engine: Any, micro_batches: list, *, pipeline: bool, poison: bool = False) -> Any:
+def micro_batch_loss(engine: Any, input_ids: Any, *, grid: Any = None, context: bool = False,
+                     tensor_group: Any = None, vocab_size: int = 0, gradient_scale: float = 1.0) -> tuple[Any, Any]:
+    """(the loss to backpropagate, the micro-batch's mean loss detached) for whole sequences.
+
+    With context parallelism each rank runs its slice of the sequences and backpropagates its
+    share of the mean (parallel/context.py); otherwise the model's own causal LM loss."""
+    input_ids = input_ids.to(engine.device)
+    if context:
+        from dsframework.parallel.context import SequenceShard, sequence_shard_loss
+
+        return sequence_shard_loss(engine, SequenceShard.of(input_ids, grid), grid=grid, tensor_group=tensor_group,
+                                   vocab_size=vocab_size, gradient_scale=gradient_scale)
+    loss = engine(input_ids=input_ids, labels=input_ids).loss
+    return loss, loss.detach()
+
+
+def _train_step(engine: Any, micro_batches: list, *, pipeline: bool, poison: bool = False, **loss_kw: Any) -> Any:
     """One optimizer step over this rank's micro-batches; their mean loss (a float64 tensor).
-    `poison` makes the loss NaN (the fault tests' injected divergence)."""
+    `poison` makes the loss NaN (the fault tests' injected divergence); `loss_kw` go to
+    `micro_batch_loss`."""
     import torch
 
     if pipeline:  # DeepSpeed's pipeline engine runs the 1F1B schedule over all micro-batches
@@ -184,18 +207,18 @@ def _train_step(engine: Any, micro_batches: list, *, pipeline: bool, poison: boo
         return engine.train_batch(data_iter=data).detach().double()
     total = torch.zeros((), dtype=torch.float64)
     for input_ids in micro_batches:
-        input_ids = input_ids.to(engine.device)
-        loss = engine(input_ids=input_ids, labels=input_ids).loss
+        loss, value = micro_batch_loss(engine, input_ids, **loss_kw)
         if poison:
             loss = loss * float("nan")
+            value = value * float("nan")
         engine.backward(loss)
         engine.step()  # DeepSpeed steps the optimizer at the accumulation boundary only
-        total += loss.detach().double()
+        total += value.double()
     return total / len(micro_batches)
 
 
 def _evaluate(engine: Any, eval_blocks: Any, *, micro_batch: int, dp_size: int, dp_rank: int,
-              pipeline: bool) -> float:
+              pipeline: bool, **loss_kw: Any) -> float:
     """Mean loss over the held-out blocks, every rank running the same number of forwards
     (all micro-batches hold the same number of blocks)."""
     import torch
@@ -208,8 +231,7 @@ def _evaluate(engine: Any, eval_blocks: Any, *, micro_batch: int, dp_size: int, 
             mean = engine.eval_batch(iter([(ids, ids) for ids in batches]),
                                      num_micro_batches=len(batches)).item()
         else:
-            mean = sum(engine(input_ids=ids.to(engine.device), labels=ids.to(engine.device)).loss.item()
-                       for ids in batches) / max(len(batches), 1)
+            mean = sum(micro_batch_loss(engine, ids, **loss_kw)[1].item() for ids in batches) / max(len(batches), 1)
     engine.train()
     return mean_over_ranks(mean)
 
@@ -283,6 +305,18 @@ class Session:
     step: int = 0
     consumed_samples: int = 0
     built: Any = None  # tp/pp: what this rank materialised and read (models.construct.Materialized)
+    grid: Any = None  # tp or cp: the mpu deepspeed.initialize got (parallel.topology.build_grid)
+
+    @property
+    def loss_kw(self) -> dict[str, Any]:
+        """How `micro_batch_loss` computes this run's loss (context parallelism, vocab-parallel)."""
+        if not self.dims.cp_enabled:
+            return {}
+        from dsframework.parallel.context import zero_gradient_scale
+
+        return {"grid": self.grid, "context": True, "vocab_size": self.model_config.vocab_size,
+                "tensor_group": self.grid.get_slice_parallel_group() if self.dims.tp_enabled else None,
+                "gradient_scale": zero_gradient_scale(cp=self.dims.cp, zero_stage=self.dims.zero_stage)}
 
 
 def checked_layout(run: RunConfig, config: Any, *, world: int) -> ParallelDims:
@@ -315,7 +349,7 @@ def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False) ->
     # The grid hands DeepSpeed its data-parallel group (ZeRO shards and gradients are reduced
     # across it only) and our layers their tensor-parallel group.
     topology = build_topology(dims)
-    grid = build_grid(dims) if dims.tp_enabled else None
+    grid = build_grid(dims) if dims.tp_enabled or dims.cp_enabled else None
     dp_rank = topology.get_coord(rank).data
     ds_config = build_ds_config(run.train, run.parallel, dp_size=dims.dp)
     ds_config["wall_clock_breakdown"] = run.logging.breakdown
@@ -372,12 +406,16 @@ def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False) ->
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if dims.tp_enabled:
             model = TensorParallelCausalLM(model, group=grid.get_slice_parallel_group())
+        if dims.cp_enabled:
+            from dsframework.parallel.context import use_ulysses_attention
+
+            use_ulysses_attention(model, grid, micro_batch=batch.micro_batch, seq_len=run.data.seq_len, tp=dims.tp)
     # A PipelineModule brings its own grid (DeepSpeed refuses an mpu beside it).
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config,
         mpu=None if dims.pp_enabled else grid)
     session = Session(run, rank, dims, dp_rank, batch, engine, tokenizer, train_blocks, eval_blocks,
-                      num_parameters, config, built=construction)
+                      num_parameters, config, built=construction, grid=grid)
     if resume:
         state = ckpt.load(engine, run.checkpoint_dir, tag=load_tag)
         session.step, session.consumed_samples = state["step"], state["consumed_samples"]
@@ -401,14 +439,14 @@ def train(run: RunConfig, *, resume: bool = False, overwrite: bool = False) -> d
     tokens_per_step = batch.global_batch * run.data.seq_len
     if rank == 0:
         print(f"dsf: {session.num_parameters:,} parameters | world {dims.world} = tp {dims.tp} x pp {dims.pp} "
-              f"x dp {dims.dp} | ZeRO-{run.parallel.zero_stage} | batch {batch.micro_batch} x {batch.grad_accum} x {dims.dp}"
+              f"x cp {dims.cp} x dp {dims.dp} | ZeRO-{run.parallel.zero_stage} | batch {batch.micro_batch} x {batch.grad_accum} x {dims.dp}"
               f" = {batch.global_batch} | {len(train_blocks):,} train / {len(eval_blocks):,} eval "
               f"blocks of {run.data.seq_len} tokens | peak {meter.peak_per_rank / 1e12:.3g} TFLOP/s per rank "
               f"({meter.peak_source})", flush=True)
 
     def evaluate() -> float:
         return _evaluate(engine, eval_blocks, micro_batch=batch.micro_batch, dp_size=dims.dp,
-                         dp_rank=session.dp_rank, pipeline=dims.pp_enabled)
+                         dp_rank=session.dp_rank, pipeline=dims.pp_enabled, **session.loss_kw)
 
     last: dict[str, Any] = {}
     if not resume and run.logging.eval_every:
@@ -433,7 +471,7 @@ def train(run: RunConfig, *, resume: bool = False, overwrite: bool = False) -> d
 
     while step < stop:
         step_loss = _train_step(engine, step_batches(train_blocks, sampler, consumed),
-                                pipeline=dims.pp_enabled, poison=poison_step == step + 1)
+                                pipeline=dims.pp_enabled, poison=poison_step == step + 1, **session.loss_kw)
         step, consumed, window_steps = step + 1, consumed + batch.global_batch, window_steps + 1
         nonfinite.update(step, step_loss)
         breakdown.add_step()

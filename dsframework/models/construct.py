@@ -360,6 +360,16 @@ class Built:
     report: Materialized
 
 
+def zero_group(mpu: Any) -> Any:
+    """The group ZeRO partitions over: data x context ranks with context parallelism (DeepSpeed's
+    sequence-data group), else the data-parallel group; None (the world) without an mpu."""
+    if mpu is None:
+        return None
+    if hasattr(mpu, "get_sequence_data_parallel_group"):
+        return mpu.get_sequence_data_parallel_group()
+    return mpu.get_data_parallel_group()
+
+
 def build_for_layout(source: Any, config: Any, *, seed: int, tp_group: Any = None,
                      pipeline: tuple[int, int] | None = None, partition_method: str = "parameters",
                      zero3_ds_config: dict[str, Any] | None = None, mpu: Any = None) -> Built:
@@ -392,7 +402,7 @@ def build_for_layout(source: Any, config: Any, *, seed: int, tp_group: Any = Non
         import deepspeed
 
         zero3 = deepspeed.zero.Init(config_dict_or_path=zero3_ds_config, mpu=mpu,
-                                    data_parallel_group=mpu.get_data_parallel_group() if mpu else None)
+                                    data_parallel_group=zero_group(mpu))
     try:
         report = materialize(model, templates, values, owned=owned, zero3=zero3)
     finally:

@@ -1,12 +1,31 @@
-"""Context parallelism (DeepSpeed Ulysses): the rank grid with a sequence axis.
+"""Context parallelism (DeepSpeed Ulysses): the rank grid with a sequence axis, the attention
+that gathers the sequence, and the loss over sequence shards.
 
-    grid = ContextParallelGrid(topology=build_topology(ParallelDims(world=4, cp=2)))   # mpu
-    grid.get_sequence_parallel_group()        # the cp ranks that share one sequence
-    grid.get_sequence_data_parallel_group()   # data x context: what ZeRO shards and reduces over
-    deepspeed.initialize(..., mpu=grid)
+    grid = ContextParallelGrid(topology=build_topology(ParallelDims(world=4, cp=2)))   # the mpu
+    use_ulysses_attention(model, grid, micro_batch=4, seq_len=4096)  # before deepspeed.initialize
+    engine, *_ = deepspeed.initialize(model=model, ..., mpu=grid)
+    shard = SequenceShard.of(input_ids, grid)          # this rank's tokens, positions and labels
+    loss, mean = sequence_shard_loss(engine, shard, tensor_group=None, vocab_size=V)
+    engine.backward(loss)                              # `mean`: the micro-batch's loss, every rank
+
+How the pieces fit (DeepSpeed 0.19's "Arctic Long Sequence Training" components):
+- Each rank of a context group runs the model on its own seq_len/cp tokens with their global
+  position ids (rotary and learned positions see where they are). In every attention,
+  `UlyssesSPAttentionHF` all-to-alls q, k and v so each rank holds the whole sequence for
+  heads/cp of the heads, runs the model's own attention (sdpa, causal), and all-to-alls the
+  result back: everything outside attention only ever holds seq_len/cp tokens.
+- The loss of a micro-batch is the mean over all of its predicted tokens: each rank contributes
+  (sum of its tokens' losses) / (tokens the whole sequence predicts), and backward flows through
+  the all-to-alls to the other ranks' activations. DeepSpeed sums the gradients over the context
+  ranks and averages over the data-parallel replicas (it divides by its sequence-data group size
+  / cp), so the step is exactly that of one process seeing the whole sequence.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
+import torch
 from deepspeed import comm as dist
 from deepspeed.runtime.pipe.topology import PipelineParallelGrid
 
@@ -72,3 +91,123 @@ class ContextParallelGrid(PipelineParallelGrid):
 
     def get_model_parallel_rank(self) -> int:
         return self.get_slice_parallel_rank()
+
+
+# --- attention -----------------------------------------------------------------------------------
+
+def _ulysses_class():
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    class AnyBatchUlysses(UlyssesSPAttentionHF):
+        """DeepSpeed's Ulysses attention, taking the micro-batch size from each call (evaluation's
+        last micro-batch may be smaller than training's; DeepSpeed fixes it at construction)."""
+
+        def forward(self, module, query, key, value, attention_mask, *args, **kwargs):
+            if query.shape[0] != self.batch_size:
+                self.batch_size = query.shape[0]
+                self.required_query_shape = torch.Size([self.local_seq_length, *query.shape[:2], query.shape[-1]])
+                self.required_key_value_shape = torch.Size([self.local_seq_length, *key.shape[:2], key.shape[-1]])
+                self.required_context_shape = torch.Size([self.global_seq_length, self.batch_size,
+                                                          self.required_context_shape[-1]])
+            return super().forward(module, query, key, value, attention_mask, *args, **kwargs)
+
+    return AnyBatchUlysses
+
+
+def use_ulysses_attention(model: Any, grid: ContextParallelGrid, *, micro_batch: int, seq_len: int,
+                          tp: int = 1) -> None:
+    """Route `model`'s attention through DeepSpeed's Ulysses all-to-alls over the grid's context
+    group. As DeepSpeed's `register_with_transformers` does, the attention function the model
+    dispatches to (sdpa) is replaced in transformers' registry by a wrapper, so every code path
+    of the model that checks for sdpa still runs; this process trains one model, so the
+    replacement is for the process. With tensor parallelism each rank holds heads / tp."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    config = model.config
+    implementation = config._attn_implementation or "sdpa"
+    if implementation != "sdpa":  # eager needs a 4D mask of the full sequence (DeepSpeed refuses it)
+        config._attn_implementation = implementation = "sdpa"
+    core = ALL_ATTENTION_FUNCTIONS[implementation]
+    if getattr(core, "dsf_ulysses", False):
+        core = core.dsf_core  # already routed (a second model in this process): wrap the original
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    cp = grid.get_sequence_parallel_world_size()
+    attention = _ulysses_class()(
+        attn=core, batch_size=micro_batch, attn_head_count=heads // tp,
+        attn_head_size=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        kv_head_count=kv_heads // tp, num_hidden_layers=config.num_hidden_layers,
+        process_group=grid.get_sequence_parallel_group(), seq_length_is_variable=False,
+        local_seq_length=seq_len // cp, global_seq_length=seq_len)
+    attention.core_attn_implementation = implementation
+
+    def ulysses(module, query, key, value, attention_mask, *args, **kwargs):
+        # The model built its mask for the local shard; sdpa's causal flag covers the whole
+        # sequence after the all-to-all (and a full 4D mask would cost O(seq_len^2)).
+        output, weights = attention(module, query, key, value, None, *args, **kwargs)
+        # [batch, local tokens, heads * head_dim] -> [batch, local tokens, heads, head_dim], the shape
+        # transformers' attention functions return (GPT-2 merges the last two dims itself).
+        return output.view(*output.shape[:2], -1, query.shape[-1]), weights
+
+    ulysses.dsf_ulysses, ulysses.dsf_core = True, core
+    ALL_ATTENTION_FUNCTIONS[implementation] = ulysses
+
+
+# --- data and loss -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SequenceShard:
+    """This rank's slice of a micro-batch: its tokens, their global positions, and the label of
+    each (the next token; -100 after the last token of the sequence)."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    labels: torch.Tensor
+    predicted: int  # tokens with a label in the whole micro-batch, all shards together
+
+    @classmethod
+    def of(cls, input_ids: torch.Tensor, grid: Any) -> "SequenceShard":
+        """Cut whole sequences [batch, seq_len] (every rank of a context group holds the same)."""
+        cp, rank = grid.get_sequence_parallel_world_size(), grid.get_sequence_parallel_rank()
+        batch, seq_len = input_ids.shape
+        local = seq_len // cp
+        labels = torch.nn.functional.pad(input_ids[:, 1:], (0, 1), value=-100)
+        positions = torch.arange(seq_len, device=input_ids.device).expand(batch, seq_len)
+        mine = slice(rank * local, (rank + 1) * local)
+        return cls(input_ids[:, mine].contiguous(), positions[:, mine].contiguous(), labels[:, mine].contiguous(),
+                   predicted=int((labels != -100).sum()))
+
+
+def zero_gradient_scale(*, cp: int, zero_stage: int) -> float:
+    """What the backpropagated loss is multiplied by so that DeepSpeed's reduced gradients are
+    those of the mean loss.
+
+    ZeRO 0-2 (and ZeRO-3's all-reduce path) divide the summed gradients by the data x context
+    ranks / cp, as Ulysses needs. ZeRO-3's default reduce-scatter path (`reduce_scatter: true`,
+    `__avg_scatter_grads` -> `reduce_scatter_coalesced` in DeepSpeed 0.19) averages over all
+    data x context ranks instead, which leaves every gradient cp times too small: invisible to
+    Adam (scale-invariant) until clipping or eps differ, then the run drifts. The JSON pins
+    `reduce_scatter: true` with cp (dsconfig) so this factor always applies; the equality with the
+    whole-sequence reference (tests/distributed/test_context_parallel.py) pins the behaviour."""
+    return float(cp) if zero_stage == 3 and cp > 1 else 1.0
+
+
+def sequence_shard_loss(engine: Any, shard: SequenceShard, *, grid: Any, tensor_group: Any = None,
+                        vocab_size: int, gradient_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(this rank's share of the micro-batch loss, to backpropagate, times `gradient_scale`
+    (`zero_gradient_scale`); the micro-batch's mean loss, detached, the same on every rank of the
+    context group)."""
+    output = engine(input_ids=shard.input_ids, position_ids=shard.position_ids)
+    logits = output.logits
+    if tensor_group is not None:  # vocab-parallel logits: the full vocabulary is never gathered
+        from dsframework.parallel.tensor import vocab_parallel_cross_entropy
+
+        token_losses = vocab_parallel_cross_entropy(logits, shard.labels, group=tensor_group, vocab_size=vocab_size)
+        total = token_losses.sum()
+    else:
+        total = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), shard.labels.flatten(),
+                                                  ignore_index=-100, reduction="sum")
+    share = total / shard.predicted
+    mean = share.detach().clone()
+    dist.all_reduce(mean, group=grid.get_sequence_parallel_group())
+    return share * gradient_scale if gradient_scale != 1.0 else share, mean

@@ -1,0 +1,126 @@
+"""Context parallelism (DeepSpeed Ulysses, `parallel.cp`) trains exactly: each rank of a context
+group holds seq_len / cp tokens of the same sequences, and the losses equal a single-process
+reference that sees whole sequences, for ZeRO 0-3, the Llama family and GPT-2, at cp 2 (world 2),
+cp 2 x dp 2 and tp 2 x cp 2 (world 4); eval, resume and export work.
+
+Every run is a real `deepspeed --num_gpus N dsf train` (CPU ranks, gloo); the reference is the
+single-process plain PyTorch loop of reference.py over the same weights and global batches.
+Launches are shared: one run per layout, the resume and export checks reuse them.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsframework.config import build_run_config
+from tests.distributed.launcher import assert_close, dsf, read_metrics, run_overrides, train_run
+from tests.distributed.reference import reference_train
+
+SAVE = ["checkpoint.every=4", "checkpoint.save_final=true"]
+# name -> (ranks, settings); every stage, both families, each world.
+RUNS = {
+    "cp2-zero0-llama": (2, ["parallel.cp=2", "parallel.zero_stage=0", "logging.eval_every=4"]),
+    "cp2-zero1-gpt2": (2, ["parallel.cp=2", "parallel.zero_stage=1", "model.name=tiny-gpt2"]),
+    "cp2-zero2-llama": (2, ["parallel.cp=2", "parallel.zero_stage=2"]),
+    "cp2-zero3-gpt2": (2, ["parallel.cp=2", "parallel.zero_stage=3", "model.name=tiny-gpt2"]),
+    "cp2xdp2-zero3-llama": (4, ["parallel.cp=2", "parallel.zero_stage=3", *SAVE]),
+    "cp2xdp2-zero2-gpt2": (4, ["parallel.cp=2", "parallel.zero_stage=2", "model.name=tiny-gpt2"]),
+    "tp2xcp2-zero1-llama": (4, ["parallel.tp=2", "parallel.cp=2", "parallel.zero_stage=1", *SAVE]),
+}
+
+
+def _family(name: str) -> str:
+    return name.rsplit("-", 1)[1]
+
+
+@pytest.fixture(scope="module")
+def cp_runs(tmp_path_factory):
+    """name -> (step -> loss) of every run in RUNS; "reference-<family>" -> (losses, model)."""
+    root = tmp_path_factory.mktemp("cp")
+    runs = {"root": root}
+    for name, (ranks, settings) in RUNS.items():
+        runs[name] = train_run(root / name, settings, num_ranks=ranks)
+    for family in ("llama", "gpt2"):
+        name = next(n for n in RUNS if _family(n) == family)
+        runs[f"reference-{family}"] = reference_train(build_run_config({}, run_overrides(root / name, RUNS[name][1])))
+    return runs
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_context_parallel_matches_the_whole_sequence_reference(cp_runs, name):
+    want, _ = cp_runs[f"reference-{_family(name)}"]
+    assert want[8] < want[1], "the reference learns"
+    assert_close(cp_runs[name], want, rtol=1e-4, what=f"{name} vs one process seeing whole sequences")
+
+
+def _mean_loss(model, blocks, micro_batch: int) -> float:
+    from dsframework.data import eval_shard
+
+    with torch.no_grad():
+        batches = [blocks[i] for i in eval_shard(len(blocks), micro_batch=micro_batch, dp_size=1, dp_rank=0)]
+        return sum(model(input_ids=b, labels=b).loss.item() for b in batches) / len(batches)
+
+
+def test_eval_loss_is_the_whole_sequence_loss(cp_runs):
+    """cp 2 at dp 1: the eval loss after 8 steps is the reference model's on the same blocks."""
+    from dsframework.data import load_texts, load_tokenizer, pack_splits
+
+    run_dir = cp_runs["root"] / "cp2-zero0-llama"
+    run = build_run_config({}, run_overrides(run_dir, RUNS["cp2-zero0-llama"][1]))
+    _, held_out = pack_splits(load_texts(run.data), load_tokenizer(run.checkpoint_dir / "tokenizer"), run.data)
+    evals = {m["step"]: m["eval_loss"] for m in read_metrics(run_dir) if "eval_loss" in m}
+    assert sorted(evals) == [0, 4, 8]
+    want = _mean_loss(cp_runs["reference-llama"][1].eval(), held_out, micro_batch=8)
+    assert abs(evals[8] - want) <= 1e-4 * want, (evals, want)
+
+
+@pytest.mark.parametrize("name", ["cp2xdp2-zero3-llama", "tp2xcp2-zero1-llama"])
+def test_resume_from_a_context_parallel_checkpoint_is_exact(cp_runs, tmp_path, name):
+    """The step-4 checkpoint of the run, resumed, gives the run's own steps 5-8 (1e-6)."""
+    ranks, settings = RUNS[name]
+    resumed_dir = tmp_path / name
+    shutil.copytree(cp_runs["root"] / name, resumed_dir)
+    ckpts = resumed_dir / "checkpoints"
+    shutil.rmtree(ckpts / "global_step8")
+    (ckpts / "latest").write_text("global_step4")
+    resumed = train_run(resumed_dir, settings, num_ranks=ranks, flags=("--resume",))
+    assert_close({s: resumed[s] for s in range(5, 9)}, {s: cp_runs[name][s] for s in range(5, 9)},
+                 rtol=1e-6, what=f"{name} resumed at step 4")
+
+
+@pytest.mark.parametrize("name", ["cp2xdp2-zero3-llama", "tp2xcp2-zero1-llama"])
+def test_export_holds_the_reference_weights(cp_runs, name):
+    """`dsf export` of the step-8 checkpoint gives the reference's logits (1e-4)."""
+    from transformers import AutoModelForCausalLM
+
+    run_dir = cp_runs["root"] / name
+    dsf("export", str(run_dir / "checkpoints"), str(run_dir / "hf"))
+    exported = AutoModelForCausalLM.from_pretrained(run_dir / "hf", local_files_only=True).eval()
+    input_ids = torch.arange(32).remainder(exported.config.vocab_size).view(2, 16)
+    reference = cp_runs["reference-llama"][1].eval()
+    with torch.no_grad():
+        got, want = exported(input_ids=input_ids).logits, reference(input_ids=input_ids).logits
+    assert (got - want).abs().max().item() < 1e-4 * want.abs().max().item()
+
+
+def test_resume_refuses_another_context_parallel_size(cp_runs, tmp_path):
+    """A checkpoint saved at cp 2 resumed at cp 1: one line naming the field, exit 2, nothing touched."""
+    import subprocess
+
+    from tests.distributed.launcher import BIN, TINY_YAML, rank_env
+
+    run_dir = tmp_path / "moved"
+    shutil.copytree(cp_runs["root"] / "cp2xdp2-zero3-llama", run_dir)
+    before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
+    settings = [s for s in RUNS["cp2xdp2-zero3-llama"][1] if s != "parallel.cp=2"]
+    sets = [a for o in run_overrides(run_dir, settings) for a in ("--set", o)]
+    proc = subprocess.run([str(BIN / "dsf"), "train", str(TINY_YAML), *sets, "--resume"], capture_output=True,
+                          text=True, timeout=300, env=rank_env())
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        "dsf: error: parallel.cp=1: differs from the checkpoint's 2"), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before

@@ -1,0 +1,62 @@
+"""Context parallelism's pure parts: every rank of a context group gets the same samples and its own
+slice of each sequence, with global positions and the labels of the whole sequence."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsframework.data import BlockSampler
+from dsframework.parallel.context import SequenceShard, zero_gradient_scale
+from dsframework.parallel.topology import ParallelDims, build_topology
+
+
+class _Group:
+    """The two questions SequenceShard asks the grid."""
+
+    def __init__(self, cp: int, rank: int):
+        self.cp, self.rank = cp, rank
+
+    def get_sequence_parallel_world_size(self) -> int:
+        return self.cp
+
+    def get_sequence_parallel_rank(self) -> int:
+        return self.rank
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_shards_cover_the_sequence_with_global_positions_and_whole_sequence_labels(cp):
+    input_ids = torch.arange(3 * 16).view(3, 16)
+    shards = [SequenceShard.of(input_ids, _Group(cp, r)) for r in range(cp)]
+    assert torch.equal(torch.cat([s.input_ids for s in shards], dim=1), input_ids)
+    assert torch.equal(torch.cat([s.position_ids for s in shards], dim=1), torch.arange(16).expand(3, 16))
+    labels = torch.cat([s.labels for s in shards], dim=1)
+    assert torch.equal(labels[:, :-1], input_ids[:, 1:]) and (labels[:, -1] == -100).all()
+    # every shard divides by the tokens the whole micro-batch predicts: the shares add up to its mean
+    assert all(s.predicted == 3 * 15 for s in shards)
+    per_token = torch.rand(3, 16)
+    shares = [(per_token[:, r * 16 // cp:(r + 1) * 16 // cp] * (s.labels != -100)).sum() / s.predicted
+              for r, s in enumerate(shards)]
+    assert torch.allclose(sum(shares), per_token[:, :-1].mean())
+
+
+@pytest.mark.parametrize("tp,cp,dp", [(1, 2, 1), (1, 2, 2), (2, 2, 1), (1, 4, 2)])
+def test_every_rank_of_a_context_group_reads_the_same_samples(tp, cp, dp):
+    """The sampler's data-parallel rank is the grid's data coordinate: the context (and tensor)
+    ranks of a replica share it, the replicas' shards are disjoint and cover the global batch."""
+    topo = build_topology(ParallelDims(world=tp * cp * dp, tp=tp, cp=cp))
+    reads = {}
+    for rank in range(tp * cp * dp):
+        sampler = BlockSampler(100, micro_batch=2, grad_accum=2, dp_size=dp, dp_rank=topo.get_coord(rank).data, seed=3)
+        reads[rank] = sampler.micro_batches(consumed_samples=8)
+    for rank in reads:
+        same_replica = [r for r in reads if topo.get_coord(r).data == topo.get_coord(rank).data]
+        assert len(same_replica) == tp * cp and all(reads[r] == reads[rank] for r in same_replica)
+    replicas = {topo.get_coord(r).data: sum(reads[r], []) for r in reads}
+    assert sorted(sum(replicas.values(), [])) == sorted(BlockSampler(
+        100, micro_batch=2, grad_accum=2, dp_size=dp, dp_rank=0, seed=3).global_indices(8))
+
+
+def test_zero3_gradient_scale_only_where_deepspeed_averages_over_context_ranks():
+    assert zero_gradient_scale(cp=2, zero_stage=3) == 2.0
+    assert [zero_gradient_scale(cp=2, zero_stage=s) for s in (0, 1, 2)] == [1.0, 1.0, 1.0]
+    assert zero_gradient_scale(cp=1, zero_stage=3) == 1.0

@@ -124,3 +124,50 @@ def test_resume_refuses_another_context_parallel_size(cp_runs, tmp_path):
         "dsf: error: parallel.cp=1: differs from the checkpoint's 2"), proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before
+
+
+def _whole_sequence_saved_bytes(name: str, micro_batch: int, seq_len: int) -> tuple[int, float]:
+    from dsframework.config import ModelSpec
+    from dsframework.models import build_model, resolve_model
+    from tests.distributed.workers.cp_activations import VOCAB, saved_bytes
+
+    torch.manual_seed(0)
+    source = resolve_model(ModelSpec(name=name))
+    source.config.vocab_size = VOCAB
+    model = build_model(source, source.config, seed=1).train()
+    input_ids = torch.randint(0, VOCAB, (micro_batch, seq_len), generator=torch.Generator().manual_seed(0))
+    return saved_bytes(model, lambda: model(input_ids=input_ids, labels=input_ids).loss.item())
+
+
+def test_context_parallel_halves_the_activations_the_planner_predicts(tmp_path):
+    """The same micro-batch (2 x 512 tokens) at cp 1 (one process) and cp 2 (two ranks): each cp-2
+    rank saves about half the bytes for backward (plus what Ulysses adds), and both are within 15%
+    of the planner's activation memory; the loss is the same."""
+    from dsframework.config import ModelSpec
+    from dsframework.models import resolve_model
+    from dsframework.planner.memory import Job, Layout, memory_per_rank
+    from dsframework.planner.model import describe_model
+    from tests.distributed.launcher import launch
+    from tests.distributed.workers.cp_activations import VOCAB
+
+    micro_batch, seq_len, names = 2, 512, ["tiny-llama", "tiny-gpt2"]
+    launch([str(Path(__file__).parent / "workers" / "cp_activations.py"), str(tmp_path), str(micro_batch),
+            str(seq_len), *names], num_ranks=2)
+    import json
+
+    for name in names:
+        whole, whole_loss = _whole_sequence_saved_bytes(name, micro_batch, seq_len)
+        ranks = [json.loads((tmp_path / f"{name}-rank{r}.json").read_text()) for r in range(2)]
+        config = resolve_model(ModelSpec(name=name)).config
+        config.vocab_size = VOCAB
+        desc = describe_model(config, name=name)
+        job = Job(seq_len=seq_len, global_batch=micro_batch, precision="fp32")
+        predicted = {cp: memory_per_rank(desc, Layout(dp=1, cp=cp, micro_batch=micro_batch), job).activations
+                     for cp in (1, 2)}
+        assert all(abs(r["loss"] - whole_loss) <= 1e-5 * whole_loss for r in ranks), (ranks, whole_loss)
+        for r in ranks:
+            assert 0.45 * whole <= r["saved_bytes"] <= 0.6 * whole, (name, r["saved_bytes"], whole)
+            assert abs(predicted[2] - r["saved_bytes"]) <= 0.15 * r["saved_bytes"], (name, predicted, r, whole)
+        assert abs(predicted[1] - whole) <= 0.15 * whole, (name, predicted, whole)
+        print(f"{name}: cp1 {whole} B (predicted {predicted[1]:.0f}), cp2 per rank "
+              f"{[r['saved_bytes'] for r in ranks]} B (predicted {predicted[2]:.0f})")

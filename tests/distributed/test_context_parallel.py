@@ -28,7 +28,7 @@ RUNS = {
     "cp2-zero3-gpt2": (2, ["parallel.cp=2", "parallel.zero_stage=3", "model.name=tiny-gpt2"]),
     "cp2xdp2-zero3-llama": (4, ["parallel.cp=2", "parallel.zero_stage=3", *SAVE]),
     "cp2xdp2-zero2-gpt2": (4, ["parallel.cp=2", "parallel.zero_stage=2", "model.name=tiny-gpt2"]),
-    "tp2xcp2-zero1-llama": (4, ["parallel.tp=2", "parallel.cp=2", "parallel.zero_stage=1", *SAVE]),
+    "tp2xcp2-zero3-llama": (4, ["parallel.tp=2", "parallel.cp=2", "parallel.zero_stage=3", *SAVE]),
 }
 
 
@@ -77,7 +77,7 @@ def test_eval_loss_is_the_whole_sequence_loss(cp_runs):
     assert abs(evals[8] - want) <= 1e-4 * want, (evals, want)
 
 
-@pytest.mark.parametrize("name", ["cp2xdp2-zero3-llama", "tp2xcp2-zero1-llama"])
+@pytest.mark.parametrize("name", ["cp2xdp2-zero3-llama", "tp2xcp2-zero3-llama"])
 def test_resume_from_a_context_parallel_checkpoint_is_exact(cp_runs, tmp_path, name):
     """The step-4 checkpoint of the run, resumed, gives the run's own steps 5-8 (1e-6)."""
     ranks, settings = RUNS[name]
@@ -91,7 +91,7 @@ def test_resume_from_a_context_parallel_checkpoint_is_exact(cp_runs, tmp_path, n
                  rtol=1e-6, what=f"{name} resumed at step 4")
 
 
-@pytest.mark.parametrize("name", ["cp2xdp2-zero3-llama", "tp2xcp2-zero1-llama"])
+@pytest.mark.parametrize("name", ["cp2xdp2-zero3-llama", "tp2xcp2-zero3-llama"])
 def test_export_holds_the_reference_weights(cp_runs, name):
     """`dsf export` of the step-8 checkpoint gives the reference's logits (1e-4)."""
     from transformers import AutoModelForCausalLM

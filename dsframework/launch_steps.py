@@ -75,7 +75,7 @@ def memory_check(run, config, dims, active, cluster_name: str | None, *, force: 
             f"--gpus-per-node {ranks_per_node} --seq-len {job.seq_len} --global-batch {job.global_batch} "
             f"--precision {job.precision}")
     error = UserError("memory per rank" if fit.need > fit.available else "host memory per node", None,
-                      f"{fit.why_not} ({source}) for tp {layout.tp} x pp {layout.pp} x dp {layout.dp}, "
+                      f"{fit.why_not} ({source}) for tp {layout.tp} x pp {layout.pp} x cp {layout.cp} x dp {layout.dp}, "
                       f"ZeRO-{layout.zero_stage}, micro-batch {layout.micro_batch}",
                       f"find a layout that fits with `{plan}`, or pass --force to launch anyway")
     if not force:

@@ -274,3 +274,18 @@ def test_run_config_and_launch_layout_carry_cp_and_hpz():
                             "parallel": {"zero_stage": 3, "zero_hpz": 2, "cp": 2}})
     assert run_layout(hpz.parallel, dp=4, micro_batch=2, grad_accum=1).zero_hpz == 2
     assert stage_shapes(desc, 1, 1)[0].params == desc.total_params
+
+
+def test_dsf_plan_pins_cp():
+    """`dsf plan --cp 2`: every candidate shown has cp 2 (and the JSON says so)."""
+    import json
+
+    from click.testing import CliRunner
+
+    from dsframework.cli import cli
+
+    result = CliRunner().invoke(cli, ["plan", "--model", "tiny-llama", "--cluster", "h100-80gb", "--seq-len", "8192",
+                                      "--global-batch", "8", "--cp", "2", "--json"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    candidates = json.loads(result.stdout[result.stdout.index("{"):])["candidates"]
+    assert candidates and {c["cp"] for c in candidates} == {2}

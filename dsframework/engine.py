@@ -107,11 +107,11 @@ def resume_tag(run: RunConfig, dims: ParallelDims, manifest: dict[str, Any] | No
         raise UserError("parallel.zero_stage", stage, f"differs from the checkpoint's {saved['zero_stage']} (a "
                         "resume keeps the ZeRO stage; tp, pp and dp may change)",
                         f"resume with parallel.zero_stage={saved['zero_stage']}")
-    for key in ("cp", "zero_hpz"):  # (absent from manifests written before these axes: 1)
-        if saved.get(key, 1) != now[key]:
-            raise UserError(f"parallel.{key}", now[key], f"differs from the checkpoint's {saved.get(key, 1)} (a resume "
-                            "keeps the context-parallel size and the hpZ group; tp, pp and dp may change)",
-                            f"resume with parallel.{key}={saved.get(key, 1)}")
+    # zero_hpz may change: DeepSpeed never saves hpZ's secondary copy (same files, same tensors).
+    if saved.get("cp", 1) != now["cp"]:  # (absent from manifests written before the axis: 1)
+        raise UserError("parallel.cp", now["cp"], f"differs from the checkpoint's {saved.get('cp', 1)} (a resume "
+                        "keeps the context-parallel size; tp, pp and dp may change)",
+                        f"resume with parallel.cp={saved.get('cp', 1)}")
     if all(saved[key] == now[key] for key in ("tp", "pp", "dp")):
         return tag, False
     was = ParallelDims(world=saved["world"], tp=saved["tp"], pp=saved["pp"])

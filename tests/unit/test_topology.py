@@ -106,6 +106,7 @@ def test_model_layout_reads_heads_kv_heads_and_layers_from_the_config():
     (["parallel.cp=2", "parallel.pp=2"], r"^parallel.cp=2: does not compose with parallel.pp=2.*supported: tp x pp x dp"),
     (["parallel.zero_hpz=2", "parallel.zero_stage=2"], r"^parallel.zero_hpz=2: needs zero_stage=3"),
     (["parallel.zero_hpz=2", "parallel.zero_stage=3", "parallel.tp=2"], r"^parallel.zero_hpz=2: does not compose with"),
+    (["parallel.zero_quantized=gradients"], r"^parallel.zero_quantized='gradients': is not offered: .*CPU backend"),
 ])
 def test_static_parallel_rules(overrides, match):
     with pytest.raises(UserError, match=match):

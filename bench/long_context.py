@@ -86,7 +86,7 @@ def worker(out: Path, cp: int, budget: float, grain: int, limit: int) -> None:
     from dsframework.parallel.topology import ParallelDims, build_grid
     from dsframework.supervise import exit_process
     from dsframework.world import init_distributed, shutdown_distributed
-    from tests.distributed.workers.cp_activations import saved_bytes
+    from tests.saved_tensors import saved_bytes
 
     rank, world = init_distributed()
     torch.set_num_threads(1)

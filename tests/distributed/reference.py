@@ -52,3 +52,18 @@ def reference_train(run: RunConfig, *, steps: int | None = None) -> tuple[dict[i
         optimizer.zero_grad(set_to_none=True)
         out[step] = loss.item()
     return out, model
+
+
+def assert_export_matches(run_dir, reference_model, *, rtol: float = 1e-4) -> None:
+    """`dsf export RUN_DIR/checkpoints RUN_DIR/hf`, loaded with from_pretrained, gives the
+    reference model's logits (max difference within `rtol` of the largest logit)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.distributed.launcher import dsf
+
+    dsf("export", str(run_dir / "checkpoints"), str(run_dir / "hf"))
+    exported = AutoModelForCausalLM.from_pretrained(run_dir / "hf", local_files_only=True).eval()
+    input_ids = torch.arange(32).remainder(exported.config.vocab_size).view(2, 16)
+    with torch.no_grad():
+        got, want = exported(input_ids=input_ids).logits, reference_model.eval()(input_ids=input_ids).logits
+    assert (got - want).abs().max().item() < rtol * want.abs().max().item()

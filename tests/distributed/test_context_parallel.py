@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from dsframework.config import build_run_config
-from tests.distributed.launcher import assert_close, dsf, read_metrics, run_overrides, train_run
-from tests.distributed.reference import reference_train
+from tests.distributed.launcher import assert_close, read_metrics, run_overrides, train_run
+from tests.distributed.reference import assert_export_matches, reference_train
 
 SAVE = ["checkpoint.every=4", "checkpoint.save_final=true"]
 # name -> (ranks, settings): every stage, both families, each world; Llama at ZeRO-2 and GPT-2 at
@@ -95,16 +95,7 @@ def test_resume_from_a_context_parallel_checkpoint_is_exact(cp_runs, tmp_path, n
 @pytest.mark.parametrize("name", ["cp2xdp2-zero3-llama", "tp2xcp2-zero3-llama"])
 def test_export_holds_the_reference_weights(cp_runs, name):
     """`dsf export` of the step-8 checkpoint gives the reference's logits (1e-4)."""
-    from transformers import AutoModelForCausalLM
-
-    run_dir = cp_runs["root"] / name
-    dsf("export", str(run_dir / "checkpoints"), str(run_dir / "hf"))
-    exported = AutoModelForCausalLM.from_pretrained(run_dir / "hf", local_files_only=True).eval()
-    input_ids = torch.arange(32).remainder(exported.config.vocab_size).view(2, 16)
-    reference = cp_runs["reference-llama"][1].eval()
-    with torch.no_grad():
-        got, want = exported(input_ids=input_ids).logits, reference(input_ids=input_ids).logits
-    assert (got - want).abs().max().item() < 1e-4 * want.abs().max().item()
+    assert_export_matches(cp_runs["root"] / name, cp_runs["reference-llama"][1])
 
 
 def test_resume_refuses_another_context_parallel_size(cp_runs, tmp_path):
@@ -130,7 +121,8 @@ def test_resume_refuses_another_context_parallel_size(cp_runs, tmp_path):
 def _whole_sequence_saved_bytes(name: str, micro_batch: int, seq_len: int) -> tuple[int, float]:
     from dsframework.config import ModelSpec
     from dsframework.models import build_model, resolve_model
-    from tests.distributed.workers.cp_activations import VOCAB, saved_bytes
+    from tests.distributed.workers.cp_activations import VOCAB
+    from tests.saved_tensors import saved_bytes
 
     torch.manual_seed(0)
     source = resolve_model(ModelSpec(name=name))

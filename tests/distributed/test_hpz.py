@@ -15,14 +15,13 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from dsframework.config import build_run_config, load_run_config
 from dsframework.dsconfig import resolve_batch
 from dsframework.planner.memory import Job, Layout, memory_per_rank
 from dsframework.planner.model import describe_model
-from tests.distributed.launcher import TINY_YAML, assert_close, dsf, launch, read_metrics, run_overrides, train_run
-from tests.distributed.reference import reference_train
+from tests.distributed.launcher import TINY_YAML, assert_close, launch, read_metrics, run_overrides, train_run
+from tests.distributed.reference import assert_export_matches, reference_train
 
 WORKER = Path(__file__).parent / "workers" / "hpz_states.py"
 WORLD = 4
@@ -79,15 +78,7 @@ def test_hpz_resume_is_exact(runs):
 
 def test_hpz_export_holds_the_reference_weights(runs):
     """`dsf export` of the resumed hpZ run's step-8 checkpoint gives the reference's logits."""
-    from transformers import AutoModelForCausalLM
-
-    run_dir = runs["root"] / "hpz2"
-    dsf("export", str(run_dir / "checkpoints"), str(run_dir / "hf"))
-    exported = AutoModelForCausalLM.from_pretrained(run_dir / "hf", local_files_only=True).eval()
-    input_ids = torch.arange(32).remainder(exported.config.vocab_size).view(2, 16)
-    with torch.no_grad():
-        got, want = exported(input_ids=input_ids).logits, runs["reference_model"].eval()(input_ids=input_ids).logits
-    assert (got - want).abs().max().item() < 1e-4 * want.abs().max().item()
+    assert_export_matches(runs["root"] / "hpz2", runs["reference_model"])
 
 
 STATE_CASES = {"hpz2": "parallel.zero_stage=3,parallel.zero_hpz=2",

@@ -9,11 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from dsframework.config import build_run_config
-from tests.distributed.launcher import BASE_OVERRIDES, assert_close, dsf, read_metrics, run_overrides, train_run
-from tests.distributed.reference import reference_train
+from tests.distributed.launcher import BASE_OVERRIDES, assert_close, read_metrics, run_overrides, train_run
+from tests.distributed.reference import assert_export_matches, reference_train
 
 SHM_BUFFERS = "deepspeed_allreduce_buffer_*"
 STAGES = {
@@ -86,16 +85,7 @@ def test_metrics_report_mfu_and_the_step_breakdown(stage_runs):
 @pytest.mark.parametrize("name", ["zero0", "zero1"])
 def test_export_holds_the_reference_weights(stage_runs, name):
     """`dsf export` of the step-8 checkpoint equals the single-process reference after 8 steps."""
-    from transformers import AutoModelForCausalLM
-
-    run_dir = stage_runs["root"] / name
-    dsf("export", str(run_dir / "checkpoints"), str(run_dir / "hf"))
-    exported = AutoModelForCausalLM.from_pretrained(run_dir / "hf", local_files_only=True).eval()
-    input_ids = torch.arange(32).remainder(exported.config.vocab_size).view(2, 16)
-    reference = stage_runs["reference_model"].eval()
-    with torch.no_grad():
-        got, want = exported(input_ids=input_ids).logits, reference(input_ids=input_ids).logits
-    assert (got - want).abs().max().item() < 1e-4 * want.abs().max().item()
+    assert_export_matches(stage_runs["root"] / name, stage_runs["reference_model"])
 
 
 def test_no_shm_buffers_left_behind(stage_runs):

@@ -15,6 +15,7 @@ from dsframework.planner.cluster import GiB, cluster_preset
 from dsframework.planner.memory import Job, Layout, memory_per_rank, stage_shapes
 from dsframework.planner.model import _generic, describe_model
 from dsframework.planner.search import enumerate_layouts, search
+from tests.saved_tensors import saved_bytes
 
 
 def _configs():
@@ -53,18 +54,7 @@ def test_flops_per_token_is_six_n_plus_attention():
 
 def _saved_bytes(model, input_ids) -> int:
     """Bytes autograd keeps for backward: every distinct storage packed, parameters excluded."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(tensor):
-        ptr = tensor.untyped_storage().data_ptr()
-        if ptr not in params:
-            seen.setdefault(ptr, tensor.untyped_storage().nbytes())
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        model(input_ids=input_ids, labels=input_ids)
-    return sum(seen.values())
+    return saved_bytes(model, lambda: model(input_ids=input_ids, labels=input_ids))[0]
 
 
 @pytest.mark.parametrize("checkpointing", ["none", "full"])

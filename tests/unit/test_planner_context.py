@@ -32,6 +32,7 @@ from dsframework.planner.model import describe_model
 from dsframework.planner.report import run_config_dict
 from dsframework.planner.search import NO_CONTEXT_PARALLEL, enumerate_layouts, evaluate, search
 from dsframework.planner.speed import step_time
+from tests.saved_tensors import saved_bytes
 
 REPO = Path(__file__).resolve().parents[2]
 TOLERANCE = 0.15  # as test_planner.py's activation check
@@ -42,20 +43,8 @@ LLAMA_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, interme
 
 
 def _saved_bytes(model, run) -> int:
-    """Bytes autograd keeps for backward while `run()` runs: distinct storages, the model's
-    parameters excluded (as test_planner.py counts)."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(tensor):
-        ptr = tensor.untyped_storage().data_ptr()
-        if ptr not in params:
-            seen.setdefault(ptr, tensor.untyped_storage().nbytes())
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        run()
-    return sum(seen.values())
+    """Bytes autograd keeps for backward while `run()` runs (as test_planner.py counts)."""
+    return saved_bytes(model, run)[0]
 
 
 # --- activation functions --------------------------------------------------------------------------

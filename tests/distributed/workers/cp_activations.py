@@ -14,29 +14,16 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repo, for tests.saved_tensors
 from dsframework.config import ModelSpec
 from dsframework.models import build_model, resolve_model
 from dsframework.parallel.context import SequenceShard, sequence_shard_loss, use_ulysses_attention
 from dsframework.parallel.topology import ParallelDims, build_grid
 from dsframework.supervise import exit_process
 from dsframework.world import init_distributed, shutdown_distributed
+from tests.saved_tensors import saved_bytes
 
 VOCAB = 97
-
-
-def saved_bytes(model, run) -> tuple[int, float]:
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(tensor):
-        ptr = tensor.untyped_storage().data_ptr()
-        if ptr not in params:
-            seen.setdefault(ptr, tensor.untyped_storage().nbytes())
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        loss = run()
-    return sum(seen.values()), loss
 
 
 def main(argv: list[str]) -> None:

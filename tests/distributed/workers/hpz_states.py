@@ -16,20 +16,16 @@ Also reported: `secondary`, the secondary partitions alone; `hpz_group`, the siz
 they are split over (1 without any); `gathers`, how many weight all-gathers ran over groups of
 each size (hpZ's gathers from the secondary partitions stay inside a group of zero_hpz ranks).
 """
-import json
 import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.zero import partition_parameters
 from deepspeed.utils import groups
 
-from dsframework.config import load_run_config
 from dsframework.engine import micro_batch_loss, prepare
 from dsframework.supervise import exit_process
-from dsframework.world import shutdown_distributed
-from model_states import _storages, grad_bytes, optimizer_bytes  # the sibling worker (this folder)
+from model_states import _storages, grad_bytes, main, optimizer_bytes  # the sibling worker (this folder)
 
 ALL_GATHER = partition_parameters._dist_allgather_fn  # every ZeRO-3 weight all-gather goes through it
 GATHERS: dict[str, int] = {}  # group size (a JSON key) -> all-gathers over a group of that size
@@ -82,21 +78,8 @@ def measure(run, *, steps: int = 2) -> dict:
             "dp": session.dims.dp, "cp": session.dims.cp}
 
 
-def main(argv):
-    args = [a for a in argv if not a.startswith("--local_rank")]
-    out_dir, run_yaml = Path(args[0]), args[1]
-    cases = [a for a in args[2:] if a.startswith("case:")]
-    sets = [a for a in args[2:] if a not in cases and a != "--set"]
-    for case in cases:
-        _, name, spec = case.split(":", 2)
-        overrides = [*sets, *spec.split(","), f"output_dir={out_dir / name}"]
-        result = measure(load_run_config(run_yaml, overrides))
-        (out_dir / f"{name}-rank{result['rank']}.json").write_text(json.dumps(result))
-    shutdown_distributed()
-
-
 if __name__ == "__main__":
     torch.set_num_threads(1)
     partition_parameters._dist_allgather_fn = counted_all_gather
-    main(sys.argv[1:])
+    main(sys.argv[1:], measure=measure)
     exit_process(0)  # without the interpreter's teardown of gloo's threads (see supervise.exit_process)

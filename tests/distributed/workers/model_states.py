@@ -116,7 +116,9 @@ def measure(run) -> dict:
             "rank": session.rank, "stage": getattr(engine, "stage_id", 0), "dp": session.dims.dp}
 
 
-def main(argv):
+def main(argv, measure=measure):
+    """OUT_DIR RUN.yaml case:NAME:k=v,... --set k=v ...: `measure` each case's run config, one JSON
+    a rank (hpz_states.py passes its own `measure`)."""
     args = [a for a in argv if not a.startswith("--local_rank")]
     out_dir, run_yaml = Path(args[0]), args[1]
     cases = [a for a in args[2:] if a.startswith("case:")]

@@ -5,7 +5,8 @@ that gathers the sequence, and the loss over sequence shards.
     use_ulysses_attention(model, grid, micro_batch=4, seq_len=4096)  # before deepspeed.initialize
     engine, *_ = deepspeed.initialize(model=model, ..., mpu=grid)
     shard = SequenceShard.of(input_ids, grid)          # this rank's tokens, positions and labels
-    loss, mean = sequence_shard_loss(engine, shard, tensor_group=None, vocab_size=V)
+    loss, mean = sequence_shard_loss(engine, shard, grid=grid, vocab_size=V,
+                                     gradient_scale=zero_gradient_scale(cp=2, zero_stage=3))
     engine.backward(loss)                              # `mean`: the micro-batch's loss, every rank
 
 How the pieces fit (DeepSpeed 0.19's "Arctic Long Sequence Training" components):
@@ -18,7 +19,8 @@ How the pieces fit (DeepSpeed 0.19's "Arctic Long Sequence Training" components)
   (sum of its tokens' losses) / (tokens the whole sequence predicts), and backward flows through
   the all-to-alls to the other ranks' activations. DeepSpeed sums the gradients over the context
   ranks and averages over the data-parallel replicas (it divides by its sequence-data group size
-  / cp), so the step is exactly that of one process seeing the whole sequence.
+  / cp; ZeRO-3's reduce-scatter path by the whole group, which `zero_gradient_scale` makes up
+  for), so the step is exactly that of one process seeing the whole sequence.
 """
 from __future__ import annotations
 

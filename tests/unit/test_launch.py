@@ -342,7 +342,7 @@ def test_memory_check_refuses_a_build_the_hosts_cannot_hold(in_tmp):
     message = str(err.value)
     assert message.startswith("host memory per node: predicted 204.7 GiB of host memory per node to build the model "
                               "> 51.2 GiB available"), message
-    assert "tp 1 x pp 1 x dp 8" in message and "dsf plan --model llama-7b" in message and "--force" in message
+    assert "tp 1 x pp 1 x cp 1 x dp 8" in message and "dsf plan --model llama-7b" in message and "--force" in message
     sharded = CliRunner().invoke(cli, [*args, "--set", "parallel.tp=8"], catch_exceptions=False)
     assert sharded.exit_code == 0, sharded.output
     assert re.search(r"# memory per rank: predicted \d+\.\d+ GiB of 130\.3 GiB available .*; "

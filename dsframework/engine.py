@@ -92,7 +92,8 @@ def resume_tag(run: RunConfig, dims: ParallelDims, manifest: dict[str, Any] | No
     - dp alone, at tp = pp = 1, ZeRO-1/2/3: deepspeed's ds_to_universal (`checkpoint.to_universal`);
     - tp or pp (and dp beside them), ZeRO-1/2: `reshard.reshard`, through the dense layout.
     ZeRO-0 states are whole on every rank of a layout: dp may change, tp and pp may not. ZeRO-3 with
-    tensor parallelism resumes at its saved layout only.
+    tensor parallelism, and context parallelism, resume at their saved layout only (cp itself may not
+    change; zero_hpz may).
     """
     import torch.distributed
 
@@ -114,6 +115,10 @@ def resume_tag(run: RunConfig, dims: ParallelDims, manifest: dict[str, Any] | No
                         f"resume with parallel.cp={saved.get('cp', 1)}")
     if all(saved[key] == now[key] for key in ("tp", "pp", "dp")):
         return tag, False
+    if now["cp"] > 1:  # (the universal-checkpoint conversions below are not tested with cp's ZeRO groups)
+        raise UserError("parallel.cp", now["cp"], f"runs resume at their saved layout only (saved tp {saved['tp']} x pp "
+                        f"{saved['pp']} x dp {saved['dp']}, now tp {now['tp']} x pp {now['pp']} x dp {now['dp']})",
+                        f"resume on {saved['world']} ranks with parallel.tp={saved['tp']}")
     was = ParallelDims(world=saved["world"], tp=saved["tp"], pp=saved["pp"])
     change, keep = f"{describe(was)} -> {describe(dims)}", f"resume with parallel.tp={was.tp} parallel.pp={was.pp}"
     layers_move = (was.tp, was.pp) != (dims.tp, dims.pp)

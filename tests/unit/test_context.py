@@ -60,3 +60,26 @@ def test_zero3_gradient_scale_only_where_deepspeed_averages_over_context_ranks()
     assert zero_gradient_scale(cp=2, zero_stage=3) == 2.0
     assert [zero_gradient_scale(cp=2, zero_stage=s) for s in (0, 1, 2)] == [1.0, 1.0, 1.0]
     assert zero_gradient_scale(cp=1, zero_stage=3) == 1.0
+
+
+@pytest.mark.parametrize("now,match", [
+    (dict(world=2, cp=2), r"^parallel.cp=2: runs resume at their saved layout only \(saved tp 1 x pp 1 x dp 2, "
+                          r"now tp 1 x pp 1 x dp 1\); resume on 4 ranks"),
+    (dict(world=4, cp=1), r"^parallel.cp=1: differs from the checkpoint's 2"),
+])
+def test_a_context_parallel_checkpoint_resumes_at_its_layout_only(tmp_path, now, match):
+    """Refused before anything is converted or loaded (the universal-checkpoint paths are not tested
+    with cp's ZeRO groups); zero_hpz may change (its secondary copy is never saved)."""
+    from dsframework.config import build_run_config
+    from dsframework.engine import resume_tag
+    from dsframework.errors import UserError
+
+    run = build_run_config({}, [f"output_dir={tmp_path}", "parallel.zero_stage=3", f"parallel.cp={now['cp']}"])
+    run.checkpoint_dir.mkdir(parents=True)
+    (run.checkpoint_dir / "latest").write_text("global_step4")
+    saved = {"world": 4, "tp": 1, "pp": 1, "cp": 2, "dp": 2, "zero_stage": 3, "zero_hpz": 2}
+    with pytest.raises(UserError, match=match):
+        resume_tag(run, ParallelDims.of(run.parallel, world=now["world"]), {"layout": saved}, config=None)
+    same = build_run_config({}, [f"output_dir={tmp_path}", "parallel.zero_stage=3", "parallel.cp=2"])
+    assert resume_tag(same, ParallelDims.of(same.parallel, world=4), {"layout": saved}, None) == ("global_step4", False)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["checkpoints", "latest"]

@@ -449,9 +449,11 @@ def train(run: RunConfig, *, resume: bool = False, overwrite: bool = False) -> d
               f"blocks of {run.data.seq_len} tokens | peak {meter.peak_per_rank / 1e12:.3g} TFLOP/s per rank "
               f"({meter.peak_source})", flush=True)
 
+    loss_kw = session.loss_kw  # how each micro-batch's loss is computed (context parallelism)
+
     def evaluate() -> float:
         return _evaluate(engine, eval_blocks, micro_batch=batch.micro_batch, dp_size=dims.dp,
-                         dp_rank=session.dp_rank, pipeline=dims.pp_enabled, **session.loss_kw)
+                         dp_rank=session.dp_rank, pipeline=dims.pp_enabled, **loss_kw)
 
     last: dict[str, Any] = {}
     if not resume and run.logging.eval_every:
@@ -476,7 +478,7 @@ def train(run: RunConfig, *, resume: bool = False, overwrite: bool = False) -> d
 
     while step < stop:
         step_loss = _train_step(engine, step_batches(train_blocks, sampler, consumed),
-                                pipeline=dims.pp_enabled, poison=poison_step == step + 1, **session.loss_kw)
+                                pipeline=dims.pp_enabled, poison=poison_step == step + 1, **loss_kw)
         step, consumed, window_steps = step + 1, consumed + batch.global_batch, window_steps + 1
         nonfinite.update(step, step_loss)
         breakdown.add_step()

@@ -59,12 +59,6 @@ class ContextParallelGrid(PipelineParallelGrid):
                 self.seq_data_proc_group, self.seq_data_ranks = group, ranks
         assert self.seq_proc_group is not None and self.seq_data_proc_group is not None
 
-    def _is_grid_valid(self) -> bool:
-        ranks = 1
-        for axis in self._topo.get_axis_names():
-            ranks *= self._topo.get_dim(axis)
-        return ranks == dist.get_world_size()
-
     # --- what DeepSpeed's groups module asks an mpu for with sequence parallelism -----------------
     def get_sequence_parallel_group(self):
         return self.seq_proc_group

@@ -13,7 +13,8 @@ from __future__ import annotations
 import copy
 import re
 from pathlib import Path
-from typing import Any, Literal, get_origin
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -26,6 +27,17 @@ class _Spec(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class LoraSpec(_Spec):
+    """Low-rank adapters through peft: only these are trained, kept in optimizer state and saved."""
+
+    r: int = Field(8, ge=1, description="adapter rank")
+    alpha: float = Field(16.0, gt=0, description="scaling numerator (the update is scaled by alpha / r)")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="module names (or name suffixes) to adapt, e.g. [q_proj, v_proj]; "
+        "all-linear: every linear layer but the output head")
+
+
 class ModelSpec(_Spec):
     """Which model to train."""
 
@@ -35,14 +47,34 @@ class ModelSpec(_Spec):
                                       "fields to change, e.g. {num_hidden_layers: 4}")
     tokenizer: str | None = Field(None, description="local tokenizer directory; default: the "
                                   "pretrained directory's, else one trained locally on the data")
+    lora: LoraSpec | None = Field(None, description="train LoRA adapters (peft) instead of every weight; "
+                                    "ZeRO 0-3 at tp = pp = cp = 1")
 
 
 class DataSpec(_Spec):
     """What to train on."""
 
-    dataset: str = Field("addition", description="a built-in task (addition, reverse) or a local "
-                         "path: a json/jsonl/csv/parquet/txt file, a glob, or a save_to_disk dir")
-    text_field: str = Field("text", description="column holding the text in user data")
+    dataset: str = Field("addition", description="a built-in task (addition, reverse, counting) or a local "
+                         "path: a json/jsonl/csv/parquet/txt file, a directory or glob of them (any text "
+                         "extension, e.g. 'src/**/*.py', with format text), or a save_to_disk dir")
+    format: Literal["text", "chat", "prompt_completion"] = Field(
+        "text", description="text: documents joined by EOS, every token trained; chat: a `messages` column of "
+        "{role, content} turns rendered by the tokenizer's chat template; prompt_completion: two columns")
+    text_unit: Literal["document", "paragraph", "line"] = Field(
+        "document", description="what one document of a text file is (newlines kept in documents and paragraphs)")
+    text_field: str = Field("text", description="column holding the text in user data (format text); a "
+                            "dataset with an `input_ids` column is taken as already tokenized")
+    messages_field: str = Field("messages", description="column of {role, content} turns (format chat)")
+    prompt_field: str = Field("prompt", description="prompt column (format prompt_completion)")
+    completion_field: str = Field("completion", description="completion column (format prompt_completion)")
+    train_on_prompt: bool = Field(False, description="chat/prompt_completion: also train on prompt and user "
+                                  "tokens (default: loss on assistant / completion tokens only)")
+    packing: bool = Field(True, description="chat/prompt_completion: pack whole examples into each row, "
+                          "none attending to another; false: one example per row, padded")
+    chat_template: str | None = Field(None, description="a Jinja chat template (the text, or a path to a "
+                                      ".jinja file) for a tokenizer without one")
+    num_proc: int | None = Field(None, ge=1, description="processes that tokenize; default: the CPU count "
+                                 "(capped at 8) for data over 64 MiB, else 1")
     seq_len: int = Field(64, ge=8, description="tokens per packed training block")
     eval_fraction: float = Field(0.05, gt=0, lt=0.5, description="share of blocks held out for eval")
     num_examples: int = Field(20000, ge=100, description="examples generated for a built-in task")
@@ -183,6 +215,19 @@ class RunConfig(_Spec):
     logging: LoggingSpec = Field(default_factory=LoggingSpec)
     output_dir: str = Field("runs/default", description="metrics, checkpoints and tokenizer go here")
 
+    @model_validator(mode="after")
+    def _workflow_fits_layout(self) -> "RunConfig":
+        par = self.parallel
+        if self.model.lora is not None and (par.tp, par.pp, par.cp) != (1, 1, 1):
+            raise UserError("model.lora", None, f"runs at tp = pp = cp = 1 with ZeRO 0-3 (got tp={par.tp}, pp={par.pp}, "
+                            f"cp={par.cp}): peft wraps whole HF modules, not tensor shards or pipeline stages",
+                            "set parallel.tp=1 parallel.pp=1 parallel.cp=1 (or remove model.lora)")
+        if self.data.format != "text" and (par.pp, par.cp) != (1, 1):
+            raise UserError("data.format", self.data.format, f"runs at tp x dp with ZeRO 0-3 (got pp={par.pp}, "
+                            f"cp={par.cp}): its loss is normalised over the trained tokens of the whole batch",
+                            "set parallel.pp=1 parallel.cp=1, or use data.format=text")
+        return self
+
     @property
     def checkpoint_dir(self) -> Path:
         return Path(self.output_dir) / "checkpoints"
@@ -248,6 +293,9 @@ def apply_override(data: dict[str, Any], assignment: str) -> None:
                 raise UserError("--set", key, f"unknown key {part!r} in {where}",
                                 did_you_mean(part, model.model_fields))
             annotation = model.model_fields[part].annotation
+            if get_origin(annotation) in (Union, UnionType):  # `LoraSpec | None`: a section that may be absent
+                annotation = next((a for a in get_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)),
+                                  annotation)
         if depth == len(parts) - 1:
             node[part] = value
             return

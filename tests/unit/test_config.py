@@ -238,7 +238,9 @@ ROUND_TRIP_CASES = {
         "layer_types: [a, b], tie_word_embeddings: false, initializer_range: 0.01}",
         "data.dataset=/data/*.jsonl", "data.text_field=content", "data.seq_len=16",
         "data.eval_fraction=0.25", "data.num_examples=100", "data.max_digits=12",
-        "data.tokenizer_vocab_size=300", "data.seed=-7",
+        "data.tokenizer_vocab_size=300", "data.seed=-7", "data.text_unit=paragraph", "data.messages_field=turns",
+        "data.prompt_field=question", "data.completion_field=answer", "data.train_on_prompt=true",
+        "data.packing=false", "data.chat_template=/t.jinja", "data.num_proc=3",
         "train.steps=1000", "train.stop_after=10", "train.micro_batch=2", "train.grad_accum=4",
         "train.global_batch=64", "train.optimizer=adam", "train.lr=3e-4", "train.betas=[0.8, 0.999]",
         "train.eps=1.0e-12", "train.weight_decay=0.1", "train.grad_clip=0", "train.lr_schedule=linear",
@@ -249,6 +251,8 @@ ROUND_TRIP_CASES = {
         "logging.every=1", "logging.eval_every=0", "logging.progress=false", "logging.cluster=h100-80gb",
         "logging.breakdown=true", "output_dir=runs/x y",
     ]),
+    "fine-tuning": ({"model": {"lora": {"r": 4, "alpha": 8, "dropout": 0.1, "target_modules": ["q_proj", "v_proj"]}}},
+                    ["data.format=chat", "model.lora.r=2", "parallel.zero_stage=3"]),
     "hierarchical-zero": ({}, ["parallel.zero_stage=3", "parallel.cp=2", "parallel.zero_hpz=4"]),
     "odd-floats": ({"train": {"lr": 1.0e-20, "eps": 1.5e-300, "min_lr_ratio": 1.0}}, ["train.weight_decay=1e-5"]),
 }
@@ -272,7 +276,9 @@ def test_everything_changed_case_differs_from_defaults_in_every_section():
     for section in _sections():
         model = type(getattr(run, section))
         for key in model.model_fields:
-            if (section, key) in (("parallel", "pp"), ("parallel", "zero_hpz"), ("parallel", "zero_quantized")):
-                continue  # pp > 1 needs ZeRO 0/1, hpZ needs tp 1 (this case: ZeRO-3 offload, tp 2); quantized is refused
+            if (section, key) in (("parallel", "pp"), ("parallel", "zero_hpz"), ("parallel", "zero_quantized"),
+                                ("model", "lora"), ("data", "format")):
+                continue  # pp > 1 needs ZeRO 0/1, hpZ needs tp 1 (this case: ZeRO-3 offload, tp 2); quantized is
+                # refused; LoRA and chat data need tp = cp = 1 (the fine-tuning case has them)
             assert getattr(getattr(run, section), key) != getattr(getattr(default, section), key), \
                 f"{section}.{key} is not exercised by the round trip"

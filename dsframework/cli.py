@@ -5,6 +5,7 @@
     deepspeed --num_gpus 2 $(which dsf) train launch/examples/tiny.yaml --set train.steps=50
     dsf train launch/examples/tiny.yaml --resume          # a world of one, no launcher
     dsf export runs/tiny/checkpoints runs/tiny/hf
+    dsf generate runs/tiny/hf --prompt "17,18,19,"          # or runs/tiny/checkpoints
     dsf plan --model llama-7b --cluster h100-80gb --nodes 2 --seq-len 4096 --global-batch 256
     dsf calibrate --ranks 2 -o cpu.json      # then: dsf plan --cluster cpu.json --gpus-per-node 2 ...
     dsf presets
@@ -343,6 +344,36 @@ def export_cmd(ckpt_dir: Path, out_dir: Path, tag: str | None, overwrite: bool, 
 
     path = export_checkpoint(ckpt_dir, out_dir, tag=tag, overwrite=overwrite, max_shard_size=max_shard_size)
     click.echo(f"dsf: exported {ckpt_dir} -> {path} (load with AutoModelForCausalLM.from_pretrained)")
+
+
+# --- dsf generate -------------------------------------------------------------------------------
+
+@cli.command("generate")
+@click.argument("model_dir", metavar="DIR", type=click.Path(path_type=Path))
+@click.option("--prompt", required=True, help="text to continue (a chat model: the user's turn)")
+@click.option("--max-new-tokens", type=int, default=32, show_default=True, help="tokens generated, at most")
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0: greedy; > 0: sample")
+@click.option("--top-p", type=float, default=1.0, show_default=True, help="nucleus sampling mass (sampling only)")
+@click.option("--seed", type=int, default=0, show_default=True, help="seed of the sampling (reproducible runs)")
+@click.option("--num-samples", type=int, default=1, show_default=True,
+              help="independent samples (sampling only)")
+def generate_cmd(model_dir: Path, prompt: str, max_new_tokens: int, temperature: float, top_p: float, seed: int,
+                 num_samples: int) -> None:
+    """Sample from DIR: a dsf export OUT_DIR, or a checkpoint (exported to a temporary directory)."""
+    from dsframework.generate import SampleSpec, generate, load, model_directory
+
+    spec = SampleSpec(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                      num_samples=num_samples)  # flags checked before any model is read
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # stdout is the sample; stderr stays quiet
+    with model_directory(model_dir) as hf_dir:
+        model, tokenizer = load(hf_dir)
+    samples = generate(model, tokenizer, prompt, spec)
+    for index, sample in enumerate(samples):
+        if len(samples) > 1:
+            click.echo(f"--- sample {index + 1} of {len(samples)} ---")
+        click.echo(sample.text)
 
 
 # --- dsf presets --------------------------------------------------------------------------------

@@ -44,8 +44,13 @@ _TEMPLATE_FIX = ("set data.chat_template to Jinja text or a .jinja file, or poin
                  "tokenizer whose tokenizer_config.json (or chat_template.jinja) has a chat_template")
 
 
+_REPR = reprlib.Repr()
+_REPR.maxstring, _REPR.maxother, _REPR.maxlist, _REPR.maxdict = 60, 60, 3, 3
+
+
 def _short(value: Any) -> str:
-    return reprlib.Repr(maxstring=60, maxother=60, maxlist=3, maxdict=3).repr(value)
+    """A repr of a user's value short enough for a one-line error."""
+    return _REPR.repr(value)
 
 
 # --- the chat template --------------------------------------------------------------------------
@@ -121,11 +126,16 @@ def _checked_messages(messages: Any, row: int, field: str) -> list[dict[str, Any
 
 
 def _render(tokenizer: Any, messages: list[dict[str, Any]], row: int, *, generation_prompt: bool) -> str:
+    """The template's text for these turns. Passed as a batch of one conversation, since
+    apply_chat_template refuses an empty one, and the generation prompt before an assistant turn
+    that opens the conversation is the render of no turns."""
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        return tokenizer.apply_chat_template([messages], tokenize=False,
+                                             add_generation_prompt=generation_prompt)[0]
     except Exception as err:  # noqa: BLE001 - jinja raises syntax, undefined and template errors
-        raise UserError(f"row {row}", None, f"the chat template fails on its first {len(messages)} turns "
-                        f"({type(err).__name__}: {err})", "fix the conversation or data.chat_template") from None
+        what = f"its first {len(messages)} turns" if messages else "no turns (before the opening assistant turn)"
+        raise UserError(f"row {row}", None, f"the chat template fails on {what} ({type(err).__name__}: {err})",
+                        "fix the conversation or data.chat_template") from None
 
 
 def _tokenize_chat(batch: dict[str, list], indices: list[int], *, tokenizer: Any, field: str,
@@ -185,9 +195,10 @@ def _require_columns(rows: Any, named: dict[str, str]) -> None:
     present = list(rows.column_names)
     for spec_field, column in named.items():
         if column not in present:
+            hint = did_you_mean(column, present) if present else ""
+            fix = hint if hint.startswith("did you mean") else f"set data.{spec_field} to the column that holds it"
             raise UserError(f"data.{spec_field}", column, f"is not a column of the dataset (columns: "
-                            f"{', '.join(present) or 'none'})", did_you_mean(column, present) if present else
-                            f"set data.{spec_field} to the column that holds it")
+                            f"{', '.join(present) or 'none'})", fix)
 
 
 def tokenize_examples(rows: Any, tokenizer: Any, spec: DataSpec, *, num_proc: int | None = None) -> Any:

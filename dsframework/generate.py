@@ -23,6 +23,7 @@ with `top_p`) from a torch generator seeded with `seed`, so the same command giv
 from __future__ import annotations
 
 import contextlib
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,8 +82,6 @@ def is_export(path: Path) -> bool:
 def model_directory(path: str | Path) -> Iterator[Path]:
     """The transformers directory of DIR: DIR itself when it is an export, else DIR's checkpoint
     exported into a temporary directory (removed on exit). UserError when it is neither."""
-    from dsframework.export import export_checkpoint, locate
-
     path = Path(path)
     if not path.exists():
         raise UserError("DIR", str(path), "does not exist",
@@ -100,9 +99,19 @@ def model_directory(path: str | Path) -> Iterator[Path]:
                "pass the OUT_DIR of dsf export or <output_dir>/checkpoints of a dsf run")
         raise UserError("DIR", str(path), "is neither an exported model (config.json and weights) nor a "
                         "checkpoint directory (a 'latest' file, or a global_step* folder)", fix)
-    ckpt_dir, tag = locate(path)  # its own UserError for an incomplete checkpoint
+    from dsframework.export import export_checkpoint, locate
+
+    try:
+        ckpt_dir, tag = locate(path)
+    except UserError as err:  # export's own words, but generate takes a tag as its folder, not --tag
+        fix = "pass a complete global_step* folder in it as DIR" if "--tag" in err.fix else err.fix
+        raise UserError(err.field, err.value, err.rule, fix) from None
     with tempfile.TemporaryDirectory(prefix="dsf-generate-") as scratch:
-        yield export_checkpoint(ckpt_dir, Path(scratch) / "hf", tag=tag)
+        # stdout is the sample: deepspeed's logger (bound to the stdout it finds when first imported)
+        # and zero_to_fp32's prints go to stderr
+        with contextlib.redirect_stdout(sys.stderr):
+            exported = export_checkpoint(ckpt_dir, Path(scratch) / "hf", tag=tag)
+        yield exported
 
 
 def load(directory: str | Path, *, device: str | None = None) -> tuple[Any, Any]:

@@ -18,6 +18,7 @@ setup(
         "deepspeed>=0.16",
         "transformers>=4.46",
         "accelerate>=0.26",  # transformers' DeepSpeed integration (HfDeepSpeedConfig) needs it
+        "peft>=0.13",  # LoRA adapters (model.lora); its torch requirement is met by the torch installed first
         "datasets>=3.0",
         "tokenizers>=0.20",
         "safetensors",

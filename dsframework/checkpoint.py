@@ -14,6 +14,11 @@
     verify(ckpt_dir, "global_step100")  # UserError naming a missing or truncated file
     state = load(engine, ckpt_dir)       # {"step": 100, "consumed_samples": 3200}
 
+A run with frozen parameters (a LoRA run's base, models/lora.py) saves only the trainable ones
+(`save_checkpoint(..., exclude_frozen_parameters=True)`), and its manifest lists their names; the frozen
+base is rebuilt from model.name (the pretrained directory, or the seeded random init) and a resume loads
+the module non-strictly, after checking the checkpoint holds exactly the parameters that train now.
+
 A checkpoint is written under `global_stepN.partial`, its manifest written last, then renamed
 to `global_stepN` and only then named in `latest` (write-to-temp + os.replace): a crash at any
 point leaves `latest` on the previous complete checkpoint. The client state holds the step and
@@ -104,8 +109,19 @@ def _inject_fault(point: str, step: int) -> None:
         os._exit(97)
 
 
+def _frozen_and_trainable(engine: Any) -> tuple[bool, dict[str, list[int]]]:
+    """(whether some of the module's parameters are frozen, {name: shape} of those that train; a ZeRO-3
+    partitioned parameter's whole shape)."""
+    from dsframework.models.lora import has_frozen_parameters
+
+    trainable = {name: list(getattr(param, "ds_shape", param.shape))
+                 for name, param in engine.module.named_parameters() if param.requires_grad}
+    return has_frozen_parameters(engine.module), trainable
+
+
 def save(engine: Any, ckpt_dir: Path, *, step: int, consumed_samples: int, layout: dict[str, int]) -> str:
-    """Save a checkpoint of every rank at `step` (all ranks call it); returns its tag."""
+    """Save a checkpoint of every rank at `step` (all ranks call it); returns its tag. Frozen parameters
+    are left out (the manifest's `trainable` names what is in)."""
     import torch
     import torch.distributed as dist
 
@@ -122,13 +138,16 @@ def save(engine: Any, ckpt_dir: Path, *, step: int, consumed_samples: int, layou
     # ds_to_universal refuses a checkpoint without it.
     client_state = {"dsf": {"step": step, "consumed_samples": consumed_samples},
                     UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
-    engine.save_checkpoint(str(ckpt_dir), tag=partial.name, client_state=client_state, save_latest=False)
+    frozen, trainable = _frozen_and_trainable(engine)
+    engine.save_checkpoint(str(ckpt_dir), tag=partial.name, client_state=client_state, save_latest=False,
+                           exclude_frozen_parameters=frozen)
     torch.save(_rng_states(), partial / f"rng_rank{engine.global_rank}.pt")
     _inject_fault("checkpoint", step)
     dist.barrier()  # every rank's files are on disk
     if dist.get_rank() == 0:
         files = {str(p.relative_to(partial)): p.stat().st_size for p in sorted(partial.rglob("*")) if p.is_file()}
-        _write_atomically(partial / MANIFEST, json.dumps({"step": step, "layout": layout, "files": files}, indent=1))
+        manifest = {"step": step, "layout": layout, "files": files, **({"trainable": trainable} if frozen else {})}
+        _write_atomically(partial / MANIFEST, json.dumps(manifest, indent=1))
         if final.exists():  # a later checkpoint of an abandoned branch of this run (latest is older)
             shutil.rmtree(final)
         for stale in ckpt_dir.glob(tag + UNIVERSAL + "*"):  # conversions of what it replaces
@@ -196,6 +215,28 @@ def to_universal(ckpt_dir: Path, tag: str) -> str:
     return out.name
 
 
+def _check_trainable(engine: Any, ckpt_dir: Path, tag: str) -> bool:
+    """Whether the engine has frozen parameters; UserError unless the checkpoint holds exactly the
+    parameters that train now (the same adapters, or every weight of a run without them)."""
+    frozen, trainable = _frozen_and_trainable(engine)
+    saved = (read_manifest(ckpt_dir, tag) or {}).get("trainable")
+    where = str(Path(ckpt_dir) / tag)
+    if frozen and saved is None:
+        raise UserError("model.lora", None, f"is set, but {where} holds every weight of a run without adapters",
+                        "resume without model.lora (or start a LoRA run from an exported model: model.name=HF_DIR)")
+    if saved is not None and not frozen:
+        raise UserError("model.lora", None, f"is not set, but {where} holds only LoRA adapters "
+                        f"({len(saved)} tensors)", "resume with the model.lora the run started with")
+    if saved is not None and saved != trainable:
+        differ = sorted(set(saved) ^ set(trainable))
+        example = (f"e.g. {differ[0]}" if differ else
+                   "; ".join(f"{n} {trainable[n]} now, {saved[n]} saved" for n in trainable if saved[n] != trainable[n])[:200])
+        raise UserError("model.lora", None, f"gives other adapters than {where} holds ({len(trainable)} tensors now, "
+                        f"{len(saved)} saved; {example})",
+                        "resume with the model.lora (r, target_modules) the run started with")
+    return frozen
+
+
 def load(engine: Any, ckpt_dir: Path, *, tag: str | None = None) -> dict[str, int]:
     """Load the latest checkpoint (or `tag`) into `engine`; returns the dsf client state."""
     import torch
@@ -204,8 +245,9 @@ def load(engine: Any, ckpt_dir: Path, *, tag: str | None = None) -> dict[str, in
     if tag is None or not (Path(ckpt_dir) / tag).is_dir():
         raise UserError("checkpoint", str(ckpt_dir), f"latest names {tag!r}, which is not there",
                         "point output_dir at a run with a complete checkpoint")
-    try:
-        path, client_state = engine.load_checkpoint(str(ckpt_dir), tag=tag)
+    frozen = _check_trainable(engine, ckpt_dir, tag)
+    try:  # a module without its frozen parameters (they were rebuilt from model.name) loads non-strictly
+        path, client_state = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_module_strict=not frozen)
     except (RuntimeError, EOFError, OSError, KeyError, ValueError, AssertionError) as err:
         raise UserError("checkpoint", str(Path(ckpt_dir) / tag),
                         f"could not be loaded ({type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''})",

@@ -5,6 +5,7 @@
     deepspeed --num_gpus 2 $(which dsf) train launch/examples/tiny.yaml --set train.steps=50
     dsf train launch/examples/tiny.yaml --resume          # a world of one, no launcher
     dsf export runs/tiny/checkpoints runs/tiny/hf
+    dsf export runs/lora/checkpoints runs/lora/adapter --adapter-only   # a LoRA run's adapter alone
     dsf generate runs/tiny/hf --prompt "17,18,19,"          # or runs/tiny/checkpoints
     dsf plan --model llama-7b --cluster h100-80gb --nodes 2 --seq-len 4096 --global-batch 256
     dsf calibrate --ranks 2 -o cpu.json      # then: dsf plan --cluster cpu.json --gpus-per-node 2 ...
@@ -338,12 +339,19 @@ def train_cmd(run_yaml: Path, overrides: tuple[str, ...], resume: bool, overwrit
 @click.option("--max-shard-size", metavar="SIZE", help="largest weights file, e.g. 5GB or 500MB, as "
               "save_pretrained's max_shard_size (default: its default, 50GB); more weights are split into "
               "model-0000i-of-0000n.safetensors with model.safetensors.index.json")
-def export_cmd(ckpt_dir: Path, out_dir: Path, tag: str | None, overwrite: bool, max_shard_size: str | None) -> None:
-    """Merge a checkpoint (any layout) into a transformers directory at OUT_DIR, one shard at a time."""
+@click.option("--adapter-only", is_flag=True, help="a LoRA run (model.lora): write the adapter alone "
+              "(PeftModel.save_pretrained) instead of merging it into the base weights")
+def export_cmd(ckpt_dir: Path, out_dir: Path, tag: str | None, overwrite: bool, max_shard_size: str | None,
+               adapter_only: bool) -> None:
+    """Merge a checkpoint (any layout) into a transformers directory at OUT_DIR, one shard at a time.
+    A LoRA run's adapters are merged into the base weights (or, with --adapter-only, written alone)."""
     from dsframework.export import export_checkpoint
 
-    path = export_checkpoint(ckpt_dir, out_dir, tag=tag, overwrite=overwrite, max_shard_size=max_shard_size)
-    click.echo(f"dsf: exported {ckpt_dir} -> {path} (load with AutoModelForCausalLM.from_pretrained)")
+    path = export_checkpoint(ckpt_dir, out_dir, tag=tag, overwrite=overwrite, max_shard_size=max_shard_size,
+                             adapter_only=adapter_only)
+    how = ("PeftModel.from_pretrained(base, OUT_DIR)" if adapter_only
+           else "AutoModelForCausalLM.from_pretrained")
+    click.echo(f"dsf: exported {ckpt_dir} -> {path} (load with {how})")
 
 
 # --- dsf generate -------------------------------------------------------------------------------

@@ -20,6 +20,18 @@ written, so memory holds about one output shard plus the input of one tensor:
 - tensor parallel: each tensor rank's part read as above (its mp_rank_YY files), and the ranks'
   parts of one parameter merged at a time (`merge_tensor_parallel_tensor`).
 
+A LoRA run's checkpoint (model.lora in its run.yaml) holds only the adapters. Its export rebuilds the
+frozen base as training did (`build_model` from model.name with train.seed: the pretrained directory's
+weights or the seeded random init), applies the same adapters (models/lora.py), reads their trained
+values from the checkpoint, and by default merges them into the base with peft's merge_and_unload and
+writes it with save_pretrained (a plain transformers directory, sharded at `max_shard_size`); with
+`adapter_only` it writes the adapter alone with PeftModel.save_pretrained (adapter_config.json,
+adapter_model.safetensors), loadable with `PeftModel.from_pretrained(base, OUT_DIR)`. Either way the
+tokenizer is written beside it. This path holds the whole base model in memory (peft merges in place).
+
+    export_checkpoint("runs/lora/checkpoints", "runs/lora/hf")                          # merged
+    export_checkpoint("runs/lora/checkpoints", "runs/lora/adapter", adapter_only=True)  # the adapter
+
 A tensor read from a memory-mapped file is copied, and the file's pages are then handed back
 (`_drop_mapped_pages`), so they do not pile up in the process's resident memory. The directory is
 written under a temporary name and renamed into place, so a failed export never leaves a
@@ -381,11 +393,78 @@ def write_config(model: Any, directory: Path) -> None:
         model.generation_config.save_pretrained(str(directory))
 
 
+def lora_run(ckpt_dir: Path) -> Any:
+    """The run config dsf train saved beside the checkpoints when that run trained LoRA adapters
+    (model.lora), else None."""
+    from dsframework.config import load_run_config
+
+    run_yaml = ckpt_dir / ckpt.RUN_YAML
+    if not run_yaml.is_file():
+        return None
+    run = load_run_config(run_yaml)
+    return run if run.model.lora is not None else None
+
+
+def lora_model(ckpt_dir: Path, tag: str, run: Any, config: Any, *, scratch: Path) -> Any:
+    """The peft model of a LoRA checkpoint: the base rebuilt from model.name and train.seed as training
+    built it, with the adapters' trained values read from the checkpoint (which holds nothing else)."""
+    import torch
+
+    from dsframework.models import build_model, resolve_model
+    from dsframework.models.lora import apply_lora, trainable_names
+
+    where = str(ckpt_dir / tag)
+    try:
+        source = resolve_model(run.model)
+    except UserError as err:
+        raise UserError("CKPT_DIR", where, f"holds LoRA adapters, and their base model cannot be rebuilt ({err})",
+                        "restore the model.name the run trained on, or edit it in "
+                        f"{ckpt_dir / ckpt.RUN_YAML}") from None
+    model = apply_lora(build_model(source, config, seed=run.train.seed), run.model.lora, seed=run.train.seed)
+    reader = open_checkpoint(ckpt_dir, tag, config, scratch=scratch)
+    params = dict(model.named_parameters())
+    wanted, buffers = set(trainable_names(model)), {name for name, _ in model.named_buffers()}
+    missing, unexpected = sorted(wanted - reader.names), sorted(reader.names - wanted - buffers)
+    if missing or unexpected:
+        raise UserError("CKPT_DIR", where, f"does not hold the adapters of its run.yaml's model.lora (missing "
+                        f"{missing[:2]}, unexpected {unexpected[:2]})", "export with the run.yaml saved by the same run")
+    with torch.no_grad():
+        for name in sorted(wanted):
+            tensor = reader.read(name)
+            if tensor.shape != params[name].shape:
+                raise UserError("CKPT_DIR", where, f"does not match its run.yaml's model.lora ({name} is "
+                                f"{list(tensor.shape)}, the config makes it {list(params[name].shape)})",
+                                "export with the run.yaml saved by the same run")
+            params[name].copy_(tensor)
+    return model
+
+
+def _write_lora(ckpt_dir: Path, tag: str, run: Any, config: Any, staging: Path, *, scratch: Path,
+                adapter_only: bool, max_shard_size: int) -> None:
+    """The merged model (or the adapter alone) of a LoRA checkpoint, written into `staging`."""
+    from dsframework.models.lora import merge_lora
+
+    model = lora_model(ckpt_dir, tag, run, config, scratch=scratch)
+    if adapter_only:
+        model.peft_config["default"].base_model_name_or_path = run.model.name
+        model.save_pretrained(str(staging))
+        return
+    merged = merge_lora(model)
+    merged.config.dtype = "float32"
+    merged.save_pretrained(str(staging), max_shard_size=max_shard_size)
+
+
 def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path, *, tag: str | None = None,
-                      overwrite: bool = False, max_shard_size: int | str | None = None) -> Path:
+                      overwrite: bool = False, max_shard_size: int | str | None = None,
+                      adapter_only: bool = False) -> Path:
     """Write config, safetensors weights (sharded at `max_shard_size`, save_pretrained's default when
-    None) and tokenizer for `from_pretrained`; returns out_dir."""
+    None) and tokenizer for `from_pretrained`; returns out_dir. A LoRA run's adapters are merged into
+    the base weights, or with `adapter_only` written alone (PeftModel.save_pretrained)."""
     ckpt_dir, tag = locate(ckpt_path, tag)
+    lora = lora_run(ckpt_dir)
+    if adapter_only and lora is None:
+        raise UserError("--adapter-only", None, f"needs a LoRA run's checkpoint, and {ckpt_dir} trained every "
+                        "weight (its run.yaml has no model.lora)", "drop --adapter-only")
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError("OUT_DIR", str(out_dir), "is a file", "choose a directory path")
@@ -405,14 +484,19 @@ def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path, *, tag: str | 
         model = causal_lm_class(config)(config)
     where = str(ckpt_dir / tag)
     with tempfile.TemporaryDirectory(prefix="dsf-export-") as scratch:
-        reader = open_checkpoint(ckpt_dir, tag, config, tp=tensor_parallel_size(ckpt_dir), scratch=Path(scratch))
-        plan = weights_to_write(model, reader, where=where)
+        if lora is None:
+            reader = open_checkpoint(ckpt_dir, tag, config, tp=tensor_parallel_size(ckpt_dir), scratch=Path(scratch))
+            plan = weights_to_write(model, reader, where=where)
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
         try:
-            write_weights(reader, plan, staging, max_shard_size=max_bytes,
-                          total_parameters=model.num_parameters(), where=where)
-            write_config(model, staging)
+            if lora is not None:
+                _write_lora(ckpt_dir, tag, lora, config, staging, scratch=Path(scratch),
+                            adapter_only=adapter_only, max_shard_size=max_bytes)
+            else:
+                write_weights(reader, plan, staging, max_shard_size=max_bytes,
+                              total_parameters=model.num_parameters(), where=where)
+                write_config(model, staging)
             tokenizer_dir = ckpt_dir / ckpt.TOKENIZER_DIR
             if tokenizer_dir.is_dir():
                 load_tokenizer(tokenizer_dir, field="checkpoint tokenizer").save_pretrained(str(staging))

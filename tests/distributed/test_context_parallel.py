@@ -67,7 +67,8 @@ def _mean_loss(model, blocks, micro_batch: int) -> float:
 
 def test_eval_loss_is_the_whole_sequence_loss(cp_runs):
     """cp 2 at dp 1: the eval loss after 8 steps is the reference model's on the same blocks."""
-    from dsframework.data import load_texts, load_tokenizer, pack_splits
+    from dsframework.data import load_texts, load_tokenizer
+    from tests.packing_reference import pack_splits
 
     run_dir = cp_runs["root"] / "cp2-zero0-llama"
     run = build_run_config({}, run_overrides(run_dir, RUNS["cp2-zero0-llama"][1]))

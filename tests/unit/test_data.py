@@ -3,19 +3,23 @@ from __future__ import annotations
 
 import itertools
 import json
+import mmap
 import re
+from pathlib import Path
 from collections import Counter
 
 import pytest
 
 datasets = pytest.importorskip("datasets")
 torch = pytest.importorskip("torch")
+np = pytest.importorskip("numpy")
 
 from dsframework.config import DataSpec  # noqa: E402
 from dsframework.data import (BUILTIN_TASKS, SPECIAL_TOKENS, BlockSampler, eval_shard,  # noqa: E402
-                              generate_task, load_texts, load_tokenizer, pack, pack_splits,
-                              train_tokenizer)
+                              generate_task, load_texts, load_tokenizer, token_stores, train_tokenizer)
+from dsframework.data import store as store_module  # noqa: E402
 from dsframework.errors import UserError  # noqa: E402
+from tests.packing_reference import pack, pack_splits  # noqa: E402
 
 SEQ_LEN = 16
 
@@ -177,12 +181,32 @@ def test_load_texts_reads_tabular_files_with_text_field(tmp_path, fmt):
     assert _texts(texts) == KEPT
 
 
-def test_load_texts_reads_txt_lines_dropping_empty_ones(tmp_path):
-    path = tmp_path / "corpus.txt"
-    path.write_text("first line\n\nsecond line\n\n\nthird line\n")
-    texts = load_texts(DataSpec(dataset=str(path)))
-    assert texts.column_names == ["text"]
-    assert _texts(texts) == ["first line", "second line", "third line"]
+def test_a_text_file_is_one_document_by_default_newlines_kept(tmp_path):
+    text = "first line\n\n    indented block\n\tand a tab\n\n\nlast line\n"
+    (tmp_path / "corpus.txt").write_text(text)
+    assert _texts(load_texts(DataSpec(dataset=str(tmp_path / "corpus.txt")))) == [text]
+
+
+@pytest.mark.parametrize("unit, expected", [
+    ("line", ["first line", "second line", "third line"]),   # datasets' default, and ours before
+    ("paragraph", ["first line\nsecond line", "third line"]),  # blank lines separate, newlines within kept
+])
+def test_text_unit_splits_a_file(tmp_path, unit, expected):
+    (tmp_path / "corpus.txt").write_text("first line\nsecond line\n\n\nthird line\n")
+    texts = load_texts(DataSpec(dataset=str(tmp_path / "corpus.txt"), text_unit=unit))
+    assert [t.strip("\n") for t in _texts(texts)] == expected
+
+
+def test_a_glob_reads_any_text_extension(tmp_path):
+    (tmp_path / "pkg" / "sub").mkdir(parents=True)
+    files = {"pkg/a.py": "def f(x):\n    return x + 1\n", "pkg/sub/b.py": "class B:\n    pass\n",
+             "pkg/notes.md": "# title\n\ntext\n"}
+    for name, body in files.items():
+        (tmp_path / name).write_text(body)
+    texts = load_texts(DataSpec(dataset=str(tmp_path / "pkg" / "**" / "*.py")))
+    assert sorted(_texts(texts)) == sorted(body for name, body in files.items() if name.endswith(".py"))
+    with pytest.raises(UserError, match="neither a built-in task"):
+        load_texts(DataSpec(dataset=str(tmp_path / "pkg" / "*.rst")))
 
 
 def test_load_texts_reads_a_glob_and_a_directory(tmp_path):
@@ -234,7 +258,7 @@ def test_load_texts_errors(tmp_path):
         load_texts(DataSpec(dataset=str(tmp_path / "broken.json")))
 
 
-# --- packing --------------------------------------------------------------------------------------
+# --- token store ----------------------------------------------------------------------------------
 
 UNIQUE_DOCS = [f"{i}+{i}={2 * i}" for i in range(300)]  # distinct, in the addition alphabet
 
@@ -245,18 +269,36 @@ def char_tokenizer():
     return train_tokenizer(datasets.Dataset.from_dict({"text": UNIQUE_DOCS}), spec)
 
 
+def _rows(store):
+    return store[list(range(len(store)))]
+
+
 @pytest.mark.parametrize("seq_len", [8, SEQ_LEN, 37])
-def test_pack_is_the_eos_joined_stream_cut_into_blocks(char_tokenizer, seq_len):
+def test_store_holds_the_blocks_of_in_memory_packing_in_the_same_order(char_tokenizer, tmp_path, seq_len):
+    texts = datasets.Dataset.from_dict({"text": UNIQUE_DOCS})
+    spec = DataSpec(dataset="addition", seq_len=seq_len, eval_fraction=0.1, seed=11)
+    train, held_out = token_stores(texts, char_tokenizer, spec, cache_dir=tmp_path)
+    want_train, want_eval = pack_splits(texts, char_tokenizer, spec)
+    assert torch.equal(_rows(train), want_train) and torch.equal(_rows(held_out), want_eval)
+    assert train[3].tolist() == want_train[3].tolist()
+    ids_file = next(tmp_path.glob("store-*/train.ids"))
+    assert ids_file.stat().st_size // 2 >= want_train.numel()  # uint16 on disk (the uncut stream)
+    assert not train.supervised and train.micro_batch([0, 1]).dtype == torch.long
+
+
+def test_reference_pack_is_the_eos_joined_stream_cut_into_blocks(char_tokenizer):
     texts = datasets.Dataset.from_dict({"text": UNIQUE_DOCS[:100]})
-    blocks = pack(texts, char_tokenizer, seq_len)
+    blocks = pack(texts, char_tokenizer, SEQ_LEN)
     eos = char_tokenizer.eos_token_id
     stream = [t for doc in UNIQUE_DOCS[:100]
               for t in char_tokenizer(doc, add_special_tokens=False)["input_ids"] + [eos]]
-    n = len(stream) // seq_len
-    assert blocks.dtype == torch.long
-    assert tuple(blocks.shape) == (n, seq_len)
-    assert blocks.flatten().tolist() == stream[: n * seq_len]
-    assert len(stream) - n * seq_len < seq_len  # only an incomplete block is dropped
+    n = len(stream) // SEQ_LEN
+    assert blocks.flatten().tolist() == stream[: n * SEQ_LEN]
+
+
+def test_ids_are_uint16_until_the_vocabulary_needs_uint32():
+    assert store_module.id_dtype(65536).name == "uint16"
+    assert store_module.id_dtype(65537).name == "uint32"
 
 
 def _complete_docs(blocks, tokenizer) -> list[str]:
@@ -273,60 +315,105 @@ def _complete_docs(blocks, tokenizer) -> list[str]:
     return docs  # the cut tail after the last EOS is left out
 
 
-def test_pack_splits_holds_out_whole_documents(char_tokenizer):
+def test_store_holds_out_whole_documents(char_tokenizer, tmp_path):
     texts = datasets.Dataset.from_dict({"text": UNIQUE_DOCS})
     spec = DataSpec(dataset="addition", seq_len=SEQ_LEN, eval_fraction=0.1, seed=11)
-    train, held_out = pack_splits(texts, char_tokenizer, spec)
-    assert train.shape[1] == held_out.shape[1] == SEQ_LEN
+    train, held_out = (_rows(s) for s in token_stores(texts, char_tokenizer, spec, cache_dir=tmp_path))
     train_docs, eval_docs = _complete_docs(train, char_tokenizer), _complete_docs(held_out, char_tokenizer)
     assert set(train_docs) <= set(UNIQUE_DOCS) and set(eval_docs) <= set(UNIQUE_DOCS)
     assert not set(train_docs) & set(eval_docs)
     assert 20 <= len(eval_docs) <= 30  # ~10% of 300 documents (minus a cut tail)
-    # Each split drops fewer than seq_len tokens at its end: at most 2 documents (>= 6 tokens each).
     assert len(train_docs) + len(eval_docs) >= 300 - 2 * 3
-    # Deterministic for a seed; another seed holds out other documents.
-    again, again_eval = pack_splits(texts, char_tokenizer, spec)
-    assert torch.equal(again, train) and torch.equal(again_eval, held_out)
-    _, other_eval = pack_splits(texts, char_tokenizer, spec.model_copy(update={"seed": 12}))
-    assert set(_complete_docs(other_eval, char_tokenizer)) != set(eval_docs)
+    _, other_eval = token_stores(texts, char_tokenizer, spec.model_copy(update={"seed": 12}), cache_dir=tmp_path)
+    assert set(_complete_docs(_rows(other_eval), char_tokenizer)) != set(eval_docs)
 
 
-def test_blocks_are_tokenized_once_and_read_back(char_tokenizer, tmp_path, monkeypatch):
-    import dsframework.data as data
+def test_a_text_file_comes_back_from_the_store_as_it_was(tmp_path):
+    """Files tokenized and decoded back from the rows are the files, with an EOS after each only."""
+    bodies = [f"def f{i}(x):\n    'doc {i}'\n\n    return x * {i}  # tabs\there\n" for i in range(40)]
+    for i, body in enumerate(bodies):
+        (tmp_path / f"m{i:02d}.py").write_text(body)
+    spec = DataSpec(dataset=str(tmp_path / "*.py"), seq_len=32, eval_fraction=0.1, tokenizer_vocab_size=300)
+    texts = load_texts(spec)
+    tokenizer = train_tokenizer(texts, spec)
+    train, held_out = token_stores(texts, tokenizer, spec, cache_dir=tmp_path / "cache")
+    docs = _complete_docs(_rows(train), tokenizer) + _complete_docs(_rows(held_out), tokenizer)
+    assert set(docs) <= set(bodies) and len(docs) >= 40 - 2  # whole files; at most a cut tail per split
 
+
+def test_store_is_built_once_keyed_and_rebuilt_when_torn(char_tokenizer, tmp_path, monkeypatch):
     texts = datasets.Dataset.from_dict({"text": UNIQUE_DOCS})
     spec = DataSpec(dataset="addition", seq_len=SEQ_LEN, eval_fraction=0.1, seed=11)
-    train, held_out = data.pack_splits_cached(texts, char_tokenizer, spec, cache_dir=tmp_path)
-    want_train, want_eval = pack_splits(texts, char_tokenizer, spec)
-    assert torch.equal(train, want_train) and torch.equal(held_out, want_eval)
-    assert len(list(tmp_path.glob("blocks-*.pt"))) == 1
+    train, held_out = token_stores(texts, char_tokenizer, spec, cache_dir=tmp_path)
+    want = _rows(train)
+    assert len(list(tmp_path.glob("store-*"))) == 1 and not list(tmp_path.glob(".store-*"))
 
     # A tokenizer saved and loaded again (what the other ranks and a resumed run use) finds it ...
     char_tokenizer.save_pretrained(str(tmp_path / "tok"))
     reloaded = load_tokenizer(tmp_path / "tok")
-    monkeypatch.setattr(data, "pack_splits", lambda *a: pytest.fail("tokenized again"))
-    again, again_eval = data.pack_splits_cached(texts, reloaded, spec, cache_dir=tmp_path)
-    assert torch.equal(again, train) and torch.equal(again_eval, held_out)
+    monkeypatch.setattr(store_module, "build_store", lambda *a: pytest.fail("tokenized again"))
+    again, _ = token_stores(texts, reloaded, spec, cache_dir=tmp_path)
+    assert torch.equal(_rows(again), want)
     monkeypatch.undo()
 
-    # ... other packing settings or other data do not, and a torn file is rebuilt.
-    data.pack_splits_cached(texts, char_tokenizer, spec.model_copy(update={"seq_len": SEQ_LEN + 1}), cache_dir=tmp_path)
-    data.pack_splits_cached(datasets.Dataset.from_dict({"text": UNIQUE_DOCS[:200]}), char_tokenizer, spec,
-                            cache_dir=tmp_path)
-    assert len(list(tmp_path.glob("blocks-*.pt"))) == 3
-    for path in tmp_path.glob("blocks-*.pt"):
-        path.write_bytes(b"torn")
-    rebuilt, _ = data.pack_splits_cached(texts, char_tokenizer, spec, cache_dir=tmp_path)
-    assert torch.equal(rebuilt, train)
+    # ... other packing settings or other data do not, and a torn store is rebuilt.
+    token_stores(texts, char_tokenizer, spec.model_copy(update={"seq_len": SEQ_LEN + 1}), cache_dir=tmp_path)
+    token_stores(datasets.Dataset.from_dict({"text": UNIQUE_DOCS[:200]}), char_tokenizer, spec, cache_dir=tmp_path)
+    assert len(list(tmp_path.glob("store-*"))) == 3
+    for ids in tmp_path.glob("store-*/train.ids"):
+        ids.write_bytes(ids.read_bytes()[:100])  # torn
+    rebuilt, _ = token_stores(texts, char_tokenizer, spec, cache_dir=tmp_path)
+    assert torch.equal(_rows(rebuilt), want)
 
 
-def test_pack_splits_errors(char_tokenizer):
+def test_pre_tokenized_data_is_used_as_is_and_checked_against_the_vocabulary(char_tokenizer, tmp_path):
+    eos = char_tokenizer.eos_token_id
+    docs = [char_tokenizer(d, add_special_tokens=False)["input_ids"] for d in UNIQUE_DOCS]
+    datasets.Dataset.from_dict({"input_ids": [d + [eos] if i % 2 else d for i, d in enumerate(docs)]}).save_to_disk(
+        str(tmp_path / "ids"))
+    spec = DataSpec(dataset=str(tmp_path / "ids"), seq_len=SEQ_LEN, eval_fraction=0.1, seed=11)
+    rows = load_texts(spec)
+    assert rows.column_names == ["input_ids"]
+    train, held_out = token_stores(rows, char_tokenizer, spec, cache_dir=tmp_path / "cache")
+    text_spec = DataSpec(dataset="addition", seq_len=SEQ_LEN, eval_fraction=0.1, seed=11)
+    want_train, _ = pack_splits(datasets.Dataset.from_dict({"text": UNIQUE_DOCS}), char_tokenizer, text_spec)
+    assert torch.equal(_rows(train), want_train)  # an EOS added where a document had none, never twice
+    datasets.Dataset.from_dict({"input_ids": [[1, 2, 3], [len(char_tokenizer) + 5, 1]] * 20}).save_to_disk(
+        str(tmp_path / "bad"))
+    bad = spec.model_copy(update={"dataset": str(tmp_path / "bad")})
+    with pytest.raises(UserError, match=rf"data.dataset={len(char_tokenizer) + 5}: is an input_ids value outside"):
+        token_stores(load_texts(bad), char_tokenizer, bad, cache_dir=tmp_path / "cache")
+    assert not list((tmp_path / "cache").glob(".store-*"))  # nothing half-written left behind
+
+
+def test_reading_rows_does_not_grow_a_process_with_the_corpus(tmp_path):
+    """Every row of a 256 MB store read in micro-batches: the pages go back after each read."""
+    rows, width = 1 << 16, 2048
+    path = tmp_path / "train.ids"
+    with open(path, "wb") as f:
+        for _ in range(16):
+            f.write(np.random.default_rng(0).integers(0, 60000, size=(rows // 16, width), dtype=np.uint16).tobytes())
+    mapped = store_module._MappedRows(path, np.dtype(np.uint16), width=width, rows=rows)
+
+    def rss_mb() -> float:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * mmap.PAGESIZE / 2**20
+
+    before = rss_mb()
+    total = 0
+    for start in range(0, rows, 64):
+        total += int(mapped.take(list(range(start, start + 64)))[:, 0].sum())
+    assert total > 0
+    assert rss_mb() - before < 32, f"RSS grew {rss_mb() - before:.0f} MB reading a 256 MB store"
+
+
+def test_store_errors(char_tokenizer, tmp_path):
     spec = DataSpec(dataset="addition", seq_len=SEQ_LEN)
-    with pytest.raises(UserError, match="non-empty documents"):
-        pack_splits(datasets.Dataset.from_dict({"text": ["1+1=2"]}), char_tokenizer, spec)
+    with pytest.raises(UserError, match="non-empty examples"):
+        token_stores(datasets.Dataset.from_dict({"text": ["1+1=2"]}), char_tokenizer, spec, cache_dir=tmp_path)
     short = datasets.Dataset.from_dict({"text": ["1+1=2"] * 20})
     with pytest.raises(UserError, match="data.seq_len"):
-        pack_splits(short, char_tokenizer, spec.model_copy(update={"seq_len": 512}))
+        token_stores(short, char_tokenizer, spec.model_copy(update={"seq_len": 512}), cache_dir=tmp_path)
+    assert not list(tmp_path.glob("store-*")) and not list(tmp_path.glob(".store-*"))
 
 
 # --- sampling -------------------------------------------------------------------------------------

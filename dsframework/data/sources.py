@@ -38,15 +38,28 @@ def _builder_of(file: str, spec: DataSpec, *, any_text: bool) -> str | None:
     return None
 
 
+STDLIB = "{stdlib}"  # in data.dataset: this interpreter's standard library (a corpus every machine has)
+
+
+def dataset_path(spec: DataSpec) -> str:
+    """data.dataset with `~` and `{stdlib}` expanded: `{stdlib}/**/*.py` is every module of the Python
+    standard library of the machine the run is on (sysconfig), e.g. launch/examples/python-stdlib.yaml."""
+    import sysconfig
+
+    return str(Path(spec.dataset.replace(STDLIB, sysconfig.get_paths()["stdlib"])).expanduser())
+
+
 def data_files(spec: DataSpec) -> tuple[str, list[str]]:
     """(datasets builder, sorted files) of a file, directory or glob; one builder for all files."""
-    path = Path(spec.dataset).expanduser()
+    path = Path(dataset_path(spec))
     is_glob = any(ch in spec.dataset for ch in "*?[")
     if path.is_dir():
         candidates = [str(p) for p in path.iterdir()]  # top level only: a glob with ** reaches further
     else:
         candidates = glob.glob(str(path), recursive=True)
     # A glob or a single file names its files itself: with format text any suffix is text.
+    if STDLIB in spec.dataset:  # the standard library only, not what was installed into it
+        candidates = [f for f in candidates if not {"site-packages", "dist-packages"} & set(Path(f).parts)]
     builders = {f: _builder_of(f, spec, any_text=is_glob or path.is_file()) for f in sorted(candidates)}
     files = [f for f, builder in builders.items() if builder is not None and Path(f).is_file()]
     if not files:
@@ -109,7 +122,7 @@ def load_texts(spec: DataSpec) -> Any:
         texts = generate_task(spec.dataset, num_examples=spec.num_examples, digits=spec.max_digits,
                               seed=spec.seed)
         return datasets.Dataset.from_dict({"text": texts})
-    path = Path(spec.dataset).expanduser()
+    path = Path(dataset_path(spec))
     if path.is_dir() and _is_saved_dataset(path):
         loaded = datasets.load_from_disk(str(path))
         if isinstance(loaded, datasets.DatasetDict):

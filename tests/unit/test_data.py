@@ -515,3 +515,14 @@ def test_eval_shard_balances_ranks_with_disjoint_blocks(num_blocks, dp, micro):
     # Only a remainder smaller than one round of micro-batches is left out.
     effective_micro = len(shards[0][0])
     assert num_blocks - len(blocks) < effective_micro * dp
+
+
+def test_stdlib_placeholder_is_this_interpreters_standard_library_without_site_packages():
+    import sysconfig
+
+    from dsframework.data.sources import data_files
+
+    builder, files = data_files(DataSpec(dataset="{stdlib}/**/*.py"))
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    assert builder == "text" and str(stdlib / "json" / "decoder.py") in files
+    assert all(Path(f).is_relative_to(stdlib) and "site-packages" not in Path(f).parts for f in files)

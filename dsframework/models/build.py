@@ -152,6 +152,10 @@ def resolve_model(spec: ModelSpec) -> ModelSource:
         _check_override_names(fields, spec.overrides)
         config = _build_with_overrides(fields, spec.overrides, origin=name)
     _check_causal_lm(config, name)
+    if spec.lora is not None:  # a target_modules entry naming no layer: one line, before anything is written
+        from dsframework.models.lora import check_lora_targets
+
+        check_lora_targets(config, spec.lora)
     if pretrained_dir is not None:
         from dsframework.models.construct import check_pretrained_files
 

@@ -7,7 +7,7 @@
 
 peft does the adapting (`get_peft_model`, `merge_and_unload`); this module only checks the user's
 `target_modules` first (a name that matches no layer, or a layer LoRA does not adapt, is one line naming
-the closest layer name) and seeds the adapters' initialisation with train.seed, so every rank, every
+the closest layer name; `resolve_model` runs the check on a meta model, before anything is written) and seeds the adapters' initialisation with train.seed, so every rank, every
 ZeRO stage, a resumed run's rebuild and a single-process reference start from the same adapters (lora_A
 random, lora_B zero: the adapted model starts equal to the base). Under ZeRO-3 the base layers are
 already partitioned when the adapters are added; the adapters themselves are ordinary parameters that
@@ -58,6 +58,20 @@ def check_target_modules(model: Any, spec: LoraSpec) -> None:
         else:
             rule = "matches no module of the model"
         raise UserError("model.lora.target_modules", target, rule, did_you_mean(target, leaves))
+
+
+def check_lora_targets(config: Any, spec: LoraSpec) -> None:
+    """`check_target_modules` on a weightless (meta) model of `config`: called when model.name is
+    resolved, before a rank writes anything or joins the process group."""
+    import torch
+
+    from dsframework.models.build import causal_lm_class
+
+    if isinstance(spec.target_modules, str):
+        return
+    with torch.device("meta"):
+        model = causal_lm_class(config)(config)
+    check_target_modules(model, spec)
 
 
 def lora_config(spec: LoraSpec) -> Any:

@@ -7,11 +7,14 @@ differ. After `s,s+1,...,s+k-1,` (k < 8 numbers, a counting document holds 8) th
 is `s+k`; what follows it may be `,` or EOS, since the prompt may be the tail of a document that
 began earlier. So the test asks, over many of the task's documents cut after 1..7 numbers, that
 the model mostly writes a number rather than ending there, and that the number is mostly right.
+The quickstart's last line is `dsf generate` on the export: a greedy continuation of "17,18,19,",
+checked for its form (the prompt, then at least one number, numbers and commas only), not its digits.
 """
 from __future__ import annotations
 
 import json
 import random
+import re
 import subprocess
 import time
 
@@ -63,6 +66,12 @@ def test_quickstart_learns_and_exports(tmp_path):
     assert rows[0]["step"] == 0 and len(evals) >= 2
     assert evals[-1] <= 0.5 * evals[0], f"eval loss {evals[0]:.3f} -> {evals[-1]:.3f}"
     assert "quickstart: eval loss" in proc.stdout
+    last = proc.stdout.splitlines()[-1]  # quickstart: dsf generate <out>/hf --prompt 17,18,19, -> <sample>
+    assert last.startswith(f"quickstart: dsf generate {out}/hf --prompt 17,18,19, -> "), proc.stdout[-2000:]
+    sample = last.split(" -> ", 1)[1]
+    print(last)
+    # after a comma a counting document always goes on, so a number follows (EOS may end it later)
+    assert re.fullmatch(r"17,18,19,\d+(,\d+)*,?", sample), f"not a count: {sample!r}"
 
     model = AutoModelForCausalLM.from_pretrained(out / "hf", local_files_only=True).eval()
     tokenizer = AutoTokenizer.from_pretrained(out / "hf", local_files_only=True)

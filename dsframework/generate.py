@@ -18,7 +18,8 @@ A tokenizer with a `chat_template` gets the prompt as one user turn, rendered wi
 `add_generation_prompt=True`, and the sample is only the reply (the new tokens); otherwise the raw
 prompt is continued and the sample is the prompt followed by the continuation. Special tokens (EOS,
 padding) are left out of the text. Temperature 0 is greedy; above 0 it samples (`do_sample=True`,
-with `top_p`) from a torch generator seeded with `seed`, so the same command gives the same samples.
+`top_p`, no top-k) after `torch.manual_seed(seed)`, so the same command on the same machine gives
+the same samples. The model runs in fp32, on the GPU when there is one.
 """
 from __future__ import annotations
 

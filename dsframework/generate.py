@@ -19,7 +19,7 @@ A tokenizer with a `chat_template` gets the prompt as one user turn, rendered wi
 prompt is continued and the sample is the prompt followed by the continuation. Special tokens (EOS,
 padding) are left out of the text. Temperature 0 is greedy; above 0 it samples (`do_sample=True`,
 `top_p`, no top-k) after `torch.manual_seed(seed)`, so the same command on the same machine gives
-the same samples. The model runs in fp32, on the GPU when there is one.
+the same samples. The model runs at its saved dtype (fp32 for a dsf export), on the GPU if any.
 """
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ from dsframework.config import RunConfig, dump_run_config
 from dsframework.data import (BlockSampler, eval_shard, load_texts, load_tokenizer, store_cache_dir, token_stores,
                               train_tokenizer)
 from dsframework.data.examples import use_chat_template
-from dsframework.data.store import IGNORE_INDEX
+from dsframework.data.store import IGNORE_INDEX, describe_store
 from dsframework.dsconfig import Batch, build_ds_config, resolve_batch
 from dsframework.errors import UserError
 from dsframework.guards import NonFiniteWatch, StopRequest, fault_step
@@ -484,6 +484,8 @@ def train(run: RunConfig, *, resume: bool = False, overwrite: bool = False) -> d
               f" = {batch.global_batch} | {len(train_blocks):,} train / {len(eval_blocks):,} eval "
               f"blocks of {run.data.seq_len} tokens | peak {meter.peak_per_rank / 1e12:.3g} TFLOP/s per rank "
               f"({meter.peak_source})", flush=True)
+
+        print("dsf: data " + describe_store(train_blocks) + f" | store {train_blocks.directory}", flush=True)
 
     loss_kw = session.loss_kw  # how each micro-batch's loss is computed (context parallelism)
 

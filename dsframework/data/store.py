@@ -145,6 +145,17 @@ def _as_list(index: Any, rows: int) -> list[int]:
     return [int(i) for i in index]
 
 
+def describe_store(store: TokenStore) -> str:
+    """One line on what a split holds: documents and tokens; for examples, what was cut or dropped."""
+    r = store.report
+    if not store.supervised:
+        return (f"{store.split}: {r['documents']:,} documents, {r['tokens']:,} tokens in {r['rows']:,} rows "
+                f"({r['dropped_tail_tokens']:,} tail tokens dropped)")
+    return (f"{store.split}: {r['examples']:,} examples in {r['rows']:,} rows, {r['trained_tokens']:,} trained tokens, "
+            f"{r['padding'] / max(r['tokens'], 1):.0%} padding, {r['truncated']:,} cut to seq_len, "
+            f"{r['dropped']:,} dropped with no trained token left")
+
+
 # --- writing: text ------------------------------------------------------------------------------
 
 def _tokenize_documents(batch: dict[str, list], *, tokenizer: Any, eos: int) -> dict[str, list]:

@@ -22,10 +22,9 @@ def train_tokenizer(texts: Any, spec: DataSpec) -> Any:
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    if "text" not in texts.column_names:
-        raise UserError("model.tokenizer", None, f"is needed for data.format={spec.format} data "
-                        f"({', '.join(texts.column_names)} columns): a tokenizer is trained here on text only",
-                        "set model.tokenizer to a saved tokenizer directory, or use a pretrained model.name")
+    if "input_ids" in texts.column_names:
+        raise UserError("model.tokenizer", None, "is needed for already tokenized data (an input_ids column)",
+                        "set model.tokenizer to the tokenizer that made the ids, or use a pretrained model.name")
     specials = list(SPECIAL_TOKENS.values())
     if spec.dataset in BUILTIN_TASKS:
         tok = Tokenizer(models.WordLevel(unk_token=SPECIAL_TOKENS["unk_token"]))
@@ -60,12 +59,22 @@ def load_tokenizer(directory: str | Path, *, field: str = "model.tokenizer") -> 
     return tokenizer
 
 
+def _texts_of(batch: dict[str, list]) -> list[str]:
+    """The text of a batch of rows of any format: documents, prompts and completions, turns."""
+    if "text" in batch:
+        return batch["text"]
+    if "prompt" in batch:
+        return [f"{p}{c}" for p, c in zip(batch["prompt"], batch["completion"])]
+    return ["\n".join(str(turn.get("content") or "") for turn in turns if isinstance(turn, dict))
+            for turns in batch["messages"] if isinstance(turns, list)]
+
+
 def _sample(texts: Any) -> Any:
     """The documents, in order, up to TOKENIZER_SAMPLE_BYTES of text: a vocabulary settles long before
     a big corpus ends, and the trainer's memory grows with what it reads."""
     seen = 0
     for batch in texts.iter(batch_size=1024):
-        for text in batch["text"]:
+        for text in _texts_of(batch):
             yield text
             seen += len(text)
             if seen >= TOKENIZER_SAMPLE_BYTES:

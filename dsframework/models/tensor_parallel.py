@@ -104,7 +104,7 @@ class TensorParallelCausalLM(nn.Module):
         self.config = model.config
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, **kwargs: Any):
-        hidden = self.model.base_model(input_ids=input_ids, use_cache=False, **kwargs).last_hidden_state
+        hidden = self.model.base_model(input_ids=input_ids, **{"use_cache": False, **kwargs}).last_hidden_state
         logits = self.model.lm_head(hidden)
         loss = None
         if labels is not None:

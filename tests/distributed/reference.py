@@ -13,7 +13,7 @@ import torch
 from deepspeed.runtime import lr_schedules
 
 from dsframework.config import RunConfig
-from dsframework.data import BlockSampler, load_texts, load_tokenizer
+from dsframework.data import IGNORE_INDEX, BlockSampler, load_texts, load_tokenizer, store_cache_dir, token_stores
 from tests.packing_reference import pack_splits  # the blocks as packed in memory: the store must match them
 from dsframework.dsconfig import build_ds_config
 from dsframework.models import build_model, resolve_model
@@ -27,7 +27,11 @@ def reference_train(run: RunConfig, *, steps: int | None = None) -> tuple[dict[i
     """(step -> loss, the trained model) of the plain PyTorch loop."""
     torch.manual_seed(0)
     tokenizer = load_tokenizer(run.checkpoint_dir / "tokenizer")
-    train_blocks, _ = pack_splits(load_texts(run.data), tokenizer, run.data)
+    supervised = run.data.format != "text"
+    if supervised:  # the rows and masks the run trained on (their making is checked in tests/unit/test_sft.py)
+        train_blocks, _ = token_stores(load_texts(run.data), tokenizer, run.data, cache_dir=store_cache_dir())
+    else:
+        train_blocks, _ = pack_splits(load_texts(run.data), tokenizer, run.data)
     source = resolve_model(run.model)
     model = build_model(source, source.config_for(tokenizer), seed=run.train.seed)
     model.train()
@@ -43,8 +47,12 @@ def reference_train(run: RunConfig, *, steps: int | None = None) -> tuple[dict[i
                            dp_rank=0, seed=run.data.seed)
     out = {}
     for step in range(1, (steps or t.steps) + 1):
-        input_ids = train_blocks[sampler.global_indices((step - 1) * global_batch)]
-        loss = model(input_ids=input_ids, labels=input_ids).loss
+        indices = sampler.global_indices((step - 1) * global_batch)
+        if supervised:
+            loss = _mean_over_trained_tokens(model, train_blocks, indices)
+        else:
+            input_ids = train_blocks[indices]
+            loss = model(input_ids=input_ids, labels=input_ids).loss
         loss.backward()
         if t.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
@@ -53,6 +61,16 @@ def reference_train(run: RunConfig, *, steps: int | None = None) -> tuple[dict[i
         optimizer.zero_grad(set_to_none=True)
         out[step] = loss.item()
     return out, model
+
+
+def _mean_over_trained_tokens(model: torch.nn.Module, store, indices: list[int]) -> torch.Tensor:
+    """The global batch's loss by hand: cross-entropy of every trained label, summed, over their count."""
+    batch = store.micro_batch(indices, weight=None)
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+    labels = batch["labels"][:, 1:]
+    per_token = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels.flatten(),
+                                                  ignore_index=IGNORE_INDEX, reduction="sum")
+    return per_token / (labels != IGNORE_INDEX).sum()
 
 
 def assert_export_matches(run_dir, reference_model, *, rtol: float = 1e-4) -> None:

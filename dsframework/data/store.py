@@ -238,11 +238,8 @@ def _example_pairs(examples: Any) -> Iterator[tuple[list[int], list[int]]]:
         yield from zip(batch["input_ids"], batch["trained"])
 
 
-def _supervised_split(rows: Any, tokenizer: Any, spec: DataSpec, out: Path, split: str, *,
-                      dtype: np.dtype, position_dtype: np.dtype, num_proc: int) -> dict[str, Any]:
-    from dsframework.data.examples import tokenize_examples
-
-    examples = tokenize_examples(rows, tokenizer, spec, num_proc=num_proc)
+def _supervised_split(examples: Any, tokenizer: Any, spec: DataSpec, out: Path, split: str, *,
+                      dtype: np.dtype, position_dtype: np.dtype) -> dict[str, Any]:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     counts = {"examples": 0, "truncated": 0, "dropped": 0, "padding": 0}
     written = trained_total = 0
@@ -300,8 +297,15 @@ def build_store(rows: Any, tokenizer: Any, spec: DataSpec, out: Path) -> dict[st
     if len(rows) < 2:
         raise UserError("data.dataset", spec.dataset, f"has {len(rows)} non-empty examples",
                         "provide at least 2 (one for eval)")
-    split = rows.train_test_split(test_size=spec.eval_fraction, seed=spec.seed, shuffle=True)
     dtype, num_proc = id_dtype(len(tokenizer)), default_num_proc(rows, spec)
+    if spec.format != "text":  # examples are checked (and errors name their row) in the user's order
+        from dsframework.data.examples import tokenize_examples
+
+        rows = tokenize_examples(rows, tokenizer, spec, num_proc=num_proc)
+        if len(rows) < 2:
+            raise UserError("data.dataset", spec.dataset, f"has {len(rows)} examples with a trained token",
+                            "provide at least 2 (one for eval)")
+    split = rows.train_test_split(test_size=spec.eval_fraction, seed=spec.seed, shuffle=True)
     meta: dict[str, Any] = {"version": STORE_VERSION, "format": spec.format, "seq_len": spec.seq_len,
                             "dtype": dtype.name, "splits": {}}
     for name, part in (("train", split["train"]), ("eval", split["test"])):
@@ -310,7 +314,7 @@ def build_store(rows: Any, tokenizer: Any, spec: DataSpec, out: Path) -> dict[st
         else:
             meta["position_dtype"] = id_dtype(spec.seq_len).name
             info = _supervised_split(part, tokenizer, spec, out, name, dtype=dtype,
-                                     position_dtype=np.dtype(meta["position_dtype"]), num_proc=num_proc)
+                                     position_dtype=np.dtype(meta["position_dtype"]))
         if info["rows"] == 0:
             raise UserError("data.seq_len", spec.seq_len, f"is longer than the {name} data can fill",
                             "lower data.seq_len or provide more data")

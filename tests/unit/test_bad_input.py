@@ -150,6 +150,18 @@ train: {steps: 2, warmup_steps: 1, global_batch: 4, micro_batch: 2}
 logging: {eval_every: 0, progress: false}
 """
 TWO_HOSTS = "worker-0 slots=2\nworker-1 slots=2\n"
+# Chat / prompt-completion data that gets as far as tokenizing (the errors are in the rows).
+SFT_YAML = """\
+data:
+  dataset: {{tmp}}/{data}
+  format: {fmt}
+  chat_template: {{tmp}}/t.jinja
+  seq_len: 16
+train: {{steps: 2, warmup_steps: 1, global_batch: 4, micro_batch: 2}}
+logging: {{eval_every: 0, progress: false}}
+"""
+CHAT_TEMPLATE_FILE = {"t.jinja": "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                                 "{% if add_generation_prompt %}<assistant>{% endif %}"}
 
 
 def launch_case(id: str, *extra: str, expect: tuple, hosts: str | None = TWO_HOSTS, dry_run: bool = True,
@@ -342,6 +354,41 @@ CASES = [
                 *sets("model.name=llama-7b", "parallel.zero_stage=0", "parallel.tp=1", "parallel.pp=1"),
                 expect=("memory per rank", "GiB per rank >", "10.0 GiB available", "dsf plan", "--force"),
                 hosts=None),
+    # --- dsf train: chat and prompt/completion data, adapters, tokenized data --------------------
+    train_case("train-chat-messages-not-a-list", OUT + SFT_YAML.format(fmt="chat", data="chats.jsonl"),
+               expect=("row 1", "messages", "list of {role, content}"),
+               files={**NOT_A_RUN, **CHAT_TEMPLATE_FILE,
+                      "chats.jsonl": '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", '
+                                     '"content": "yo"}]}\n{"messages": "hello"}\n' * 10}, absent=("out/checkpoints",)),
+    train_case("train-chat-unknown-role", OUT + SFT_YAML.format(fmt="chat", data="chats.jsonl"),
+               expect=("assitant", "'assistant'"),
+               files={**NOT_A_RUN, **CHAT_TEMPLATE_FILE,
+                      "chats.jsonl": '{"messages": [{"role": "user", "content": "hi"}, {"role": "assitant", '
+                                     '"content": "yo"}]}\n' * 20}, absent=("out/checkpoints",)),
+    train_case("train-chat-no-assistant-turn-left", OUT + SFT_YAML.format(fmt="chat", data="chats.jsonl"),
+               expect=("data.dataset", "assistant"),
+               files={**NOT_A_RUN, **CHAT_TEMPLATE_FILE,
+                      "chats.jsonl": '{"messages": [{"role": "user", "content": "hi"}]}\n' * 20},
+               absent=("out/checkpoints",)),
+    train_case("train-chat-tokenizer-without-template", OUT + SFT_YAML.format(fmt="chat", data="chats.jsonl").replace(
+                   "  chat_template: {tmp}/t.jinja\n", ""),
+               expect=("chat_template", "data.chat_template"),
+               files={**NOT_A_RUN, "chats.jsonl": '{"messages": [{"role": "user", "content": "hi"}, '
+                                                  '{"role": "assistant", "content": "yo"}]}\n' * 20},
+               absent=("out/checkpoints",)),
+    train_case("train-prompt-completion-columns-missing", OUT + SFT_YAML.format(fmt="prompt_completion", data="qa.jsonl"),
+               expect=("data.prompt_field='prompt'", "question, answer"),
+               files={**NOT_A_RUN, **CHAT_TEMPLATE_FILE, "qa.jsonl": '{"question": "1+1", "answer": "2"}\n' * 20},
+               absent=("out/checkpoints",)),
+    train_case("train-lora-with-tensor-parallelism", OUT + "model:\n  lora: {r: 4}\nparallel:\n  tp: 2\n",
+               expect=("model.lora", "tp = pp = cp = 1", "tp=2"), files=PRIOR_RUN),
+    train_case("train-chat-with-pipeline", OUT + "data:\n  format: chat\nparallel:\n  pp: 2\n  zero_stage: 1\n",
+               expect=("data.format", "chat", "pp=2"), files=PRIOR_RUN),
+    train_case("train-input-ids-beyond-the-vocabulary", OUT + "model:\n  tokenizer: {ckpt}/tokenizer\n"
+               + SFT_YAML.format(fmt="text", data="ids.jsonl"),
+               expect=("data.dataset=99999", "outside the tokenizer's vocabulary"),
+               files={**NOT_A_RUN, **CHAT_TEMPLATE_FILE, "ids.jsonl": '{"input_ids": [1, 2, 3, 4]}\n{"input_ids": [5, 99999]}\n' * 20},
+               needs_ckpt=True, absent=("out/checkpoints",)),
     # --- the command line itself ------------------------------------------------------------------
     Case("unknown-subcommand", ("trian", "run.yaml"), expect=("trian",)),
 ]

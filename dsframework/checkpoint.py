@@ -215,6 +215,37 @@ def to_universal(ckpt_dir: Path, tag: str) -> str:
     return out.name
 
 
+LORA_FIXED = ("r", "alpha", "target_modules")  # what a resume keeps of model.lora (dropout may change)
+
+
+def check_same_adapters(ckpt_dir: Path, lora: Any) -> None:
+    """On resume, before anything is converted or built: model.lora (a LoraSpec or None) must be the
+    one the run started with (its run.yaml beside the checkpoints), else a one-line UserError."""
+    import yaml
+
+    run_yaml = Path(ckpt_dir) / RUN_YAML
+    if not run_yaml.is_file():
+        return
+    saved = ((yaml.safe_load(run_yaml.read_text()) or {}).get("model") or {}).get("lora")
+    if saved is None and lora is not None:
+        raise UserError("model.lora", None, f"is set, but {ckpt_dir} holds a run without adapters (every weight "
+                        "trained)", "resume without model.lora, or start a LoRA run from its export (model.name=HF_DIR)")
+    if saved is not None and lora is None:
+        raise UserError("model.lora", None, f"is not set, but {ckpt_dir} holds a LoRA run's adapters "
+                        f"(r={saved.get('r')}, target_modules={saved.get('target_modules')})",
+                        "resume with the model.lora the run started with")
+    if saved is None:
+        return
+    def as_set(value: Any) -> Any:  # a list of names in any order; a YAML list when printed
+        return f"[{', '.join(sorted(value))}]" if isinstance(value, list) else value
+
+    now = lora.model_dump(mode="json")
+    for key in LORA_FIXED:
+        if key in saved and as_set(saved[key]) != as_set(now[key]):
+            raise UserError(f"model.lora.{key}", as_set(now[key]), f"differs from the checkpoint's {as_set(saved[key])} "
+                            "(a resume keeps the adapters)", f"resume with model.lora.{key}={as_set(saved[key])}")
+
+
 def _check_trainable(engine: Any, ckpt_dir: Path, tag: str) -> bool:
     """Whether the engine has frozen parameters; UserError unless the checkpoint holds exactly the
     parameters that train now (the same adapters, or every weight of a run without them)."""

@@ -117,3 +117,36 @@ def test_merged_model_gives_the_adapted_logits(one_thread, model_name):
     assert type(merged_model) is type(base) and not any("lora" in n for n, _ in merged_model.named_parameters())
     assert torch.allclose(merged, adapted, atol=1e-5, rtol=0), (merged - adapted).abs().max()
     assert (merged - plain).abs().max() > 1e-2
+
+
+RESUMES = {  # id: (the run's model.lora, the resume's, what the one line says; None: it resumes)
+    "other_rank": ({"r": 4}, {"r": 2}, ["model.lora.r=2", "checkpoint's 4", "resume with model.lora.r=4"]),
+    "other_targets": ({"target_modules": ["q_proj", "v_proj"]}, {"target_modules": "all-linear"},
+                      ["model.lora.target_modules='all-linear'", "checkpoint's [q_proj, v_proj]"]),
+    "other_alpha": ({"alpha": 8}, {"alpha": 16}, ["model.lora.alpha=16.0", "checkpoint's 8.0"]),
+    "lora_dropped": ({"r": 4}, None, ["model.lora: is not set", "r=4", "resume with the model.lora"]),
+    "lora_added": (None, {"r": 4}, ["model.lora: is set", "without adapters", "resume without model.lora"]),
+    "same_targets_reordered": ({"target_modules": ["q_proj", "v_proj"]}, {"target_modules": ["v_proj", "q_proj"]}, None),
+    "other_dropout": ({"dropout": 0.0}, {"dropout": 0.1}, None),
+    "no_lora": (None, None, None),
+}
+
+
+@pytest.mark.parametrize("case", list(RESUMES))
+def test_a_resume_keeps_the_adapters(tmp_path, case):
+    """Checked against the run.yaml beside the checkpoints, before a checkpoint is converted or a model
+    built (engine.prepare); dropout may change."""
+    from dsframework.checkpoint import RUN_YAML, check_same_adapters
+    from dsframework.config import build_run_config, dump_run_config
+
+    saved, now, expect = RESUMES[case]
+    run = build_run_config({"model": {"name": "tiny-llama", **({"lora": saved} if saved else {})}})
+    (tmp_path / RUN_YAML).write_text(dump_run_config(run))
+    spec = LoraSpec(**now) if now is not None else None
+    if expect is None:
+        check_same_adapters(tmp_path, spec)
+        return
+    with pytest.raises(UserError) as err:
+        check_same_adapters(tmp_path, spec)
+    for part in expect:
+        assert part in str(err.value), str(err.value)

@@ -301,7 +301,8 @@ def build_store(rows: Any, tokenizer: Any, spec: DataSpec, out: Path) -> dict[st
     if spec.format != "text":  # examples are checked (and errors name their row) in the user's order
         from dsframework.data.examples import tokenize_examples
 
-        rows = tokenize_examples(rows, tokenizer, spec, num_proc=num_proc)
+        canonical = {"messages_field": "messages", "prompt_field": "prompt", "completion_field": "completion"}
+        rows = tokenize_examples(rows, tokenizer, spec.model_copy(update=canonical), num_proc=num_proc)  # load_texts' names
         if len(rows) < 2:
             raise UserError("data.dataset", spec.dataset, f"has {len(rows)} examples with a trained token",
                             "provide at least 2 (one for eval)")

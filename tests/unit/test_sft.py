@@ -172,3 +172,14 @@ def test_packed_and_unpacked_rows_give_the_same_loss_per_example(tmp_path, token
     got, want = per_example(packed), per_example(unpacked)
     assert got.keys() == want.keys() and len(got) >= 30
     assert max(abs(got[k] - want[k]) / want[k] for k in got) < 1e-5
+
+
+def test_user_column_names_reach_the_store(tmp_path, tokenizer):
+    from dsframework.data import load_texts
+
+    with open(tmp_path / "qa.jsonl", "w") as f:
+        f.writelines(f'{{"q": "{r["prompt"]}", "a": "{r["completion"]}"}}\n' for r in _arithmetic(40))
+    spec = DataSpec(dataset=str(tmp_path / "qa.jsonl"), format="prompt_completion", prompt_field="q",
+                    completion_field="a", seq_len=SEQ_LEN, eval_fraction=0.1)
+    train, _ = token_stores(load_texts(spec), tokenizer, spec, cache_dir=tmp_path / "stores")
+    assert all(p.endswith("=") and c.isdigit() for p, c in _examples_in(train, tokenizer))

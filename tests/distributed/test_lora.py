@@ -3,8 +3,9 @@ state and in checkpoints; a run equals a single-process peft reference, resumes 
 (merged into the base, or the adapter alone) to the logits of the engine that trained it.
 
 Every run is a real `deepspeed --num_gpus 2 dsf train` (2 CPU ranks, gloo). Each ZeRO stage trains 6 steps
-once, saving at steps 3 and 6; the reference is the plain PyTorch loop of reference.py over the same
-blocks with peft's adapters on the same base (`lora_reference`). A resume is checked by pointing a copy of
+once, saving at steps 3 and 6, on a preset's seeded random init (ZeRO 0 and 2) or a local pretrained
+directory (ZeRO 1 and 3; under ZeRO-3 loaded partitioned); the reference is the plain PyTorch loop of
+reference.py over the same blocks with peft's adapters on the same base (`lora_reference`). A resume is checked by pointing a copy of
 a run's checkpoints at step 3 (step 6 removed: the state a run stopped after step 3 leaves) and running
 `dsf train --resume` to step 6. `test_lora_is_small` prints the measured checkpoint and optimizer
 sizes next to full fine-tuning of the same model (`pytest -s`).
@@ -13,12 +14,13 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
-from dsframework.config import build_run_config
+from dsframework.config import ModelSpec, build_run_config
 from dsframework.models import build_model, resolve_model
 from dsframework.models.lora import apply_lora, trainable_names
 from tests.distributed import reference
@@ -26,11 +28,12 @@ from tests.distributed.launcher import BIN, TINY_YAML, assert_close, dsf, launch
 
 ENGINE_LOGITS = Path(__file__).parent / "workers" / "engine_logits.py"
 COMMON = ["train.steps=6", "checkpoint.every=3", "model.lora.r=4", "model.lora.alpha=8"]
+PRETRAINED = "model.name={pretrained}"  # a tiny Llama saved by save_pretrained (seed 7: not the preset's init)
 STAGES = {  # name: overrides (a list of layers for two stages, peft's all-linear for the others)
     "zero0": ["parallel.zero_stage=0", "model.lora.target_modules=[q_proj, v_proj]"],
-    "zero1": ["parallel.zero_stage=1", "model.lora.target_modules=[q_proj, v_proj]"],
+    "zero1": ["parallel.zero_stage=1", "model.lora.target_modules=[q_proj, v_proj]", PRETRAINED],
     "zero2": ["parallel.zero_stage=2", "model.lora.target_modules=all-linear"],
-    "zero3": ["parallel.zero_stage=3", "model.lora.target_modules=all-linear"],
+    "zero3": ["parallel.zero_stage=3", "model.lora.target_modules=all-linear", PRETRAINED],
 }
 RESUMED = ("zero0", "zero3")  # the module restored whole (non-strict, frozen base rebuilt) / partitioned
 
@@ -86,34 +89,43 @@ def resume_from_step3(run_dir: Path, copy_dir: Path, overrides: list[str]) -> di
     return train_run(copy_dir, overrides, flags=("--resume",))
 
 
+@dataclass
+class Run:
+    dir: Path
+    overrides: list[str]
+    losses: dict[int, float]
+    resumed: dict[int, float] | None  # steps 1-3 from the copy's metrics, 4-6 resumed
+
+    @property
+    def config(self):
+        return build_run_config({}, run_overrides(self.dir, self.overrides))
+
+
 @pytest.fixture(scope="module")
 def stage_runs(tmp_path_factory):
-    """name -> (run dir, step -> loss, resumed step -> loss or None), and per target list the reference."""
+    """name -> Run, for every stage in STAGES (ZeRO-0 and ZeRO-3 also resumed from step 3)."""
     root = tmp_path_factory.mktemp("lora")
+    source = resolve_model(ModelSpec(name="tiny-llama"))
+    build_model(source, source.config, seed=7).save_pretrained(root / "pretrained")
     runs = {}
     for name, stage in STAGES.items():
-        overrides = [*COMMON, *stage]
+        overrides = [*COMMON, *(o.format(pretrained=root / "pretrained") for o in stage)]
         losses = train_run(root / name, overrides)
         resumed = resume_from_step3(root / name, root / f"{name}_resumed", overrides) if name in RESUMED else None
-        runs[name] = (root / name, losses, resumed)
+        runs[name] = Run(root / name, overrides, losses, resumed)
     return runs
 
 
 @pytest.fixture(scope="module")
 def references(stage_runs):
-    """target_modules override -> (losses, trained peft model), one per distinct adapter set."""
-    out = {}
-    for name, stage in STAGES.items():
-        if stage[1] not in out:
-            run = build_run_config({}, run_overrides(stage_runs[name][0], [*COMMON, *stage]))
-            out[stage[1]] = lora_reference(run)
-    return out
+    """name -> (step -> loss, the trained peft model) of the single-process reference of that stage's run."""
+    return {name: lora_reference(run.config) for name, run in stage_runs.items()}
 
 
 @pytest.mark.parametrize("name", list(STAGES))
 def test_lora_trains_like_the_single_process_reference(stage_runs, references, name):
-    run_dir, losses, _ = stage_runs[name]
-    want, _ = references[STAGES[name][1]]
+    losses = stage_runs[name].losses
+    want, _ = references[name]
     print(f"\nLoRA {name}: max relative loss difference to the reference {worst(losses, want):.2g}")
     assert_close(losses, want, rtol=1e-4, what=f"LoRA {name} vs the peft reference")
 
@@ -126,10 +138,10 @@ def test_checkpoint_holds_the_adapters_alone_and_exports_the_reference(stage_run
 
     from dsframework.export import export_checkpoint, locate, open_checkpoint
 
-    run_dir, _, _ = stage_runs[name]
-    ckpt_dir, tag = locate(run_dir / "checkpoints")
+    run = stage_runs[name].config
+    ckpt_dir, tag = locate(run.checkpoint_dir)
     config = AutoConfig.from_pretrained(ckpt_dir / "hf_config")
-    _, model = references[STAGES[name][1]]
+    _, model = references[name]
     reader = open_checkpoint(ckpt_dir, tag, config, scratch=tmp_path)
     assert reader.names == set(trainable_names(model)), sorted(reader.names)[:4]
     assert all(torch.allclose(reader.read(n), p, atol=1e-5) for n, p in model.named_parameters() if p.requires_grad)
@@ -138,7 +150,6 @@ def test_checkpoint_holds_the_adapters_alone_and_exports_the_reference(stage_run
     exported = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True).eval()
     assert not any("lora" in n for n in exported.state_dict())
     got, want = logits(exported, config.vocab_size), logits(model, config.vocab_size)
-    run = build_run_config({}, run_overrides(run_dir, [*COMMON, *STAGES[name]]))
     base = build_model(resolve_model(run.model), config, seed=run.train.seed).eval()
     assert (got - want).abs().max() < 1e-4 * want.abs().max()
     assert (got - logits(base, config.vocab_size)).abs().max() > 100 * (got - want).abs().max()
@@ -146,7 +157,7 @@ def test_checkpoint_holds_the_adapters_alone_and_exports_the_reference(stage_run
 
 @pytest.mark.parametrize("name", RESUMED)
 def test_lora_resume_is_exact(stage_runs, name):
-    run_dir, straight, resumed = stage_runs[name]
+    straight, resumed = stage_runs[name].losses, stage_runs[name].resumed
     assert sorted(resumed) == list(range(1, 7)), "metrics.jsonl holds each step once"
     print(f"\nLoRA {name}: resumed steps 4-6, max relative difference {worst(resumed, straight, (4, 5, 6)):.2g}")
     assert_close({s: resumed[s] for s in (4, 5, 6)}, {s: straight[s] for s in (4, 5, 6)}, rtol=1e-6,
@@ -155,14 +166,15 @@ def test_lora_resume_is_exact(stage_runs, name):
 
 def test_exports_give_the_engines_logits(stage_runs, tmp_path):
     """ZeRO-3: the engine rebuilt from the checkpoint (the frozen base from model.name, the adapters
-    loaded) gives the logits of `dsf export` (merged, from_pretrained) within 1e-5, and of
+    loaded) gives the logits of the merged export (from_pretrained) within 1e-5, and of
     `dsf export --adapter-only` loaded with PeftModel.from_pretrained on the rebuilt base."""
     from peft import PeftModel
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    run_dir, _, _ = stage_runs["zero3"]
-    overrides = [*COMMON, *STAGES["zero3"]]
-    dsf("export", str(run_dir / "checkpoints"), str(tmp_path / "hf"))
+    from dsframework.export import export_checkpoint
+
+    run_dir, overrides = stage_runs["zero3"].dir, stage_runs["zero3"].overrides
+    export_checkpoint(run_dir / "checkpoints", tmp_path / "hf")  # what `dsf export` runs (its CLI: test_export.py)
     dsf("export", str(run_dir / "checkpoints"), str(tmp_path / "adapter"), "--adapter-only")
     sets = [arg for o in run_overrides(run_dir, overrides) for arg in ("--set", o)]
     launch([str(ENGINE_LOGITS), str(TINY_YAML), str(tmp_path / "engine.pt"), *sets], num_ranks=2)
@@ -170,7 +182,7 @@ def test_exports_give_the_engines_logits(stage_runs, tmp_path):
 
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True, dtype=torch.float32).eval()
     config = AutoConfig.from_pretrained(run_dir / "checkpoints" / "hf_config")
-    run = build_run_config({}, run_overrides(run_dir, overrides))
+    run = stage_runs["zero3"].config
     base = build_model(resolve_model(run.model), config, seed=run.train.seed)
     adapter = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
     assert sorted(p.name for p in (tmp_path / "adapter").iterdir() if "adapter" in p.name) == [
@@ -204,15 +216,16 @@ def test_lora_is_small(stage_runs, tmp_path):
     `--adapter-only` of the full run's checkpoint is one line, exit 2, nothing written."""
     from transformers import AutoConfig
 
-    full_dir = tmp_path / "full"
-    train_run(full_dir, ["parallel.zero_stage=3", "train.steps=2", "checkpoint.save_final=true"])
-    lora_dir, _, _ = stage_runs["zero3"]
+    lora_run = stage_runs["zero3"]
+    lora_dir, full_dir = lora_run.dir, tmp_path / "full"
+    model_name = next(o for o in lora_run.overrides if o.startswith("model.name="))  # the same base
+    train_run(full_dir, ["parallel.zero_stage=3", "train.steps=2", "checkpoint.save_final=true", model_name])
     sizes, optimizer, trainable = {}, {}, {}
     for what, run_dir in (("lora", lora_dir), ("full", full_dir)):
         tag_dir = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
         sizes[what] = sum(p.stat().st_size for p in tag_dir.iterdir())
         optimizer[what] = _optimizer_state_bytes(tag_dir)
-    run = build_run_config({}, run_overrides(lora_dir, [*COMMON, *STAGES["zero3"]]))
+    run = lora_run.config
     config = AutoConfig.from_pretrained(run.checkpoint_dir / "hf_config")
     base = build_model(resolve_model(run.model), config, seed=run.train.seed)
     everything = sum(p.numel() for p in base.parameters())

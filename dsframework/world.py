@@ -63,11 +63,31 @@ def shutdown_distributed(*, wait_s: float | None = None) -> None:
 
 @contextlib.contextmanager
 def rank_zero_first() -> Iterator[None]:
-    """Rank 0 runs the body first (writes caches, trains the tokenizer), then the others."""
+    """Rank 0 runs the body first (writes caches, trains the tokenizer), then the others.
+
+    When rank 0's body fails on bad input (a UserError: a malformed data row, say), the others do
+    not run it: they raise the same one-line error instead of a lost-peer traceback; when it fails
+    otherwise, they exit with code 1 and rank 0's traceback is the report."""
     import torch.distributed as dist
 
+    from dsframework.errors import UserError
+
     if dist.get_rank() != 0:
-        dist.barrier()
-    yield
-    if dist.get_rank() == 0:
-        dist.barrier()
+        outcome: list = [None]
+        dist.broadcast_object_list(outcome, src=0)
+        if outcome[0] == "failed":
+            raise SystemExit(1)
+        if outcome[0] is not None:
+            raise UserError(*outcome[0])
+        yield
+        return
+    try:
+        yield
+    except UserError as err:
+        dist.broadcast_object_list([(err.field, err.value, err.rule, err.fix)], src=0)
+        raise
+    except BaseException:
+        with contextlib.suppress(Exception):
+            dist.broadcast_object_list(["failed"], src=0)
+        raise
+    dist.broadcast_object_list([None], src=0)

@@ -80,14 +80,15 @@ def _read_files(spec: DataSpec) -> Any:
     builder, files = data_files(spec)
     options = {}
     if builder == "text":  # datasets' default is a row per line, newlines dropped
-        options = {"sample_by": spec.text_unit, "keep_linebreaks": spec.text_unit != "line"}
+        # A byte that is not UTF-8 becomes U+FFFD (a corpus of sources holds a few latin-1 files).
+        options = {"sample_by": spec.text_unit, "keep_linebreaks": spec.text_unit != "line", "encoding_errors": "replace"}
     level = datasets.logging.get_verbosity()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its error log would be a 2nd line
     try:
         return datasets.load_dataset(builder, data_files=files, split="train", **options)
     except Exception as err:  # noqa: BLE001 - datasets raises many types for a malformed file
         raise UserError("data.dataset", spec.dataset, f"could not be read: {type(err).__name__}",
-                        "check that every file is valid for its extension (text files: UTF-8)") from None
+                        "check that every file is valid for its extension") from None
     finally:
         datasets.logging.set_verbosity(level)
 

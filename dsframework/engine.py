@@ -403,6 +403,7 @@ def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False) ->
         config = source.config_for(tokenizer)
         if resume:
             _check_same_model(run, config)
+            ckpt.check_same_adapters(run.checkpoint_dir, run.model.lora)
         elif rank == 0:
             if overwrite:
                 shutil.rmtree(run.checkpoint_dir, ignore_errors=True)

@@ -31,9 +31,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from dsframework.errors import UserError
-
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                "pytorch_model.bin.index.json")  # what from_pretrained loads (models.build's list)
+from dsframework.models.build import WEIGHT_FILES  # what from_pretrained loads
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,8 @@ def memory_check(run, config, dims, active, cluster_name: str | None, *, force: 
     """'predicted X GiB of Y GiB available (where Y comes from); host H GiB of R GiB per node'; a
     UserError when either does not fit (a warning with --force). The planner's memory model and fit
     rule (planner/fit.py: the device per rank; a node's RAM to build, offload and export), for the
-    run's own layout."""
+    run's own layout; a LoRA run (model.lora) counts gradients and optimizer states of its adapters
+    alone (models/lora.py count_lora_parameters, on a meta model)."""
     from dsframework.dsconfig import resolve_batch
     from dsframework.launch import local_cluster
     from dsframework.planner.cluster import GiB, load_cluster
@@ -65,9 +66,18 @@ def memory_check(run, config, dims, active, cluster_name: str | None, *, force: 
     batch = resolve_batch(run.train.micro_batch, run.train.grad_accum, run.train.global_batch, dp_size=dims.dp)
     layout = run_layout(run.parallel, dp=dims.dp, micro_batch=batch.micro_batch, grad_accum=batch.grad_accum)
     job = Job(seq_len=run.data.seq_len, global_batch=batch.global_batch, precision=run.train.precision)
+    lora = ""
+    if run.model.lora is not None:  # only the adapters have gradients and optimizer states
+        from dataclasses import replace
+
+        from dsframework.models.lora import count_lora_parameters
+
+        count = count_lora_parameters(config, run.model.lora)
+        job = replace(job, trainable_params=count.trainable, trainable_persistent=count.persistent)
+        lora = f"; LoRA: {count.trainable:,} of {count.total:,} parameters train"
     fit = check_fit(describe_model(config, name=run.model.name), layout, job, cluster)
     summary = (f"predicted {fit.need / GiB:.2f} GiB of {fit.available / GiB:.1f} GiB available ({source}); "
-               f"host {fit.host_need / GiB:.2f} GiB of {fit.host_available / GiB:.1f} GiB per node")
+               f"host {fit.host_need / GiB:.2f} GiB of {fit.host_available / GiB:.1f} GiB per node{lora}")
     if fit.fits:
         return summary
     preset = cluster_name or ("cpu-local" if cluster.name == "cpu-local" else "CLUSTER")
@@ -77,7 +87,9 @@ def memory_check(run, config, dims, active, cluster_name: str | None, *, force: 
     error = UserError("memory per rank" if fit.need > fit.available else "host memory per node", None,
                       f"{fit.why_not} ({source}) for tp {layout.tp} x pp {layout.pp} x cp {layout.cp} x dp {layout.dp}, "
                       f"ZeRO-{layout.zero_stage}, micro-batch {layout.micro_batch}",
-                      f"find a layout that fits with `{plan}`, or pass --force to launch anyway")
+                      f"find a layout that fits with `{plan}`"
+                      + (" (it plans full fine-tuning: LoRA needs less)" if lora else "")
+                      + ", or pass --force to launch anyway")
     if not force:
         raise error
     click.echo(f"dsf: warning: {error}; launching anyway (--force)", err=True)

@@ -4,6 +4,7 @@
     model = apply_lora(model, run.model.lora, seed=run.train.seed)   # a peft PeftModelForCausalLM
     trainable_names(model)      # ['base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight', ...]
     merged = merge_lora(model)  # the plain transformers model, W + (alpha / r) B A in every adapted layer
+    count_lora_parameters(config, run.model.lora)   # LoraCount(trainable=..., persistent=..., total=...), on meta
 
 peft does the adapting (`get_peft_model`, `merge_and_unload`); this module only checks the user's
 `target_modules` first (a name that matches no layer, or a layer LoRA does not adapt, is one line naming
@@ -16,6 +17,7 @@ holds the adapters, and checkpoints save only them (checkpoint.py); the base is 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from dsframework.config import LoraSpec
@@ -111,3 +113,35 @@ def has_frozen_parameters(model: Any) -> bool:
 def merge_lora(model: Any) -> Any:
     """The base transformers model with the adapters merged into its weights (peft merge_and_unload)."""
     return model.merge_and_unload()
+
+
+@dataclass(frozen=True)
+class LoraCount:
+    """Elements of a LoRA model of one config: what the planner's memory model needs (Job.trainable_params)."""
+
+    trainable: int   # the adapters: the only parameters with gradients and optimizer states
+    persistent: int  # of those, in tensors small enough that ZeRO-3 keeps them whole on every rank
+    total: int       # every parameter, the frozen base's and the adapters'
+
+
+def count_lora_parameters(config: Any, spec: LoraSpec) -> LoraCount:
+    """The adapters `spec` adds to a model of `config`, counted on a weightless (meta) model with
+    peft's own LoRA (the same layers `apply_lora` adapts): cheap even for 70B (about a second)."""
+    import warnings
+
+    import torch
+    from peft import get_peft_model
+
+    from dsframework.models.build import causal_lm_class
+    from dsframework.runtime_facts import ZERO3_PERSISTENCE_THRESHOLD
+
+    with torch.device("meta"):  # the adapters are made on meta too (real ones would cost seconds at 70B)
+        model = causal_lm_class(config)(config)
+        check_target_modules(model, spec)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # apply_lora's notes (fan_in_fan_out, deprecations)
+            model = get_peft_model(model, lora_config(spec))
+    trainable = [p.numel() for p in model.parameters() if p.requires_grad]
+    return LoraCount(trainable=sum(trainable),
+                     persistent=sum(n for n in trainable if n <= ZERO3_PERSISTENCE_THRESHOLD),
+                     total=sum(p.numel() for p in model.parameters()))

@@ -4,6 +4,8 @@
     fit = check_fit(describe_model(config), layout, Job(seq_len=512, global_batch=32, precision="bf16"), cluster)
     fit.fits, fit.need / GiB, fit.available / GiB      # busiest rank (with headroom) vs usable per rank
     fit.host_need / GiB, fit.host_available / GiB      # a node's RAM to build, offload or export
+    check_fit(desc, layout, Job(..., trainable_params=count.trainable, trainable_persistent=count.persistent), cluster)
+    #   a LoRA run: count = models.lora.count_lora_parameters(config, run.model.lora)
 
 `dsf plan` asks it of every layout it searches (`search.evaluate`); `dsf launch` of the one layout
 the run config names, before any node starts: one rule, so a run `dsf plan` calls fitting passes

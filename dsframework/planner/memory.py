@@ -7,6 +7,7 @@ and the host memory a node needs to build the model, hold what is offloaded, and
     mem.cpu_per_rank                   # offloaded bytes in host memory, per rank
     host = host_memory_per_node(desc, layout, mem, ranks_per_node=8)
     host.build, host.offload, host.export, host.peak   # bytes of one node's RAM
+    lora = Job(seq_len=4096, global_batch=64, trainable_params=103_546_880)  # LoRA: the adapters alone train
 
 Model states follow what DeepSpeed (0.19) really allocates, which is more than the ZeRO paper's
 2 + 2 + 12 bytes per parameter in places (checked against live engines in
@@ -31,6 +32,13 @@ of a replica hold the same weights, DeepSpeed's sequence-data-parallel group). Z
 (`zero_hpz` = N) keeps a secondary copy of the weight partitions inside each group of N ranks,
 w P / N bytes, so backward's all-gathers stay inside the group; gradients and optimizer states
 stay sharded over all d.
+
+A LoRA run (`Job.trainable_params`, the adapters' elements T, from models/lora.py
+`count_lora_parameters`) adds T parameters beside the frozen base, and only they train: the
+parameters are w (P + T) as above (the frozen base whole at stages 0-2, where DeepSpeed's
+optimizer flattens and partitions only the trainable ones; partitioned at stage 3, the adapter
+tensors of <= 1e5 elements persistent, `Job.trainable_persistent`), while gradients, optimizer
+states, their offload and the gradient-sized buffers count T instead of P.
 
 Offloading the optimizer moves its 12 P / d and an fp32 gradient partition (4 P / d) to host
 memory (ZeRO-2 then keeps no gradient partition on the device; ZeRO-3 keeps its w P / d one);
@@ -121,6 +129,10 @@ class Job:
     seq_len: int
     global_batch: int
     precision: Literal["fp32", "bf16", "fp16"] = "bf16"
+    # LoRA: the adapters' elements, the only ones that train. They are held beside the model's own
+    # parameters, which are frozen (held, no gradients or optimizer states). None: every parameter trains.
+    trainable_params: int | None = None
+    trainable_persistent: int = 0  # of those, elements in tensors ZeRO-3 keeps whole (<= 1e5 elements)
 
     @property
     def param_bytes(self) -> int:
@@ -337,53 +349,80 @@ def _edge_activation_bytes(desc: ModelDesc, shape: StageShape, *, micro_batch: i
 
 # --- the breakdown --------------------------------------------------------------------------------
 
-def _model_states(shape: StageShape, layout: Layout, job: Job) -> dict[str, float]:
+@dataclass(frozen=True)
+class Trained:
+    """Elements of one rank's stage that train (T), and the adapters held beside its model's own
+    parameters (A, of which `persistent` ZeRO-3 keeps whole): T = P, A = 0 in full fine-tuning;
+    T = A = the adapters in a LoRA run."""
+
+    elements: float
+    added: float
+    persistent: float
+
+
+def trained(desc: ModelDesc, shape: StageShape, job: Job) -> Trained:
+    """`Trained` of `shape`: a LoRA run's adapters (`Job.trainable_params`) in proportion to the
+    stage's share of the model (all of them at tp = pp = 1, where LoRA runs)."""
+    if job.trainable_params is None:
+        return Trained(elements=shape.params, added=0.0, persistent=0.0)
+    share = shape.params / desc.total_params
+    return Trained(elements=job.trainable_params * share, added=job.trainable_params * share,
+                   persistent=job.trainable_persistent * share)
+
+
+def _model_states(shape: StageShape, layout: Layout, job: Job, train: Trained) -> dict[str, float]:
     """Bytes of params, grads, optimizer (on the device) and cpu_* (offloaded) for one rank.
     ZeRO partitions over data x context ranks (`Layout.zero_ranks`); hpZ adds its secondary
-    partition of the weights, w P / zero_hpz (`hpz_secondary`, counted in params)."""
-    P, d, w, z = shape.params, layout.zero_ranks, job.param_bytes, layout.zero_stage
+    partition of the weights, w P / zero_hpz (`hpz_secondary`, counted in params). Parameters
+    count the stage's and any adapters (P + A); gradients and optimizer states what trains (T)."""
+    P, d, w, z = shape.params + train.added, layout.zero_ranks, job.param_bytes, layout.zero_stage
+    T = train.elements
+    persistent = shape.persistent + train.persistent
     if z == 3:  # the partition, plus gathered copies of the persistent ones (one rank: the same)
-        params = w * P / d + (w * shape.persistent if d > 1 else 0)
+        params = w * P / d + (w * persistent if d > 1 else 0)
     else:
         params = w * P
     hpz_secondary = w * P / layout.zero_hpz if z == 3 and layout.zero_hpz > 1 else 0.0
     params += hpz_secondary
     if z == 0:
-        grads = w * P + (4 * P if job.precision == "bf16" else 0)
+        grads = w * T + (4 * T if job.precision == "bf16" else 0)
     elif z == 1:
-        grads = w * P if layout.grad_accum > 1 else w * P / d
+        grads = w * T if layout.grad_accum > 1 else w * T / d
     else:
-        grads = w * P / d
+        grads = w * T / d
     if z == 0:
-        optimizer = {"fp32": ADAM_STATE_BYTES * P, "bf16": (MASTER_BYTES + ADAM_STATE_BYTES) * P / d,
-                     "fp16": (MASTER_BYTES + ADAM_STATE_BYTES) * P}[job.precision]
+        optimizer = {"fp32": ADAM_STATE_BYTES * T, "bf16": (MASTER_BYTES + ADAM_STATE_BYTES) * T / d,
+                     "fp16": (MASTER_BYTES + ADAM_STATE_BYTES) * T}[job.precision]
     else:
-        optimizer = (MASTER_BYTES + ADAM_STATE_BYTES) * P / d
+        optimizer = (MASTER_BYTES + ADAM_STATE_BYTES) * T / d
     states = {"params": params, "grads": grads, "optimizer": optimizer,
               "cpu_params": 0.0, "cpu_grads": 0.0, "cpu_optimizer": 0.0, "hpz_secondary": hpz_secondary}
     if layout.offload_optimizer:
         states["cpu_optimizer"], states["optimizer"] = optimizer, 0.0
         if z >= 2:  # the fp32 gradient partition lives in host memory; ZeRO-2 copies reduced
-            states["cpu_grads"] = 4 * P / d  # buckets straight into it, ZeRO-3 keeps its own
+            states["cpu_grads"] = 4 * T / d  # buckets straight into it, ZeRO-3 keeps its own
             states["grads"] = 0.0 if z == 2 else states["grads"]  # device partition as well
     if layout.offload_param:
         states["cpu_params"] = w * P / d
-        states["params"] = (w * shape.persistent if d > 1 else 0) + hpz_secondary
+        states["params"] = (w * persistent if d > 1 else 0) + hpz_secondary
     return states
 
 
-def _buffers(desc: ModelDesc, shape: StageShape, layout: Layout, job: Job, layer_act: float) -> float:
-    P, d, w, z = shape.params, layout.zero_ranks, job.param_bytes, layout.zero_stage
+def _buffers(desc: ModelDesc, shape: StageShape, layout: Layout, job: Job, layer_act: float,
+             train: Trained) -> float:
+    """Gradient-sized buffers (reduce and all-reduce buckets, the all-gather of updated weights,
+    the fp32 gradient partition) follow what trains (T); ZeRO-3's gathered layers, the weights."""
+    T, d, w, z = train.elements, layout.zero_ranks, job.param_bytes, layout.zero_stage
     bs = layout.micro_batch * job.seq_len / layout.cp  # this rank's tokens
     total = 0.0
     if z == 0 and d > 1:
-        total += min(STAGE0_ALLREDUCE_BUCKET, P) * w
+        total += min(STAGE0_ALLREDUCE_BUCKET, T) * w
     if z in (1, 2):
-        total += min(ZERO_REDUCE_BUCKET, P) * w + min(ZERO_ALLGATHER_BUCKET, P) * w + 4 * P / d
+        total += min(ZERO_REDUCE_BUCKET, T) * w + min(ZERO_ALLGATHER_BUCKET, T) * w + 4 * T / d
     if z == 3:
         layer_full = sum(n // layout.tp if s else n for n, s in desc.layer_tensors)
-        total += min(ZERO_REDUCE_BUCKET, P) * w + 2 * layer_full * w + min(ZERO3_PREFETCH_BUCKET, layer_full) * w
-        total += 4 * P / d
+        total += min(ZERO_REDUCE_BUCKET, T) * w + 2 * layer_full * w + min(ZERO3_PREFETCH_BUCKET, layer_full) * w
+        total += 4 * T / d
     if shape.last:  # logits (w bytes) and their fp32 gradient in the backward
         total += bs * _padded_vocab_rows(desc.vocab, layout.tp) * (w + 4)
     if layout.pp > 1:
@@ -406,12 +445,13 @@ def stage_memories(desc: ModelDesc, layout: Layout, job: Job) -> list[Memory]:
         in_flight = min(layout.pp - index, layout.grad_accum) if layout.pp > 1 else 1
         edge = _edge_activation_bytes(desc, shape, micro_batch=layout.micro_batch, seq_len=job.seq_len,
                                       tp=layout.tp, precision=job.precision, cp=layout.cp)
-        states = _model_states(shape, layout, job)
+        train = trained(desc, shape, job)
+        states = _model_states(shape, layout, job, train)
         hpz = states.pop("hpz_secondary")
         memories.append(Memory(**states, activations=in_flight * (shape.layers * kept_per_layer + edge),
-                               buffers=_buffers(desc, shape, layout, job, layer_act), stage=index,
+                               buffers=_buffers(desc, shape, layout, job, layer_act, train), stage=index,
                                parts={"params_elements": shape.params, "layers": shape.layers,
-                                      "hpz_secondary": hpz}))
+                                      "trainable_elements": train.elements, "hpz_secondary": hpz}))
     return memories
 
 

@@ -349,6 +349,24 @@ def test_memory_check_refuses_a_build_the_hosts_cannot_hold(in_tmp):
                      r"host 2\d\.\d+ GiB of 51\.2 GiB per node", sharded.stdout), sharded.stdout
 
 
+def test_a_lora_run_of_70b_passes_where_full_fine_tuning_is_refused(in_tmp):
+    """llama-70b at ZeRO-3 on 8 nodes of 8 H100s, sequences of 2048: full fine-tuning needs ~93 GiB a
+    GPU; with model.lora (all-linear, r 8) only the adapters have gradients and Adam states (~74 GiB)."""
+    hosts = in_tmp / "hostfile"
+    hosts.write_text("".join(f"worker-{i} slots=8\n" for i in range(8)))
+    sets = ["model.name=llama-70b", "parallel.zero_stage=3", "train.precision=bf16", "data.seq_len=2048",
+            "train.global_batch=64", "train.micro_batch=1"]
+    args = ["launch", TINY, "--hostfile", str(hosts), "--cluster", "h100-80gb", "--dry-run",
+            *[a for o in sets for a in ("--set", o)]]
+    with pytest.raises(UserError, match=r"memory per rank: predicted 9\d\.\d GiB per rank > 79\.0 GiB available"):
+        CliRunner().invoke(cli, args, catch_exceptions=False, standalone_mode=False)
+    lora = CliRunner().invoke(cli, [*args, "--set", "model.lora.r=8"], catch_exceptions=False)
+    assert lora.exit_code == 0, lora.output
+    assert re.search(r"# memory per rank: predicted 7\d\.\d+ GiB of 79\.0 GiB available \(h100-80gb\); .*"
+                     r"LoRA: 103,546,880 of 69,\d{3},\d{3},\d{3} parameters train", lora.stdout), lora.stdout
+    assert sum(line.startswith("worker-") for line in lora.stdout.splitlines()) == 8  # each node's command
+
+
 def test_fit_agrees_with_the_planners_search():
     """The launch check is search.evaluate's rule: same fit for every layout of a small search."""
     from dsframework.planner.cluster import cluster_preset

@@ -1,19 +1,23 @@
 """The planner's model states match a live DeepSpeed engine: on every rank, the predicted bytes of
 parameters, gradients and optimizer states are within 5% of what the engine holds (see
 workers/model_states.py for what is counted), at world 1, 2 and 4, ZeRO 0-3, with CPU optimizer
-(and parameter) offload, and at tp2 and pp2.
+(and parameter) offload, at tp2 and pp2, and for LoRA (model.lora, peft's all-linear adapters at r 8:
+the frozen base held whole at ZeRO-2 and partitioned at ZeRO-3, gradients and optimizer states of the
+adapters alone; the planner's Job.trainable_params from models/lora.py count_lora_parameters).
 
 One launch per world size trains every case of that world one step, case after case.
 """
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from dsframework.config import load_run_config
 from dsframework.dsconfig import resolve_batch
+from dsframework.models.lora import count_lora_parameters
 from dsframework.planner.memory import Job, Layout, stage_memories
 from dsframework.planner.model import describe_model
 from tests.distributed.launcher import TINY_YAML, launch
@@ -27,7 +31,8 @@ CASES = {  # world: {case: overrides}
     2: {"zero0": "parallel.zero_stage=0", "zero1": "parallel.zero_stage=1", "zero2": "parallel.zero_stage=2",
         "zero3": "parallel.zero_stage=3",
         "zero2_offload": "parallel.zero_stage=2,parallel.offload_optimizer=cpu",
-        "zero3_offload": "parallel.zero_stage=3,parallel.offload_optimizer=cpu,parallel.offload_param=cpu"},
+        "zero3_offload": "parallel.zero_stage=3,parallel.offload_optimizer=cpu,parallel.offload_param=cpu",
+        "lora_zero2": "parallel.zero_stage=2,model.lora.r=8", "lora_zero3": "parallel.zero_stage=3,model.lora.r=8"},
     4: {"zero1": "parallel.zero_stage=1", "tp2_zero1": "parallel.zero_stage=1,parallel.tp=2",
         "pp2_zero1": "parallel.zero_stage=1,parallel.pp=2,train.micro_batch=1"},
 }
@@ -54,7 +59,8 @@ def predicted(output_dir: Path, world: int):
     from transformers import AutoConfig
 
     run = load_run_config(output_dir / "checkpoints" / "run.yaml")
-    desc = describe_model(AutoConfig.from_pretrained(output_dir / "checkpoints" / "hf_config"), name="tiny-llama")
+    config = AutoConfig.from_pretrained(output_dir / "checkpoints" / "hf_config")
+    desc = describe_model(config, name="tiny-llama")
     par = run.parallel
     dp = world // (par.tp * par.pp)
     batch = resolve_batch(run.train.micro_batch, run.train.grad_accum, run.train.global_batch, dp_size=dp)
@@ -62,8 +68,11 @@ def predicted(output_dir: Path, world: int):
                     offload_optimizer=par.offload_optimizer == "cpu", offload_param=par.offload_param == "cpu",
                     micro_batch=batch.micro_batch, grad_accum=batch.grad_accum,
                     activation_checkpointing=par.activation_checkpointing)
-    return stage_memories(desc, layout, Job(seq_len=run.data.seq_len, global_batch=batch.global_batch,
-                                            precision=run.train.precision))
+    job = Job(seq_len=run.data.seq_len, global_batch=batch.global_batch, precision=run.train.precision)
+    if run.model.lora is not None:
+        count = count_lora_parameters(config, run.model.lora)
+        job = replace(job, trainable_params=count.trainable, trainable_persistent=count.persistent)
+    return stage_memories(desc, layout, job)
 
 
 @pytest.mark.parametrize("world,case", [(w, c) for w, cases in CASES.items() for c in cases])

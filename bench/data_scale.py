@@ -25,13 +25,18 @@ tokenizer alone on the same cores, and what the data costs each of 2 training ra
    same Arrow cache in batches of 1,000): the Rust encoder's batch encoding (encode_batch_fast)
    with TOKENIZERS_PARALLELISM=true, its threads on all cores, ids counted and dropped. Ratio:
    preparation / tokenizer alone. For reference, transformers' `tokenizer(texts)` (the call the
-   store makes in each process) on one core, over the first 32 MiB of text.
+   store makes in each process) in the same process, over the first 32 MiB of text.
 4. Each training rank's memory due to the data: `dsf train` (dsframework.engine.train, run by
    this file's worker) on 2 CPU ranks (deepspeed's launcher), tiny-llama, --steps steps of
    16 x seq_len, model.tokenizer = the tokenizer the preparation saved (so rank 0 reuses the
    cached store: the run measures training ranks, not preparation). Once on the big corpus, once
    on a tiny one (the same generator, 2 MiB, its store built beforehand with the same tokenizer):
-   same model, same settings. Per rank VmHWM at the end of each, and the difference.
+   same model, same settings. Per rank VmHWM at the end of each, and the difference; for the big
+   run, what of it is pages of the files under the datasets cache (/proc/self/smaps): the Arrow
+   cache, mapped by load_texts, after prepare; the store's files at the end.
+5. A read probe: one process reading the big store as rank 0 of 2 reads it (BlockSampler order,
+   TokenStore.micro_batch), --probe-rows rows, far more steps than the launches run: how a
+   rank's memory grows with the rows it has read (store pages left mapped, the sampler's order).
 
 Goals (issue 12): preparation's peak RSS under 2 GiB; a rank's growth under 100 MB whatever the
 corpus size. Figures are also written to WORKDIR/figures.json.
@@ -219,25 +224,46 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def mapped_rss(under: Path) -> dict[str, int]:
+    """Resident bytes of this process's file mappings under `under` (a datasets cache), split into
+    the token store's files and the rest (datasets' Arrow files), from /proc/self/smaps."""
+    out = {"store": 0, "arrow": 0}
+    path = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if len(fields) >= 5 and "-" in fields[0] and len(fields[1]) == 4:  # a mapping's header line
+            path = fields[5] if len(fields) > 5 and fields[5].startswith(str(under)) else None
+        elif path and fields[0] == "Rss:":
+            out["store" if "dsframework-stores" in path else "arrow"] += int(fields[1]) * 1024
+    return out
+
+
 class MemorySampler:
-    """A thread that samples, every 0.25 s, the proportional set size (PSS) of this process and of
-    its descendants together: their physical memory, forked copy-on-write pages counted once.
-    Peaks of all of it and of its anonymous part (what is not file pages the kernel may drop)."""
+    """A thread that samples the proportional set size (PSS) of this process and of its descendants
+    together: their physical memory, forked copy-on-write pages counted once. Peaks of all of it and
+    of its anonymous part (what is not file pages the kernel may drop). Reading smaps_rollup walks
+    the page tables (~50 ms for a 1 GiB process on a busy core): the thread waits 40 times as long
+    as a sample took, so it takes at most ~2.5% of a core from the process it measures."""
 
     def __init__(self):
-        self.peaks = {"pss": 0, "pss_anon": 0, "children_pss": 0, "processes": 1}
+        self.peaks = {"pss": 0, "pss_anon": 0, "children_pss": 0, "processes": 1, "own_anon": 0, "own_file": 0}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         me = os.getpid()
-        while not self._stop.wait(0.25):
+        wait = 0.25
+        while not self._stop.wait(wait):
+            began = time.perf_counter()
             kids = descendants(me)
             rollups = [status(pid, rollup=True) for pid in [me, *kids]]
+            own = status()
             sample = {"pss": sum(r.get("Pss", 0) for r in rollups), "pss_anon": sum(r.get("Pss_Anon", 0) for r in rollups),
-                      "children_pss": sum(r.get("Pss", 0) for r in rollups[1:]), "processes": len(rollups)}
+                      "children_pss": sum(r.get("Pss", 0) for r in rollups[1:]), "processes": len(rollups),
+                      "own_anon": own.get("RssAnon", 0), "own_file": own.get("RssFile", 0)}
             self.peaks = {k: max(v, sample[k]) for k, v in self.peaks.items()}
+            wait = max(0.25, 40 * (time.perf_counter() - began))
 
     def stop(self) -> dict[str, int]:
         self._stop.set()
@@ -323,6 +349,36 @@ def tokenize_alone(record: Path, overrides: list[str], tokenizer: Path) -> None:
                                   "call_seconds": time.perf_counter() - start, "vm_hwm": status()["VmHWM"]}))
 
 
+def read_probe(record: Path, store: Path, rows: int) -> None:
+    """(fresh process) A rank's reads alone, many more than the launches make: up to `rows` rows
+    through TokenStore.micro_batch in BlockSampler order (rank 0 of 2, micro-batch 8); this
+    process's growth (VmHWM, store pages still mapped, anonymous) after 160, 2,000, ... rows."""
+    import torch
+
+    from dsframework.data import BlockSampler, TokenStore
+
+    torch.set_num_threads(1)
+    train = TokenStore(store, "train")
+    sampler = BlockSampler(len(train), micro_batch=8, grad_accum=1, dp_size=WORLD, dp_rank=0, seed=1234)
+    train.micro_batch([0])  # torch's first call maps its own pages
+    before, mapped_before = status(), mapped_rss(store.parent.parent)
+    marks = [m for m in (160, 2_000, 8_000, 32_000, 128_000) if m < rows] + [rows]
+    start, read, consumed, points = time.perf_counter(), 0, 0, []
+    while marks:
+        for indices in sampler.micro_batches(consumed):
+            train.micro_batch(indices)
+            read += len(indices)
+        consumed += sampler.global_batch
+        if read >= marks[0]:
+            marks.pop(0)
+            now, mapped = status(), mapped_rss(store.parent.parent)
+            points.append({"rows": read, "vm_hwm_growth": now["VmHWM"] - before["VmHWM"],
+                           "anon_growth": now["RssAnon"] - before["RssAnon"],
+                           "store_mapped_growth": mapped["store"] - mapped_before["store"]})
+    record.write_text(json.dumps({"rows": read, "seconds": time.perf_counter() - start, "store_rows": len(train),
+                                  "points": points}))
+
+
 def worker(out: Path, overrides: list[str]) -> None:
     """(one per rank) dsf train's engine.train; writes out/rank<r>.json with VmHWM after prepare and at the end."""
     from dsframework import engine
@@ -330,19 +386,28 @@ def worker(out: Path, overrides: list[str]) -> None:
     from dsframework.world import shutdown_distributed
 
     run = load_run_config(TINY_YAML, overrides)
+    cache = Path(os.environ["HF_DATASETS_CACHE"]).resolve()
     marks: dict = {"start": status()["VmHWM"]}
     prepare_run = engine.prepare
+
+    load_texts, held = engine.load_texts, []
+
+    def marked_load_texts(*args, **kwargs):
+        rows = load_texts(*args, **kwargs)
+        marks["mapped_loaded"] = mapped_rss(cache)  # the Arrow cache's pages mapped, until prepare drops the rows
+        return rows
 
     def marked_prepare(*args, **kwargs):
         session = prepare_run(*args, **kwargs)
         marks.update(rank=session.rank, prepared=status()["VmHWM"], train_rows=len(session.train_blocks))
+        held.append(session.train_blocks)  # train() drops the session when it returns: keep its store mapped
         return session
 
-    engine.prepare = marked_prepare  # the bench patches, dsf does not
+    engine.prepare, engine.load_texts = marked_prepare, marked_load_texts  # the bench patches, dsf does not
     start = time.perf_counter()
     last = engine.train(run, overwrite=True)
     end = status()
-    marks.update(end=end["VmHWM"], rss_end=end["VmRSS"], rss_file_end=end.get("RssFile", 0),
+    marks.update(end=end["VmHWM"], rss_end=end["VmRSS"], anon_end=end.get("RssAnon", 0), mapped_end=mapped_rss(cache),
                  train_s=time.perf_counter() - start, loss=last.get("loss"))
     (out / f"rank{marks['rank']}.json").write_text(json.dumps(marks))
     shutdown_distributed()
@@ -410,8 +475,8 @@ def markdown(f: dict) -> str:
             f"| tokens/s, token_stores alone | {store_rate:,.0f} |",
             f"| tokenizer alone: Rust batch encode (encode_batch_fast), TOKENIZERS_PARALLELISM=true, "
             f"{os.cpu_count()} cores | {limit:,.0f} tokens/s ({t['seconds']:.0f} s) |",
-            f"| (transformers' tokenizer(texts), the store's call, 1 process: {t['call_tokens'] / t['call_seconds']:,.0f} "
-            f"tokens/s on the first 32 MiB) | |",
+            f"| transformers' tokenizer(texts), the store's call, same process and threads (first 32 MiB) | "
+            f"{t['call_tokens'] / t['call_seconds']:,.0f} tokens/s |",
             f"| preparation / tokenizer alone (token_stores alone / tokenizer alone) | "
             f"{p['tokens'] / p['wall_s'] / limit:.2f} ({store_rate / limit:.2f}) |",
             f"| peak RSS, preparing process (VmHWM) | {gib(p['vm_hwm'])} |",
@@ -419,16 +484,28 @@ def markdown(f: dict) -> str:
             f"{gib(p['children_ru_maxrss'])} |",
             f"| peak PSS, process + children together ({p['processes']} processes at most): all / anonymous | "
             f"{gib(p['pss'])} / {gib(p['pss_anon'])} |",
+            f"| the preparing process alone, sampled peaks: anonymous (RssAnon) / file pages (RssFile) | "
+            f"{gib(p['own_anon'])} / {gib(p['own_file'])} |",
             "",
             f"| rank | VmHWM, tiny corpus ({f['tiny_rows']:,} rows) | VmHWM, big corpus ({f['big_rows']:,} rows) "
-            "| growth at the end | growth after prepare |",
-            "|---:|---:|---:|---:|---:|"]
+            "| growth at the end | growth after prepare | big: Arrow cache pages mapped by load_texts | "
+            "big: store pages mapped at the end | big - tiny: anonymous at the end |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for big, tiny in zip(f["ranks_big"], f["ranks_tiny"]):
         rows.append(f"| {big['rank']} | {tiny['end'] / 1e6:,.0f} MB | {big['end'] / 1e6:,.0f} MB | "
-                    f"{mb(big['end'] - tiny['end'])} | {mb(big['prepared'] - tiny['prepared'])} |")
+                    f"{mb(big['end'] - tiny['end'])} | {mb(big['prepared'] - tiny['prepared'])} | "
+                    f"{big['mapped_loaded']['arrow'] / 1e6:.1f} MB | {big['mapped_end']['store'] / 1e6:.1f} MB | "
+                    f"{mb(big['anon_end'] - tiny['anon_end'])} |")
+    r = f["read_probe"]
     rows += ["", f"dsf train, tiny-llama, 2 CPU ranks, ZeRO-2, {f['steps']} steps of 16 x {f['seq_len']} tokens, "
              f"model.tokenizer = the prepared tokenizer (stores read from the cache); final loss "
              f"{f['ranks_big'][0]['loss']:.3f} (big) / {f['ranks_tiny'][0]['loss']:.3f} (tiny)",
+             f"read probe: one process reading the big store ({r['store_rows']:,} rows) as rank 0 of 2 does "
+             f"(8 rows a step, {r['rows'] / r['seconds']:,.0f} rows/s); its growth after"]
+    rows += ["", "| rows read (steps) | VmHWM | store pages still mapped | anonymous |", "|---:|---:|---:|---:|"]
+    rows += [f"| {p['rows']:,} ({p['rows'] // 8:,}) | {mb(p['vm_hwm_growth'])} | {mb(p['store_mapped_growth'])} | "
+             f"{mb(p['anon_growth'])} |" for p in r["points"]]
+    rows += ["",
              "wall seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in f["wall_s"].items())]
     return "\n".join(rows)
 
@@ -444,6 +521,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=256, help="data.seq_len")
     parser.add_argument("--steps", type=int, default=20, help="training steps of each launch")
     parser.add_argument("--seed", type=int, default=0, help="of the corpus")
+    parser.add_argument("--probe-rows", type=int, default=128_000, help="rows a rank reads in the read probe")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON, not the table")
     # set by this file for the processes it starts
     parser.add_argument("--prepare", type=Path, help=argparse.SUPPRESS)
@@ -451,6 +529,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tokenizer", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--save-tokenizer", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--tiny", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--read-probe", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--store", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--set", action="append", default=[], dest="overrides", help=argparse.SUPPRESS)
     parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # the launcher's
@@ -465,6 +545,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.prepare:
         prepare(args.prepare, args.overrides, tokenizer=args.tokenizer, save_tokenizer=args.save_tokenizer,
                 tiny=args.tiny)
+        return
+    if args.read_probe:
+        read_probe(args.read_probe, args.store, args.probe_rows)
         return
     if args.tokenize_alone:
         tokenize_alone(args.tokenize_alone, args.overrides, args.tokenizer)
@@ -510,10 +593,14 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     ranks_big = sorted(launch("launch-big", big_overrides, work, train_env), key=lambda r: r["rank"])
     walls["big launch"] = time.perf_counter() - start
+    walls["read probe"] = run_child([*me, "--read-probe", str(work / "read-probe.json"), "--store", prepared["store"],
+                                     "--probe-rows", str(args.probe_rows)], train_env, work / "read-probe.log", "read probe")
+    probe = json.loads((work / "read-probe.json").read_text())
     figures = {"tokens_asked": tokens, "corpus": big, "prepare": prepared, "tokenizer_alone": alone,
                "ranks_big": ranks_big, "ranks_tiny": ranks_tiny, "big_rows": ranks_big[0]["train_rows"],
                "tiny_rows": ranks_tiny[0]["train_rows"], "seq_len": args.seq_len, "steps": args.steps,
-               "rank_growth": [b["end"] - t["end"] for b, t in zip(ranks_big, ranks_tiny)], "wall_s": walls}
+               "rank_growth": [b["end"] - t["end"] for b, t in zip(ranks_big, ranks_tiny)], "read_probe": probe,
+               "wall_s": walls}
     (work / "figures.json").write_text(json.dumps(figures, indent=1))
     print(json.dumps(figures, indent=1) if args.json else markdown(figures))
 

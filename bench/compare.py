@@ -181,7 +181,7 @@ def rank_inputs(overrides: list[str], ds_config: dict):
     import torch.distributed as dist
 
     from dsframework.config import load_run_config
-    from dsframework.data import load_texts, load_tokenizer, pack_splits
+    from dsframework.data import load_texts, load_tokenizer, store_cache_dir, token_stores
     from dsframework.dsconfig import resolve_batch
     from dsframework.models import build_model, resolve_model
 
@@ -190,7 +190,7 @@ def rank_inputs(overrides: list[str], ds_config: dict):
     batch = resolve_batch(run.train.micro_batch, run.train.grad_accum, run.train.global_batch,
                           dp_size=dist.get_world_size())
     tokenizer = load_tokenizer(run.model.tokenizer)
-    train_blocks, _ = pack_splits(load_texts(run.data), tokenizer, run.data)
+    train_blocks, _ = token_stores(load_texts(run.data), tokenizer, run.data, cache_dir=store_cache_dir())
     source = resolve_model(run.model)
     zero3 = ds_config if run.parallel.zero_stage == 3 else None  # partitioned at construction, as dsf does
     model = build_model(source, source.config_for(tokenizer), seed=run.train.seed, zero3_ds_config=zero3)

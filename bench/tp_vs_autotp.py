@@ -130,7 +130,7 @@ def autotp_worker(overrides: list[str], out: Path) -> None:
     import torch.distributed as dist
 
     from dsframework.config import load_run_config
-    from dsframework.data import BlockSampler, load_texts, load_tokenizer, pack_splits
+    from dsframework.data import BlockSampler, load_texts, load_tokenizer, store_cache_dir, token_stores
     from dsframework.dsconfig import build_ds_config, resolve_batch
     from dsframework.world import init_distributed, shutdown_distributed
     from dsframework.models import build_model, resolve_model
@@ -139,7 +139,7 @@ def autotp_worker(overrides: list[str], out: Path) -> None:
     rank, world = init_distributed()  # pins the JIT build tools, unlinks DeepSpeed's /dev/shm buffers
     assert world == TP, f"run under `deepspeed --num_gpus {TP}` (world is {world})"
     tokenizer = load_tokenizer(run.model.tokenizer)
-    train_blocks, _ = pack_splits(load_texts(run.data), tokenizer, run.data)
+    train_blocks, _ = token_stores(load_texts(run.data), tokenizer, run.data, cache_dir=store_cache_dir())
     source = resolve_model(run.model)
     model = build_model(source, source.config_for(tokenizer), seed=run.train.seed)
     dense = {name: tuple(p.shape) for name, p in model.named_parameters()}

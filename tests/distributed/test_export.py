@@ -93,7 +93,8 @@ def test_gpt2_trains_from_a_local_pretrained_directory(tmp_path):
     again = train_run(tmp_path / "again", [f"model.name={hf_dir}", "parallel.zero_stage=3", "train.steps=2",
                                            "train.lr=1e-9", "train.warmup_steps=0"])
     # Same data and order as the first run's step 1 batch: recompute that loss on the export.
-    from dsframework.data import BlockSampler, load_texts, load_tokenizer, pack_splits
+    from dsframework.data import BlockSampler, load_texts, load_tokenizer
+    from tests.packing_reference import pack_splits
 
     run = build_run_config({}, run_overrides(tmp_path / "again", [f"model.name={hf_dir}"]))
     tokenizer = load_tokenizer(hf_dir)

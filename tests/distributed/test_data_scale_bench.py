@@ -18,8 +18,8 @@ TOKENS = 3_000_000
 
 def test_data_scale_bench_small(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "bench" / "data_scale.py"), "--tokens", str(TOKENS),
-                           "--steps", "3", "--workdir", str(tmp_path), "--json"], capture_output=True, text=True,
-                          timeout=600, cwd=REPO, env=rank_env())
+                           "--steps", "3", "--probe-rows", "8000", "--workdir", str(tmp_path), "--json"],
+                          capture_output=True, text=True, timeout=600, cwd=REPO, env=rank_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     figures = json.loads((tmp_path / "figures.json").read_text())
     prepared = figures["prepare"]
@@ -38,4 +38,5 @@ def test_data_scale_bench_small(tmp_path):
     assert len(figures["rank_growth"]) == 2
     assert all(growth < 100e6 for growth in figures["rank_growth"]), figures["rank_growth"]
     assert figures["tokenizer_alone"]["tokens"] > 0 and figures["tokenizer_alone"]["seconds"] > 0
+    assert figures["read_probe"]["rows"] >= 8000 and figures["read_probe"]["points"]
     assert all(math.isfinite(rank["loss"]) for rank in figures["ranks_big"] + figures["ranks_tiny"])

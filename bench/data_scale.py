@@ -1,7 +1,7 @@
 """How the data path scales: a 200M-token corpus prepared as a run prepares it, against the
 tokenizer alone on the same cores, and what the data costs each of 2 training ranks.
 
-    .venv/bin/python bench/data_scale.py                       # 200M tokens: ~1.1 GB of text, ~15 min the first time
+    .venv/bin/python bench/data_scale.py                       # 200M tokens (0.72 GB of text): ~10 min on 2 cores
     .venv/bin/python bench/data_scale.py --tokens 3e6 --json   # a few million tokens, about a minute (the test)
     .venv/bin/python bench/data_scale.py --workdir /big/disk   # the corpus is kept there and reused
 
@@ -9,7 +9,7 @@ tokenizer alone on the same cores, and what the data costs each of 2 training ra
    synthetic text, seeded. A lexicon of 30,000 pseudo-words built from syllables (the shorter
    ones the more frequent), drawn with Zipf-Mandelbrot frequencies (p_k ~ 1 / (k + 2.7)^1.05,
    as word counts of natural text go); sentences of 5 to ~40 words (capital first, commas, a
-   full stop), paragraphs of 1-9 sentences, documents of ~450 words, 64 MiB jsonl shards of
+   full stop), paragraphs of 1-9 sentences, documents of ~320 words (1.7 kB), 64 MiB jsonl shards of
    {"text": ...}. Its size is set from the bytes per token of a tokenizer trained on a 16 MiB
    sample of the same generator, with 4% to spare, so the store holds at least --tokens tokens.
 2. Preparation, in a fresh process with an empty datasets cache, exactly as `dsf train`'s rank 0
@@ -33,7 +33,8 @@ tokenizer alone on the same cores, and what the data costs each of 2 training ra
    on a tiny one (the same generator, 2 MiB, its store built beforehand with the same tokenizer):
    same model, same settings. Per rank VmHWM at the end of each, and the difference; for the big
    run, what of it is pages of the files under the datasets cache (/proc/self/smaps): the Arrow
-   cache, mapped by load_texts, after prepare; the store's files at the end.
+   cache's, mapped by load_texts (unmapped with the rows when prepare returns); the store's, at
+   the end.
 5. A read probe: one process reading the big store as rank 0 of 2 reads it (BlockSampler order,
    TokenStore.micro_batch), --probe-rows rows, far more steps than the launches run: how a
    rank's memory grows with the rows it has read (store pages left mapped, the sampler's order).
@@ -259,7 +260,8 @@ class MemorySampler:
             kids = descendants(me)
             rollups = [status(pid, rollup=True) for pid in [me, *kids]]
             own = status()
-            sample = {"pss": sum(r.get("Pss", 0) for r in rollups), "pss_anon": sum(r.get("Pss_Anon", 0) for r in rollups),
+            sample = {"pss": sum(r.get("Pss", 0) for r in rollups),
+                      "pss_anon": sum(r.get("Pss_Anon", 0) for r in rollups),
                       "children_pss": sum(r.get("Pss", 0) for r in rollups[1:]), "processes": len(rollups),
                       "own_anon": own.get("RssAnon", 0), "own_file": own.get("RssFile", 0)}
             self.peaks = {k: max(v, sample[k]) for k, v in self.peaks.items()}
@@ -594,7 +596,8 @@ def main(argv: list[str] | None = None) -> None:
     ranks_big = sorted(launch("launch-big", big_overrides, work, train_env), key=lambda r: r["rank"])
     walls["big launch"] = time.perf_counter() - start
     walls["read probe"] = run_child([*me, "--read-probe", str(work / "read-probe.json"), "--store", prepared["store"],
-                                     "--probe-rows", str(args.probe_rows)], train_env, work / "read-probe.log", "read probe")
+                                     "--probe-rows", str(args.probe_rows)], train_env, work / "read-probe.log",
+                                    "read probe")
     probe = json.loads((work / "read-probe.json").read_text())
     figures = {"tokens_asked": tokens, "corpus": big, "prepare": prepared, "tokenizer_alone": alone,
                "ranks_big": ranks_big, "ranks_tiny": ranks_tiny, "big_rows": ranks_big[0]["train_rows"],

@@ -240,11 +240,12 @@ def mapped_rss(under: Path) -> dict[str, int]:
 
 
 class MemorySampler:
-    """A thread that samples the proportional set size (PSS) of this process and of its descendants
-    together: their physical memory, forked copy-on-write pages counted once. Peaks of all of it and
-    of its anonymous part (what is not file pages the kernel may drop). Reading smaps_rollup walks
-    the page tables (~50 ms for a 1 GiB process on a busy core): the thread waits 40 times as long
-    as a sample took, so it takes at most ~2.5% of a core from the process it measures."""
+    """A thread that samples memory while the preparation runs: every 0.1 s this process's own
+    RssAnon and RssFile (/proc/self/status, cheap); less often the proportional set size (PSS) of
+    the process and its descendants together: their physical memory, forked copy-on-write pages
+    counted once, all of it and its anonymous part (what is not file pages the kernel may drop).
+    Reading smaps_rollup walks the page tables (~50 ms for a 1 GiB process on a busy core), so
+    that sample waits 40 times as long as it took: at most ~2.5% of a core."""
 
     def __init__(self):
         self.peaks = {"pss": 0, "pss_anon": 0, "children_pss": 0, "processes": 1, "own_anon": 0, "own_file": 0}
@@ -254,18 +255,18 @@ class MemorySampler:
 
     def _run(self) -> None:
         me = os.getpid()
-        wait = 0.25
-        while not self._stop.wait(wait):
-            began = time.perf_counter()
-            kids = descendants(me)
-            rollups = [status(pid, rollup=True) for pid in [me, *kids]]
+        next_rollup = 0.0
+        while not self._stop.wait(0.1):
             own = status()
-            sample = {"pss": sum(r.get("Pss", 0) for r in rollups),
-                      "pss_anon": sum(r.get("Pss_Anon", 0) for r in rollups),
-                      "children_pss": sum(r.get("Pss", 0) for r in rollups[1:]), "processes": len(rollups),
-                      "own_anon": own.get("RssAnon", 0), "own_file": own.get("RssFile", 0)}
-            self.peaks = {k: max(v, sample[k]) for k, v in self.peaks.items()}
-            wait = max(0.25, 40 * (time.perf_counter() - began))
+            sample = {"own_anon": own.get("RssAnon", 0), "own_file": own.get("RssFile", 0)}
+            began = time.perf_counter()
+            if began >= next_rollup:
+                rollups = [status(pid, rollup=True) for pid in [me, *descendants(me)]]
+                sample.update(pss=sum(r.get("Pss", 0) for r in rollups),
+                              pss_anon=sum(r.get("Pss_Anon", 0) for r in rollups),
+                              children_pss=sum(r.get("Pss", 0) for r in rollups[1:]), processes=len(rollups))
+                next_rollup = began + 40 * (time.perf_counter() - began)
+            self.peaks = {k: max(v, sample.get(k, 0)) for k, v in self.peaks.items()}
 
     def stop(self) -> dict[str, int]:
         self._stop.set()
@@ -296,24 +297,24 @@ def prepare(record: Path, overrides: list[str], *, tokenizer: Path | None, save_
 
     run = load_run_config(TINY_YAML, overrides)
     spec = run.data
-    marks = {"imports": time.perf_counter()}
+    marks, hwm = {"imports": time.perf_counter()}, {"imports": status()["VmHWM"]}
     rows = load_texts(spec)
-    marks["load_texts"] = time.perf_counter()
+    marks["load_texts"], hwm["load_texts"] = time.perf_counter(), status()["VmHWM"]
     if tokenizer is None:
         trained = train_tokenizer(rows, spec)
         trained.save_pretrained(str(save_tokenizer))
         tokenizer = save_tokenizer
     tok = load_tokenizer(tokenizer)  # as the run loads it (model.tokenizer): the same store key
-    marks["train_tokenizer"] = time.perf_counter()
+    marks["train_tokenizer"], hwm["train_tokenizer"] = time.perf_counter(), status()["VmHWM"]
     train, held_out = token_stores(rows, tok, spec, cache_dir=store_cache_dir())
-    marks["token_stores"] = time.perf_counter()
+    marks["token_stores"], hwm["token_stores"] = time.perf_counter(), status()["VmHWM"]
     phases, last = {}, start
     for name, at in marks.items():
         phases[name], last = at - last, at
     result = {"phases_s": phases, "wall_s": last - start, "documents": len(rows), "vocab": len(tok),
               "train": train.report, "eval": held_out.report, "store": str(train.directory),
               "tokens": train.report["tokens"] + held_out.report["tokens"],
-              "vm_hwm": status()["VmHWM"],  # (ru_maxrss of SELF would include the forked parent's before exec)
+              "vm_hwm": status()["VmHWM"], "vm_hwm_after": hwm,  # (ru_maxrss of SELF would include the forked parent's before exec)
               "children_ru_maxrss": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
               "store_bytes": sum(f.stat().st_size for f in train.directory.iterdir())}
     result.update(sampler.stop())
@@ -482,11 +483,13 @@ def markdown(f: dict) -> str:
             f"| preparation / tokenizer alone (token_stores alone / tokenizer alone) | "
             f"{p['tokens'] / p['wall_s'] / limit:.2f} ({store_rate / limit:.2f}) |",
             f"| peak RSS, preparing process (VmHWM) | {gib(p['vm_hwm'])} |",
+            "| VmHWM after imports / load_texts / train_tokenizer / token_stores | "
+            + " / ".join(f"{v / GiB:.2f}" for v in p["vm_hwm_after"].values()) + " GiB |",
             f"| peak RSS, tokenizing children (RUSAGE_CHILDREN ru_maxrss: the largest child) | "
             f"{gib(p['children_ru_maxrss'])} |",
             f"| peak PSS, process + children together ({p['processes']} processes at most): all / anonymous | "
             f"{gib(p['pss'])} / {gib(p['pss_anon'])} |",
-            f"| the preparing process alone, sampled peaks: anonymous (RssAnon) / file pages (RssFile) | "
+            f"| the preparing process alone, peaks sampled every 0.1 s: anonymous (RssAnon) / file pages (RssFile) | "
             f"{gib(p['own_anon'])} / {gib(p['own_file'])} |",
             "",
             f"| rank | VmHWM, tiny corpus ({f['tiny_rows']:,} rows) | VmHWM, big corpus ({f['big_rows']:,} rows) "

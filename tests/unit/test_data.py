@@ -402,8 +402,11 @@ def test_reading_rows_does_not_grow_a_process_with_the_corpus(tmp_path):
     total = 0
     for start in range(0, rows, 64):
         total += int(mapped.take(list(range(start, start + 64)))[:, 0].sum())
+    order = np.random.default_rng(1).permutation(rows)  # random rows: the kernel maps their neighbours too
+    for start in range(0, rows // 4, 8):
+        total += int(mapped.take(order[start:start + 8].tolist())[:, 0].sum())
     assert total > 0
-    assert rss_mb() - before < 32, f"RSS grew {rss_mb() - before:.0f} MB reading a 256 MB store"
+    assert rss_mb() - before < 16, f"RSS grew {rss_mb() - before:.0f} MB reading a 256 MB store"
 
 
 def test_store_errors(char_tokenizer, tmp_path):

@@ -204,10 +204,11 @@ def micro_batch_loss(engine: Any, input_ids: Any, *, grid: Any = None, context: 
     times its loss_weight: examples packed in a row see only themselves (position ids restart at
     each example; transformers then masks attention block-diagonally)."""
     if isinstance(input_ids, dict):
+        # Counted on the host copy: no device sync. Never 0: every packed example keeps a trained label.
+        trained = int((input_ids["labels"][..., 1:] != IGNORE_INDEX).sum())
         batch = {key: value.to(engine.device) for key, value in input_ids.items() if key != "loss_weight"}
         mean = engine(**batch, use_cache=False).loss  # over this micro-batch's trained tokens
-        trained = (batch["labels"][..., 1:] != IGNORE_INDEX).sum()
-        loss = mean * trained * input_ids["loss_weight"] if trained else mean * 0.0
+        loss = mean * (trained * input_ids["loss_weight"])
         return loss, loss.detach()
     input_ids = input_ids.to(engine.device)
     if context:

@@ -63,8 +63,6 @@ class _MappedRows:
     """[rows, width] of `dtype` in a file, memory-mapped; `take` copies rows and lets their pages go."""
 
     def __init__(self, path: Path, dtype: np.dtype, *, width: int, rows: int):
-        self.dtype, self.width, self.rows = dtype, width, rows
-        self.row_bytes = width * dtype.itemsize
         with open(path, "rb") as f:
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         self._array = np.frombuffer(self._map, dtype=dtype, count=rows * width).reshape(rows, width)
@@ -106,16 +104,6 @@ class TokenStore:
             return torch.from_numpy(self._ids.take([int(index)]).astype(np.int64))[0]
         return torch.from_numpy(self._ids.take(_as_list(index, self.num_rows)).astype(np.int64))
 
-    def labels(self, indices: Any) -> Any:
-        """The rows' labels: the id where a token is trained, IGNORE_INDEX elsewhere."""
-        import torch
-
-        indices = _as_list(indices, self.num_rows)
-        ids = self._ids.take(indices).astype(np.int64)
-        if self._trained is not None:
-            ids[self._trained.take(indices) == 0] = IGNORE_INDEX
-        return torch.from_numpy(ids)
-
     def trained_tokens(self, indices: Any) -> int:
         """Labels the causal LM loss counts in these rows (token t predicts t + 1: row starts never)."""
         indices = _as_list(indices, self.num_rows)
@@ -132,7 +120,9 @@ class TokenStore:
         if not self.supervised:
             return self[indices]
         indices = _as_list(indices, self.num_rows)
-        return {"input_ids": self[indices], "labels": self.labels(indices),
+        input_ids = torch.from_numpy(self._ids.take(indices).astype(np.int64))
+        labels = input_ids.masked_fill(torch.from_numpy(self._trained.take(indices) == 0), IGNORE_INDEX)
+        return {"input_ids": input_ids, "labels": labels,
                 "position_ids": torch.from_numpy(self._positions.take(indices).astype(np.int64)),
                 "loss_weight": weight}
 

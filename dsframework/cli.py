@@ -396,6 +396,18 @@ def presets_cmd() -> None:
         click.echo(f"{name:12s} {fields['model_type']:6s} " + " ".join(f"{k}={v}" for k, v in shape.items()))
 
 
+def _register_commands() -> None:
+    """Commands that live in their own modules (each imports its heavy libraries when it runs)."""
+    from dsframework.env_report import env_cmd
+    from dsframework.plot import plot_cmd
+
+    cli.add_command(plot_cmd)
+    cli.add_command(env_cmd)
+
+
+_register_commands()
+
+
 def _strip_local_rank(argv: list[str]) -> list[str]:
     """Drop the `--local_rank=N` the deepspeed launcher puts before the subcommand.
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import click
 
 from dsframework.errors import EXIT_USER_ERROR, UserError
+from dsframework.launchers import LAUNCHERS
 
 
 def _fail(message: str) -> None:
@@ -229,7 +230,7 @@ def calibrate_cmd(ranks: int, output: Path, force: bool) -> None:
 @click.option("--num-gpus", type=int, default=-1, help="use the first N slots of each host")
 @click.option("--master-addr", help="default: the first host (localhost without a hostfile)")
 @click.option("--master-port", type=click.IntRange(1, 65535), default=29500, show_default=True)
-@click.option("--launcher", type=click.Choice(["pdsh", "openmpi", "mvapich", "slurm", "no_ssh"]), default="pdsh",
+@click.option("--launcher", type=click.Choice(list(LAUNCHERS)), default="pdsh",
               show_default=True, help="how the nodes are started (see the README's multi-node section)")
 @click.option("--node-rank", type=int, help="no_ssh: this node's rank in the hostfile's active hosts")
 @click.option("--env", "env_flags", multiple=True, metavar="KEY=VALUE", help="set on every node (repeatable)")
@@ -245,61 +246,37 @@ def launch_cmd(run_yaml: Path, hostfile: Path | None, include: str, exclude: str
                overrides: tuple[str, ...]) -> None:
     """Check the hostfile, layout and memory of RUN_YAML, then start `deepspeed` on every node."""
     import os
-    import shlex
-    import shutil
 
     from dsframework import launch
     from dsframework import launch_steps as steps
     from dsframework.config import load_run_config
+    from dsframework.launchers import Job
 
     run = load_run_config(run_yaml, overrides)
-    launch.check_launcher(launcher, hostfile=hostfile is not None, node_rank=node_rank)
+    how = LAUNCHERS[launcher]()
+    how.check_flags(hostfile=hostfile is not None, node_rank=node_rank)
     resources = steps.resources(hostfile, num_gpus)
     active = launch.select_resources(resources, include=include, exclude=exclude, num_nodes=num_nodes,
                                      num_gpus=num_gpus)
     dims, config = steps.layout(run, active)
-    rank = launch.node_rank_of(node_rank, active, required=not (dry_run or check)) if launcher == "no_ssh" else None
-    if launcher == "slurm":
-        launch.check_slurm_resources(active, include=include, exclude=exclude)
     explicit = launch.parse_env(env_flags)
     env, skipped = launch.node_env(os.environ, explicit)
-    master = master_addr or next(iter(active))
-    remote, mode_flags = launch.runner_mode(launcher, active, hostfile=hostfile is not None)
-    mpi = remote and launcher != "pdsh"  # mpirun starts the ranks: launch.mpi_main gives them RANK & co.
-    train_args = ["train", str(run_yaml), *[a for o in overrides for a in ("--set", o)]]
-    dsf_bin = shutil.which("dsf") or str(Path(sys.executable).with_name("dsf"))
-    program = [launch.MPI_ENTRY, f"{master}:{master_port}", *train_args] if mpi else [dsf_bin, *train_args]
-
-    def flags(node: int | str | None = rank) -> list[str]:
-        return launch.deepspeed_flags(launcher, hostfile=str(hostfile.resolve()) if hostfile else None,
-                                      master_addr=master, master_port=master_port, include=include,
-                                      exclude=exclude, num_nodes=num_nodes, num_gpus=num_gpus, node_rank=node,
-                                      extra=[*mode_flags, *(["--module"] if mpi else [])])
-
-    runner = launch.build_runner(launcher, flags(), program, resources, active) if remote else None
-    env_file, env_new = steps.env_file_lines(env, explicit) if remote else (None, {})
-    for why in skipped if remote else ():  # only .deepspeed_env forwards the default set
-        click.echo(f"dsf: warning: {why}", err=True)
+    job = Job(run_yaml=run_yaml, overrides=overrides, hostfile=hostfile, resources=resources, active=active,
+              master=master_addr or next(iter(active)), master_port=master_port, env=env, explicit=explicit,
+              include=include, exclude=exclude, num_nodes=num_nodes, num_gpus=num_gpus, node_rank=node_rank,
+              skipped=skipped)
+    how.prepare(job, starting=not (dry_run or check))
     memory = steps.memory_check(run, config, dims, active, cluster_name, force=force)
     if check:
-        return steps.run_checks(launcher, active, need_tools=remote or launcher == "slurm")
-    deepspeed = str(Path(sys.executable).with_name("deepspeed"))
+        return how.check(job)
     if dry_run:
         click.echo(f"# {dims.world} ranks = tp {dims.tp} x pp {dims.pp} x dp {dims.dp} on {len(active)} node(s); "
-                   f"master {master}:{master_port}; launcher {launcher}")
+                   f"master {job.master}:{master_port}; launcher {launcher}")
         click.echo(f"# memory per rank: {memory}")
-        if launcher == "no_ssh":
-            for node, host in enumerate(active):
-                if rank is None or node == rank:
-                    click.echo(f"{host}: cd {shlex.quote(os.getcwd())} && "
-                               f"{launch.shell_line([deepspeed, *flags(node), *program], env)}")
-        elif launcher == "slurm":
-            srun = launch.srun_command([deepspeed, *flags(launch.SLURM_NODEID), *program], active)
-            click.echo(f"srun: {launch.shell_line(srun, env)}")
-        else:
-            steps.print_runner_dry_run(runner, active, master, master_port, program, explicit, env_file, env_new)
+        for line in how.dry_run(job):
+            click.echo(line)
         return
-    steps.exec_launcher(launcher, runner, active, env_file, env_new, explicit, deepspeed, flags, program)
+    sys.exit(how.start(job))
 
 
 # --- dsf train ----------------------------------------------------------------------------------

@@ -5,7 +5,7 @@
     for host, command in node_commands(active, master_addr="10.0.0.1", master_port=29500,
                                        program=["dsf", "train", "run.yaml"]):
         print(host, shlex.join(command))
-    flags = deepspeed_flags("pdsh", hostfile="/shared/hostfile", master_addr="worker-0", master_port=29500)
+    flags = ["--hostfile", "/shared/hostfile", "--master_addr", "worker-0", "--launcher", "pdsh"]
     runner = build_runner("pdsh", flags, program, resources, active)   # deepspeed's PDSHRunner
     print(shlex.join(runner_command(runner, active, exports={"OMP_NUM_THREADS": "4"})))
 
@@ -14,10 +14,10 @@ Parsing and filtering are deepspeed's (`launcher.runner._parse_hostfile`,
 slots, host names a shell would read, filters that leave nothing) and turns every failure into a
 one-line error that names the file, the line and the fix. The launcher lines are deepspeed's own
 runners' (`multinode_runner.PDSHRunner`, `OpenMPIRunner`, `MVAPICHRunner`) fed the namespace
-deepspeed's `runner.parse_args` builds from the flags `dsf launch` passes to `deepspeed`; the
-slurm line is `srun` starting one `deepspeed --no_ssh --node_rank $SLURM_NODEID` per node.
+deepspeed's `runner.parse_args` builds from the flags `dsf launch` passes to `deepspeed`. Each
+launcher's own rules, checks and start are in launchers.py.
 
-Pure but for the last section (ssh/name checks, this machine's memory), which runs things.
+Pure but for the last section (this machine's names and memory).
 """
 from __future__ import annotations
 
@@ -27,10 +27,8 @@ import os
 import re
 import shlex
 import socket
-import subprocess
 import sys
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable, Iterator, Mapping
 
@@ -113,79 +111,7 @@ def node_commands(active: "OrderedDict[str, list[int]]", *, master_addr: str, ma
             for rank, host in enumerate(active)]
 
 
-# --- launchers ------------------------------------------------------------------------------------
-
-RUNNER_LAUNCHERS = ("pdsh", "openmpi", "mvapich")  # deepspeed's runner starts every node from here
-SLURM_NODEID = "__DSF_SLURM_NODEID__"  # replaced by $SLURM_NODEID once the line is quoted
-
-
-def check_launcher(launcher: str, *, hostfile: bool, node_rank: int | None) -> None:
-    """The flag combinations no launcher accepts, before the hostfile is read."""
-    if launcher != "pdsh" and not hostfile:
-        raise UserError("--launcher", launcher, "needs --hostfile (the nodes to start on)",
-                        "pass --hostfile with one `<host> slots=<n>` line per node")
-    if node_rank is not None and launcher != "no_ssh":
-        raise UserError("--node-rank", node_rank, f"only applies to --launcher no_ssh, not {launcher}",
-                        "drop --node-rank, or pass --launcher no_ssh")
-
-
-def node_rank_of(node_rank: int | None, active: Mapping[str, list[int]], *, required: bool) -> int | None:
-    """--node-rank checked against the active hosts; None (every node) when not given and not required."""
-    hosts = list(active)
-    if node_rank is None:
-        if len(hosts) == 1:
-            return 0
-        if required:
-            raise UserError("--node-rank", None, f"is needed with --launcher no_ssh on {len(hosts)} nodes",
-                            f"run on each node with its rank: {', '.join(f'{r} on {h}' for r, h in enumerate(hosts))}")
-        return None
-    if not 0 <= node_rank < len(hosts):
-        raise UserError("--node-rank", node_rank, f"is not a node of the {len(hosts)} active host(s)",
-                        f"use 0..{len(hosts) - 1}: {', '.join(f'{r} = {h}' for r, h in enumerate(hosts))}")
-    return node_rank
-
-
-def check_slurm_resources(active: Mapping[str, list[int]], *, include: str, exclude: str) -> None:
-    """deepspeed's SlurmRunner rule: srun places tasks by count, so no slot ids, same count per host."""
-    from deepspeed.launcher.multinode_runner import SlurmRunner
-
-    try:
-        SlurmRunner.validate_active_resources(active)
-    except ValueError as err:
-        rule = str(err).split(". ")[0].rstrip(".")
-        flag, value = ("--include", include) if include else ("--exclude", exclude) if exclude else ("--hostfile", None)
-        raise UserError(flag, value, f"with --launcher slurm: {rule}",
-                        "filter whole hosts (e.g. --include worker-0@worker-1), or keep the first N slots of "
-                        "every host with --num-gpus N") from None
-
-
-def runner_mode(launcher: str, active: Mapping[str, list[int]], *, hostfile: bool) -> tuple[bool, list[str]]:
-    """(remote, flags): whether deepspeed's runner starts the nodes itself (pdsh, mpirun), and the
-    flags that make it do so as printed: with one host it runs here, so a remote one needs
-    --force_multi, and a local one --no_ssh_check (or deepspeed would first ssh to this host)."""
-    if launcher not in RUNNER_LAUNCHERS or not hostfile:
-        return False, []
-    if len(active) > 1:
-        return True, []
-    return (True, ["--force_multi"]) if next(iter(active)) not in local_names() else (False, ["--no_ssh_check"])
-
-
-def deepspeed_flags(launcher: str, *, hostfile: str | None, master_addr: str, master_port: int,
-                    include: str = "", exclude: str = "", num_nodes: int = -1, num_gpus: int = -1,
-                    node_rank: int | str | None = None, extra: Iterable[str] = ()) -> list[str]:
-    """The `deepspeed` runner's flags for `launcher`: what `dsf launch` runs, and what
-    `deepspeed.launcher.runner.parse_args` reads back to build the launcher's own command."""
-    flags = ["--master_port", str(master_port)]
-    if hostfile is None:  # one node, no hostfile: deepspeed starts `--num_gpus` ranks here
-        return flags + (["--num_gpus", str(num_gpus)] if num_gpus > 0 else [])
-    flags += ["--hostfile", hostfile, "--master_addr", master_addr]
-    flags += ["--include", include] if include else ["--exclude", exclude] if exclude else []
-    flags += ["--num_nodes", str(num_nodes)] if num_nodes > 0 else []
-    flags += ["--num_gpus", str(num_gpus)] if num_gpus > 0 else []
-    if launcher in ("no_ssh", "slurm"):
-        return flags + ["--no_ssh", "--node_rank", str(node_rank)]
-    return flags + ["--launcher", launcher, *extra]
-
+# --- deepspeed's runners (pdsh, mpirun): their command line ------------------------------------------
 
 @contextlib.contextmanager
 def _quiet_deepspeed() -> Iterator[None]:
@@ -249,14 +175,6 @@ def runner_command(runner, active: Mapping[str, list[int]], *, exports: Mapping[
             raise UserError("--hostfile", None, f"with --launcher {runner.name}: {str(err).rstrip('.')}",
                             "give every host the same slots") from None
     return cmd[0] if isinstance(cmd, tuple) else cmd  # PDSHRunner also returns its kill command
-
-
-def srun_command(node_argv: list[str], active: Mapping[str, list[int]]) -> list[str]:
-    """srun starting `node_argv` once per active host, inside the allocation; its `--node_rank`
-    is $SLURM_NODEID, single-quoted so that each node expands its own."""
-    script = shlex.join(node_argv).replace(SLURM_NODEID, "$SLURM_NODEID")
-    return ["srun", f"--nodes={len(active)}", "--ntasks-per-node=1", f"--nodelist={','.join(active)}",
-            "--kill-on-bad-exit=1", "bash", "-c", script]
 
 
 def shell_line(argv: list[str], env: Mapping[str, str] | None = None) -> str:
@@ -358,61 +276,12 @@ def merge_env_file(existing: Mapping[str, str] | None, wanted: Mapping[str, str]
     return new
 
 
-# --- checks that run things: ssh, names, this machine ----------------------------------------------
-
-TOOLS = {"pdsh": ("pdsh",), "openmpi": ("mpirun",), "mvapich": ("mpirun",), "slurm": ("srun",), "no_ssh": ()}
-
+# --- this machine ----------------------------------------------------------------------------------
 
 def local_names() -> set[str]:
     """Names this host answers to without ssh."""
     name = socket.gethostname()
     return {"localhost", "127.0.0.1", "::1", name, name.split(".")[0], socket.getfqdn()}
-
-
-def _ssh_reason(host: str, timeout_s: float) -> str | None:
-    """None when `ssh HOST true` works without a password, else the last line ssh printed."""
-    cmd = ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", host, "true"]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
-    except FileNotFoundError:
-        return "ssh is not installed on this node"
-    except subprocess.TimeoutExpired:
-        return f"ssh did not finish within {timeout_s:.0f} s"
-    if proc.returncode == 0:
-        return None
-    lines = [line.strip() for line in proc.stderr.splitlines() if line.strip()]
-    return lines[-1] if lines else f"ssh exited with code {proc.returncode}"
-
-
-def _resolve_reason(host: str) -> str | None:
-    """None when HOST resolves to an address (what no_ssh and slurm nodes need of each other's names)."""
-    try:
-        socket.getaddrinfo(host, None)
-    except OSError as err:
-        return f"Could not resolve hostname {host}: {err.strerror or err}"
-    return None
-
-
-def check_hosts(hosts: Iterable[str], *, launcher: str, timeout_s: float = 15.0) -> list[tuple[str, str | None]]:
-    """(host, None or why not), concurrently: `ssh -o BatchMode=yes HOST true` for the launchers that
-    reach nodes over ssh, name resolution for no_ssh and slurm; this host's own names are skipped."""
-    hosts = [h for h in hosts if h not in local_names()]
-    probe = _ssh_reason if launcher in RUNNER_LAUNCHERS else lambda h, _t: _resolve_reason(h)
-    if not hosts:
-        return []
-    with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
-        return list(zip(hosts, pool.map(lambda h: probe(h, timeout_s), hosts)))
-
-
-def check_tools(launcher: str, environ: Mapping[str, str]) -> list[tuple[str, str | None]]:
-    """(tool, None or why not) for what `launcher` runs on this node."""
-    import shutil
-
-    out = [(tool, None if shutil.which(tool) else "is not on PATH") for tool in TOOLS[launcher]]
-    if launcher == "slurm":
-        out.append(("SLURM_JOB_ID", None if environ.get("SLURM_JOB_ID") else
-                    "is not set: not inside an allocation (sbatch launch/slurm.sbatch, or salloc)"))
-    return out
 
 
 def local_cluster(*, nodes: int, ranks_per_node: int):
@@ -435,49 +304,3 @@ def local_cluster(*, nodes: int, ranks_per_node: int):
                       memory_per_gpu=ram / ranks_per_node, cpu_memory_per_node=ram)
     ranks = f"{ranks_per_node} rank" + ("s" if ranks_per_node > 1 else "")
     return cluster, f"cpu-local: this node's {ram / GiB:.1f} GiB RAM / {ranks}"
-
-
-# --- each rank under mpirun (openmpi, mvapich) ------------------------------------------------------
-
-# deepspeed's OpenMPI/MVAPICH runners start every rank with mpirun, which names ranks its own way;
-# torch.distributed and dsf read RANK & co. (dsf train without RANK would train a world of one).
-MPI_RANK_VARS = {
-    "RANK": ("OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK", "PMI_RANK"),
-    "WORLD_SIZE": ("OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "PMI_SIZE"),
-    "LOCAL_RANK": ("OMPI_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"),
-    "LOCAL_WORLD_SIZE": ("OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"),
-}
-MPI_ENTRY = "dsframework.launch"  # `deepspeed --module dsframework.launch MASTER:PORT train ...`
-
-
-def mpi_rank_env(environ: Mapping[str, str], *, master: str) -> dict[str, str]:
-    """RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT from mpirun's variables.
-
-        mpi_rank_env({"OMPI_COMM_WORLD_RANK": "3", ...}, master="worker-0:29500")["RANK"]  # '3'
-    """
-    out = {}
-    for name, sources in MPI_RANK_VARS.items():
-        value = next((environ[source] for source in sources if source in environ), None)
-        if value is None:
-            raise UserError("mpirun", None, f"set none of {', '.join(sources)}",
-                            "start this entry point through dsf launch --launcher openmpi or mvapich")
-        out[name] = value
-    addr, _, port = master.rpartition(":")
-    return {**out, "LOCAL_SIZE": out["LOCAL_WORLD_SIZE"], "MASTER_ADDR": addr, "MASTER_PORT": port}
-
-
-def mpi_main(argv: list[str] | None = None) -> None:
-    """One rank under mpirun: `python -u -m dsframework.launch MASTER:PORT train RUN.yaml ...`."""
-    argv = sys.argv[1:] if argv is None else argv
-    try:
-        os.environ.update(mpi_rank_env(os.environ, master=argv[0] if argv else ""))
-    except UserError as err:
-        print(f"dsf: error: {err}", file=sys.stderr)
-        sys.exit(2)
-    from dsframework.cli import main
-
-    main(argv[1:])
-
-
-if __name__ == "__main__":
-    mpi_main()

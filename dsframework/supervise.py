@@ -39,6 +39,8 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 def run_rank(argv: list[str]) -> int:
     """Run `dsf ARGV` as this rank's trainer; its exit code, or 128 + the signal that killed it."""
+    if sys.platform == "linux":  # a launcher killed in a teardown (dsf launch's sweep) takes its ranks along
+        _die_with_parent()
     child = subprocess.Popen([sys.executable, "-m", "dsframework.cli", *argv],
                              env={**os.environ, CHILD_MARK: "1"},
                              preexec_fn=_die_with_parent if sys.platform == "linux" else None)

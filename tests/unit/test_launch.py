@@ -22,6 +22,8 @@ from dsframework import launch
 from dsframework.cli import cli
 from dsframework.errors import UserError
 from dsframework.launch import node_commands, parse_hostfile, select_resources
+from dsframework.launchers import LAUNCHERS, Job, check_hosts, ssh_reason
+from dsframework.mpi_rank import mpi_rank_env
 
 GOOD = [
     "worker-0 slots=8\nworker-1 slots=8\n",
@@ -207,25 +209,32 @@ def test_openmpi_dry_run_prints_deepspeeds_mpirun_line(in_tmp):
     (line,) = out["mpirun"]
     argv = shlex.split(line)
     assert argv[:5] == ["mpirun", "-n", "4", "-hostfile", str(in_tmp / "hostfile")]
-    # each rank goes through launch.mpi_main, which turns OMPI_COMM_WORLD_* into RANK & co.
-    i = argv.index("dsframework.launch")
+    # each rank goes through dsframework.mpi_rank, which turns OMPI_COMM_WORLD_* into RANK & co.
+    i = argv.index("dsframework.mpi_rank")
     assert argv[i - 1] == "-m" and argv[i + 1:i + 4] == ["worker-0:29555", "train", TINY] and argv[-4:] == SETS
 
 
 def test_mpi_ranks_get_the_variables_torch_reads():
     env = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
            "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
-    assert launch.mpi_rank_env(env, master="worker-0:29555") == {
+    assert mpi_rank_env(env, master="worker-0:29555") == {
         "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "LOCAL_SIZE": "2",
         "MASTER_ADDR": "worker-0", "MASTER_PORT": "29555"}
     with pytest.raises(UserError, match="OMPI_COMM_WORLD_RANK"):
-        launch.mpi_rank_env({}, master="worker-0:29555")
+        mpi_rank_env({}, master="worker-0:29555")
+
+
+def _job(active, hostfile=Path("hostfile")) -> Job:
+    return Job(run_yaml=Path(TINY), overrides=(), hostfile=hostfile, resources=OrderedDict(), active=active,
+               master=next(iter(active)), master_port=29500, env={}, explicit={})
 
 
 def test_one_host_runs_here_without_ssh_and_one_remote_host_is_forced_multi():
-    assert launch.runner_mode("pdsh", OrderedDict(localhost=[0, 1]), hostfile=True) == (False, ["--no_ssh_check"])
-    assert launch.runner_mode("pdsh", OrderedDict([("worker-9", [0])]), hostfile=True) == (True, ["--force_multi"])
-    assert launch.runner_mode("no_ssh", RESOURCES, hostfile=True) == (False, [])
+    pdsh = LAUNCHERS["pdsh"]()
+    assert pdsh.runner_mode(_job(OrderedDict(localhost=[0, 1]))) == (False, ["--no_ssh_check"])
+    assert pdsh.runner_mode(_job(OrderedDict([("worker-9", [0])]))) == (True, ["--force_multi"])
+    assert pdsh.runner_mode(_job(RESOURCES)) == (True, [])
+    assert pdsh.runner_mode(_job(OrderedDict(localhost=[0, 1]), hostfile=None)) == (False, [])
 
 
 # --- .deepspeed_env ----------------------------------------------------------------------------------
@@ -268,22 +277,36 @@ def test_dry_run_shows_the_env_file_with_the_users_lines_first(in_tmp):
 
 
 def test_launch_writes_the_env_file_named_by_ds_env_file_and_forwards_deepspeeds_exit_code(tmp_path):
-    """A real (non-dry) launch up to deepspeed's own ssh check, which fails on an unresolvable host:
-    the env file gets dsf's lines appended before deepspeed starts, and deepspeed's exit code is dsf's."""
+    """A real (non-dry) launch with stand-ins for ssh (every host answers) and pdsh (exits 99): the
+    env file gets dsf's lines appended before deepspeed's runner starts, and the runner's exit code
+    is dsf's. Without the ssh stand-in dsf's own check stops it first: one line naming the host,
+    exit 2, the env file untouched."""
     fake = tmp_path / "bin"
     fake.mkdir()
-    (fake / "pdsh").write_text("#!/bin/sh\nexit 99\n")  # deepspeed never gets to call it
-    (fake / "pdsh").chmod(0o755)
+    (fake / "pdsh").write_text("#!/bin/sh\nexit 99\n")
+    (fake / "ssh").write_text("#!/bin/sh\nexit 0\n")
+    for tool in ("pdsh", "ssh"):
+        (fake / tool).chmod(0o755)
     (tmp_path / "hostfile").write_text("nohost-dsf-test.invalid slots=1\nnohost2-dsf-test.invalid slots=1\n")
     (tmp_path / "my.env").write_text("MINE=1")
     env = {k: v for k, v in os.environ.items()
            if k not in launch.DEFAULT_ENV and not k.startswith(("NCCL", "TORCH_NCCL"))}
-    env.update(PATH=f"{fake}:{os.environ['PATH']}", DS_ENV_FILE="my.env", NCCL_DEBUG="INFO")
-    proc = subprocess.run([str(Path(sys.executable).with_name("dsf")), "launch", TINY, "--hostfile", "hostfile",
-                           "--env", "FOO=bar", "--set", "train.global_batch=2", "--set", "train.micro_batch=1"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1, proc.stderr[-2000:]  # deepspeed's RuntimeError: host not reachable via ssh
-    assert "nohost-dsf-test.invalid was not reachable via ssh" in proc.stderr
+    env.update(DS_ENV_FILE="my.env", NCCL_DEBUG="INFO")
+    args = [str(Path(sys.executable).with_name("dsf")), "launch", TINY, "--hostfile", "hostfile",
+            "--env", "FOO=bar", "--set", "train.global_batch=2", "--set", "train.micro_batch=1"]
+
+    (fake / "ssh").rename(fake / "ssh.off")
+    refused = subprocess.run(args, cwd=tmp_path, env={**env, "PATH": f"{fake}:{os.environ['PATH']}"},
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-2000:]
+    (line,) = refused.stderr.splitlines()
+    assert line.startswith("dsf: error: --hostfile='nohost-dsf-test.invalid': cannot be started: ") and "ssh" in line
+    assert (tmp_path / "my.env").read_text() == "MINE=1"  # nothing started, nothing written
+
+    (fake / "ssh.off").rename(fake / "ssh")
+    proc = subprocess.run(args, cwd=tmp_path, env={**env, "PATH": f"{fake}:{os.environ['PATH']}"},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 99, proc.stderr[-2000:]
     assert (tmp_path / "my.env").read_text().splitlines() == ["MINE=1", "NCCL_DEBUG=INFO", "FOO=bar"]
     assert not (tmp_path / ".deepspeed_env").exists()
 
@@ -294,7 +317,7 @@ def test_check_names_the_unreachable_hosts_fast(tmp_path):
     (tmp_path / "hostfile").write_text("localhost slots=1\nnohost-dsf-test.invalid slots=1\n")
     start = time.monotonic()
     proc = subprocess.run([str(Path(sys.executable).with_name("dsf")), "launch", TINY, "--hostfile", "hostfile",
-                           "--check", "--set", "train.global_batch=2",
+                           "--check", "--launcher", "no_ssh", "--set", "train.global_batch=2",
                            "--set", "train.micro_batch=1"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert time.monotonic() - start < 60
@@ -305,7 +328,7 @@ def test_check_names_the_unreachable_hosts_fast(tmp_path):
 
 
 def test_ssh_check_reports_ssh_own_reason():
-    (result,) = launch.check_hosts(["nohost-dsf-test.invalid", "localhost"], launcher="pdsh")
+    (result,) = check_hosts(["nohost-dsf-test.invalid"], ssh_reason)
     assert result[0] == "nohost-dsf-test.invalid"
     assert "nohost-dsf-test.invalid" in result[1]  # ssh: Could not resolve hostname ... (or ssh is missing)
 

@@ -1,0 +1,186 @@
+"""`dsf launch --launcher pdsh` watches deepspeed's runner and stops the whole job when one node fails.
+
+    code = watch_runner(["deepspeed", "--hostfile", "H", "--launcher", "pdsh", ..., "dsf", "train", "run.yaml"],
+                        env=os.environ, hosts=["node0", "node1"], world_info=launch.world_info(active))
+
+pdsh waits for every node: when a rank dies on one node, that node's launcher stops its ranks and
+exits, pdsh prints `pdsh@here: node1: ssh exited with exit code 137` and goes on waiting for the
+others, whose ranks may sit in a collective until its timeout (minutes) -- the job neither
+finishes nor fails (DeepSpeed issues #4907, #1722). dsf reads the runner's output as it passes
+it on (pdsh puts `host: ` before each line a node prints) and, at the first node that exits
+non-zero, waits a moment for the other nodes' lines, prints one line naming the node and the
+cause (the rank watcher's `dsf: rank N ... was killed by SIGKILL`, a `dsf: error:` line, ssh's
+complaint, a Python exception, else that node's last line), and stops the job: SIGTERM to
+deepspeed's runner (which interrupts pdsh and runs its own `pkill` on every node), then a sweep
+that kills what is left of this job's per-node launchers on every node (their ranks follow: a
+rank watcher dies with its launcher, a rank with its watcher).
+"""
+from __future__ import annotations
+
+import os
+import queue
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Mapping
+
+NODE_EXIT = re.compile(r"^pdsh@[^:\s]+: (?P<host>[^:\s]+): ssh exited with exit code (?P<code>\d+)")
+NODE_LINE = re.compile(r"^(?:pdsh@[^:\s]+: )?(?P<host>[^:\s]+): (?P<text>.*\S)")
+# The most telling line a failed node printed, best first.
+CAUSES = (re.compile(r"dsf: rank \d+ .*(killed by|died)"), re.compile(r"^dsf: error: "),
+          re.compile(r"^ssh: |Connection refused|Permission denied|Could not resolve|No route to host"),
+          re.compile(r"No such file or directory|command not found|does not exist"),
+          re.compile(r"^[A-Za-z_.]*(Error|Exception|Interrupt)\b"))
+GRACE_S = 3.0  # after the first failed node: time for the others' lines (the cause may be elsewhere)
+STOP_S = 20.0  # deepspeed's runner gets this long to stop pdsh and run its pkill
+
+
+@dataclass
+class NodeFailure:
+    host: str
+    code: int
+    cause: str
+
+    def line(self) -> str:
+        return f"{self.host} failed (exit {self.code}): {self.cause}"
+
+
+class NodeLines:
+    """What each node printed, kept short: the lines that can name a cause, and the last line."""
+
+    def __init__(self, hosts: list[str]) -> None:
+        self.hosts = set(hosts)
+        self.telling: dict[str, list[tuple[int, str]]] = {}
+        self.last: dict[str, str] = {}
+
+    def add(self, line: str) -> tuple[str, int] | None:
+        """Record `line`; (host, code) when it says a node exited non-zero."""
+        exited = NODE_EXIT.match(line)
+        if exited:
+            code = int(exited["code"])
+            return (exited["host"], code) if code else None
+        match = NODE_LINE.match(line)
+        if match and match["host"] in self.hosts:
+            host, text = match["host"], match["text"].strip()
+            self.last[host] = text
+            rank = next((i for i, pattern in enumerate(CAUSES) if pattern.search(text)), None)
+            if rank is not None:
+                self.telling.setdefault(host, []).append((rank, text))
+        return None
+
+    def cause(self, host: str) -> tuple[int, str]:
+        """(rank of the cause, its text) for `host`: the best kind, the latest of that kind."""
+        lines = self.telling.get(host, [])
+        if lines:
+            best = min(rank for rank, _ in lines)
+            return best, [text for rank, text in lines if rank == best][-1]
+        return len(CAUSES), self.last.get(host, "it printed nothing")
+
+    def blame(self, failed: dict[str, int]) -> NodeFailure:
+        """The failed node whose cause tells most (the first to fail among equals)."""
+        host = min(failed, key=lambda h: self.cause(h)[0])  # dicts keep the order nodes failed in
+        cause = self.cause(host)[1]
+        if cause.startswith("dsf: error: "):
+            cause = cause[len("dsf: error: "):]
+        return NodeFailure(host, failed[host], cause)
+
+
+def watch_runner(argv: list[str], *, env: Mapping[str, str], hosts: list[str], world_info: str) -> int:
+    """Run deepspeed's pdsh runner, passing its output on; its exit code, or non-zero when a node failed."""
+    env = {**env, "PYTHONUNBUFFERED": "1"}  # the runner's own lines in order with pdsh's
+    runner = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
+                              errors="replace", bufsize=1, start_new_session=True)
+    told: list[int] = []
+
+    def forward(signum: int, frame: object) -> None:  # deepspeed's runner stops pdsh jobs on these
+        told.append(signum)
+        runner.send_signal(signum)
+
+    old = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    lines: "queue.Queue[str | None]" = queue.Queue()
+    threading.Thread(target=_pump, args=(runner, lines), daemon=True).start()
+    nodes, failed = NodeLines(hosts), {}
+    deadline = None
+    try:
+        while True:
+            try:
+                line = lines.get(timeout=0.2)
+            except queue.Empty:
+                line = ""
+            if line is None:  # the runner closed its output: it is done
+                break
+            if line:
+                exited = nodes.add(line)
+                if exited and exited[0] not in failed:
+                    failed[exited[0]] = exited[1]
+                    deadline = deadline or time.monotonic() + GRACE_S
+            if deadline is not None and time.monotonic() > deadline:
+                break
+        if failed:
+            _drain(lines, nodes, failed)
+            failure = nodes.blame(failed)
+            print(f"dsf: error: {failure.line()}; stopping the job on every node", file=sys.stderr, flush=True)
+            _stop(runner, env, hosts, world_info)
+            return failure.code if 0 < failure.code < 256 else 1
+        code = runner.wait()
+        return code if code >= 0 else 128 - code
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+        if runner.poll() is None:
+            _kill_group(runner)
+
+
+def _pump(proc: subprocess.Popen, out: "queue.Queue[str | None]") -> None:
+    """Pass every line on to our stdout as it comes, and to the watcher."""
+    for line in proc.stdout:
+        sys.stdout.write(line)
+        sys.stdout.flush()
+        out.put(line.rstrip("\n"))
+    out.put(None)
+
+
+def _drain(lines: "queue.Queue[str | None]", nodes: NodeLines, failed: dict[str, int]) -> None:
+    """Whatever is already read: more nodes' last words before choosing the cause."""
+    while True:
+        try:
+            line = lines.get_nowait()
+        except queue.Empty:
+            return
+        if line is None:
+            return
+        exited = nodes.add(line)
+        if exited and exited[0] not in failed:
+            failed[exited[0]] = exited[1]
+
+
+def _stop(runner: subprocess.Popen, env: Mapping[str, str], hosts: list[str], world_info: str) -> None:
+    """deepspeed's teardown (SIGTERM: pdsh interrupted, `pkill -f` of its launchers on every node),
+    then a sweep that kills this job's launchers wherever they are still running."""
+    runner.send_signal(signal.SIGTERM)
+    try:
+        runner.wait(timeout=STOP_S)
+    except subprocess.TimeoutExpired:
+        _kill_group(runner)
+    # "[d]" so the pattern does not match the remote shell running it; base64 holds no other regex character
+    pattern = shlex.quote(f"[d]eepspeed.launcher.launch --world_info={world_info}")
+    sweep = ["pdsh", "-S", "-f", "1024", "-w", ",".join(hosts),
+             f"pkill -TERM -f {pattern}; sleep 2; pkill -KILL -f {pattern}; true"]
+    try:
+        subprocess.run(sweep, env={**env, "PDSH_RCMD_TYPE": "ssh"}, stdin=subprocess.DEVNULL,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        print("dsf: warning: could not sweep the nodes for left-over processes of the job", file=sys.stderr)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the runner and pdsh (same session)
+    except ProcessLookupError:
+        pass
+    proc.wait()

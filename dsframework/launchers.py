@@ -1,0 +1,449 @@
+"""One class per `dsf launch --launcher`: what it needs on this node, how it checks the hosts, the
+command it builds, and how it starts.
+
+    launcher = LAUNCHERS["pdsh"]()
+    launcher.check_flags(hostfile=True, node_rank=None)
+    job = Job(run_yaml=Path("run.yaml"), overrides=(), hostfile=Path("hostfile"), resources=resources,
+              active=active, master="worker-0", master_port=29500, env=env, explicit={})
+    launcher.prepare(job)                 # the rules this launcher adds; the runner it drives
+    for line in launcher.dry_run(job):    # what each node would run
+        print(line)
+    launcher.check(job)                   # --check: every host and tool, UserError naming the first failure
+    sys.exit(launcher.start(job))         # pdsh: watched (launch_watch.py); the others replace this process
+
+pdsh, openmpi and mvapich are deepspeed's own runners (`PDSHRunner`, `OpenMPIRunner`,
+`MVAPICHRunner`) fed the flags `deepspeed` would parse; no_ssh and slurm start one
+`deepspeed --no_ssh --node_rank K` per node (slurm through `srun`, K = $SLURM_NODEID). The pure
+pieces (hostfile, filters, env files, the runner's command line) are in launch.py.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import warnings
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar, Iterator, Mapping
+
+import click
+
+from dsframework import launch
+from dsframework.errors import UserError
+
+SLURM_NODEID = "__DSF_SLURM_NODEID__"  # replaced by $SLURM_NODEID once the line is quoted
+MPI_ENTRY = "dsframework.mpi_rank"  # `deepspeed --module dsframework.mpi_rank MASTER:PORT train ...`
+CHECK_TIMEOUT_S = 15.0
+
+
+@dataclass
+class Job:
+    """What `dsf launch` starts: the run, the hosts and slots it gets, the master, every node's env."""
+
+    run_yaml: Path
+    overrides: tuple[str, ...]
+    hostfile: Path | None
+    resources: "OrderedDict[str, int]"  # the whole hostfile (the MPI runners take it as it is)
+    active: "OrderedDict[str, list[int]]"  # after --include/--exclude/--num-nodes/--num-gpus
+    master: str
+    master_port: int
+    env: Mapping[str, str]  # for every node: the forwarded defaults, then --env
+    explicit: Mapping[str, str]  # --env alone
+    include: str = ""
+    exclude: str = ""
+    num_nodes: int = -1
+    num_gpus: int = -1
+    node_rank: int | None = None  # no_ssh: the one node this command starts
+    skipped: list[str] = field(default_factory=list)  # defaults not forwarded, and why
+
+    @property
+    def train_args(self) -> list[str]:
+        return ["train", str(self.run_yaml), *[a for o in self.overrides for a in ("--set", o)]]
+
+    @property
+    def deepspeed(self) -> str:
+        return str(Path(sys.executable).with_name("deepspeed"))
+
+    @property
+    def dsf(self) -> str:
+        return shutil.which("dsf") or str(Path(sys.executable).with_name("dsf"))
+
+    def deepspeed_flags(self, *tail: str) -> list[str]:
+        """The `deepspeed` runner's flags every launcher shares, then `tail`."""
+        flags = ["--master_port", str(self.master_port)]
+        if self.hostfile is None:  # one node, no hostfile: deepspeed starts `--num_gpus` ranks here
+            return flags + (["--num_gpus", str(self.num_gpus)] if self.num_gpus > 0 else [])
+        flags += ["--hostfile", str(self.hostfile.resolve()), "--master_addr", self.master]
+        flags += ["--include", self.include] if self.include else ["--exclude", self.exclude] if self.exclude else []
+        flags += ["--num_nodes", str(self.num_nodes)] if self.num_nodes > 0 else []
+        flags += ["--num_gpus", str(self.num_gpus)] if self.num_gpus > 0 else []
+        return flags + list(tail)
+
+
+class Launcher:
+    """A way of starting `deepspeed` on the active hosts. Subclasses say what differs."""
+
+    name: ClassVar[str]
+    tools: ClassVar[tuple[str, ...]] = ()  # what it runs on this node
+    needs_hostfile: ClassVar[bool] = True
+
+    def check_flags(self, *, hostfile: bool, node_rank: int | None) -> None:
+        """The flag combinations this launcher refuses, before the hostfile is read."""
+        if self.needs_hostfile and not hostfile:
+            raise UserError("--launcher", self.name, "needs --hostfile (the nodes to start on)",
+                            "pass --hostfile with one `<host> slots=<n>` line per node")
+        if node_rank is not None:
+            raise UserError("--node-rank", node_rank, f"only applies to --launcher no_ssh, not {self.name}",
+                            "drop --node-rank, or pass --launcher no_ssh")
+
+    def prepare(self, job: Job, *, starting: bool) -> None:
+        """Rules on the active hosts; whatever `dry_run`, `check` and `start` share."""
+
+    def probe(self, host: str) -> str | None:
+        """None when `host` can take part, else why not (one line). Default: its name resolves."""
+        return resolve_reason(host)
+
+    def hosts_to_check(self, job: Job) -> list[str]:
+        return [host for host in job.active if host not in launch.local_names()]
+
+    def missing_tools(self) -> list[tuple[str, str | None]]:
+        """(tool, None or why not) for what this launcher runs on this node."""
+        return [(tool, None if shutil.which(tool) else "is not on PATH") for tool in self.tools]
+
+    def host_fix(self, host: str) -> str:
+        return "write a name or address every node resolves in the hostfile"
+
+    def check(self, job: Job) -> None:
+        """--check: each host and this launcher's tools; a UserError naming the first failure."""
+        hosts = self.hosts_to_check(job)
+        for host in job.active:
+            if host not in hosts:
+                click.echo(f"{host}: this node, not checked")
+        tools = self.missing_tools()
+        probed = check_hosts(hosts, self.probe)
+        for name, why in tools + probed:
+            click.echo(f"{name}: {'ok' if why is None else why}")
+        failed = [(name, why) for name, why in probed + tools if why is not None]
+        if not failed:
+            return click.echo(f"# {self.name}: every check passed")
+        name, why = failed[0]
+        if name in job.active:
+            raise UserError("--check", name, why, self.host_fix(name))
+        raise UserError("--check", name, why, self.tool_fix(name))
+
+    def tool_fix(self, tool: str) -> str:
+        return f"install {tool} on this node, or choose another --launcher"
+
+    def dry_run(self, job: Job) -> Iterator[str]:
+        raise NotImplementedError
+
+    def start(self, job: Job) -> int:
+        raise NotImplementedError
+
+
+def resolve_reason(host: str) -> str | None:
+    """None when HOST resolves to an address (what no_ssh and slurm nodes need of each other's names)."""
+    try:
+        socket.getaddrinfo(host, None)
+    except OSError as err:
+        return f"Could not resolve hostname {host}: {err.strerror or err}"
+    return None
+
+
+def ssh_reason(host: str, remote_check: str = "true", timeout_s: float = CHECK_TIMEOUT_S) -> str | None:
+    """None when `ssh HOST REMOTE_CHECK` succeeds without a password, else the last line it printed."""
+    cmd = ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", host, remote_check]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
+    except FileNotFoundError:
+        return "ssh is not installed on this node"
+    except subprocess.TimeoutExpired:
+        return f"ssh did not finish within {timeout_s:.0f} s"
+    if proc.returncode == 0:
+        return None
+    lines = [line.strip() for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    return lines[-1] if lines else f"ssh exited with code {proc.returncode}"
+
+
+def check_hosts(hosts: list[str], probe) -> list[tuple[str, str | None]]:
+    """(host, None or why not) for every host, concurrently."""
+    if not hosts:
+        return []
+    with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
+        return list(zip(hosts, pool.map(probe, hosts)))
+
+
+def node_checkout_check() -> str:
+    """The shell line that fails, saying what is missing, unless this node's checkout, Python and
+    dsf are at the paths every other node will run (deepspeed's runners `cd` there and start this
+    Python)."""
+    here, python = os.path.abspath("."), sys.executable
+    dsf = shutil.which("dsf") or str(Path(python).with_name("dsf"))
+    tests = [(f"-d {shlex.quote(here)}", f"the working directory {here} does not exist there"),
+             (f"-x {shlex.quote(python)}", f"{python} does not exist there"),
+             (f"-x {shlex.quote(dsf)}", f"{dsf} does not exist there")]
+    return "; ".join(f"[ {test} ] || {{ echo {shlex.quote(why)}; exit 3; }}" for test, why in tests)
+
+
+# --- deepspeed's runners: pdsh, openmpi, mvapich ---------------------------------------------------------
+
+class RunnerLauncher(Launcher):
+    """deepspeed's multinode runners: this node starts every node (pdsh over ssh, or mpirun)."""
+
+    mpi: ClassVar[bool] = True  # mpirun starts each rank (mpi_rank turns its variables into RANK & co.)
+
+    def prepare(self, job: Job, *, starting: bool) -> None:
+        self.remote, self.mode_flags = self.runner_mode(job)
+        self.program = self.program_of(job)
+        self.runner = launch.build_runner(self.name, self.flags(job), self.program, job.resources,
+                                          job.active) if self.remote else None
+        self.env_file, self.env_new = env_file_lines(job.env, job.explicit) if self.remote else (None, {})
+        for why in job.skipped if self.remote else ():  # only .deepspeed_env forwards the default set
+            click.echo(f"dsf: warning: {why}", err=True)
+
+    def runner_mode(self, job: Job) -> tuple[bool, list[str]]:
+        """(remote, flags): whether deepspeed's runner starts the nodes itself, and the flags that
+        make it do so as printed: with one host it runs here, so a remote one needs --force_multi,
+        and a local one --no_ssh_check (or deepspeed would first ssh to this host). dsf checks
+        ssh itself before a remote start (`check`), so deepspeed's own check is skipped then too."""
+        if job.hostfile is None:
+            return False, []
+        if len(job.active) > 1:
+            return True, []
+        return (True, ["--force_multi"]) if next(iter(job.active)) not in launch.local_names() else \
+            (False, ["--no_ssh_check"])
+
+    def program_of(self, job: Job) -> list[str]:
+        if self.remote and self.mpi:
+            return [MPI_ENTRY, f"{job.master}:{job.master_port}", *job.train_args]
+        return [job.dsf, *job.train_args]
+
+    def flags(self, job: Job, *, starting: bool = False) -> list[str]:
+        tail = ["--launcher", self.name, *self.mode_flags, *(["--module"] if self.remote and self.mpi else [])]
+        if starting and self.remote and "--no_ssh_check" not in tail:
+            tail.append("--no_ssh_check")  # dsf's own check just ran (deepspeed's raises a traceback)
+        return job.deepspeed_flags(*tail) if job.hostfile is not None else job.deepspeed_flags()
+
+    @property
+    def tools(self) -> tuple[str, ...]:  # type: ignore[override]
+        return ("mpirun",) if self.remote else ()
+
+    def hosts_to_check(self, job: Job) -> list[str]:
+        # deepspeed's runners ssh to every host of a multi-node job, this one included
+        return list(job.active) if self.remote else []
+
+    def probe(self, host: str) -> str | None:
+        return ssh_reason(host, node_checkout_check())
+
+    def host_fix(self, host: str) -> str:
+        return (f"set up passwordless ssh from this node to {host} (ssh-copy-id {host}), and the same checkout and "
+                f"virtual environment at the same path on every node")
+
+    def dry_run(self, job: Job) -> Iterator[str]:
+        """Each node's deepspeed.launcher.launch line (pdsh and one-node runs), the pdsh or mpirun
+        line from deepspeed's own runner, and the .deepspeed_env it would read."""
+        if self.runner is None or self.runner.name == "pdsh":
+            for host, argv in launch.node_commands(job.active, master_addr=job.master, master_port=job.master_port,
+                                                   program=self.program):
+                yield f"{host}: {launch.shell_line(argv, job.explicit if self.runner is None else None)}"
+        if self.runner is None:
+            return
+        old, new = self.env_file_texts()
+        home = launch.env_file_path(home=True)  # read first, as deepspeed's runner does
+        files = [home.read_text()] if home.is_file() and home.resolve() != self.env_file.resolve() else []
+        files = [launch.read_env_file(text, origin=str(self.env_file)) for text in [*files, old + new]]
+        cmd = launch.runner_command(self.runner, job.active, exports=launch.runner_exports(os.environ, files))
+        yield f"{'pdsh' if self.runner.name == 'pdsh' else 'mpirun'}: {shlex.join(cmd)}"
+        yield f"# {self.env_file}: {f'would append {len(self.env_new)} line(s)' if new else 'unchanged'}"
+        for line in (old + new).splitlines():
+            yield f"{self.env_file}: {line}"
+
+    def env_file_texts(self) -> tuple[str, str]:
+        """(the .deepspeed_env as it is, ending in a newline when not empty; the lines dsf appends)."""
+        old = self.env_file.read_text() if self.env_file.is_file() else ""
+        old += "\n" if old and not old.endswith("\n") else ""
+        return old, "".join(f"{k}={v}\n" for k, v in self.env_new.items())
+
+    def start(self, job: Job) -> int:
+        if self.runner is not None:
+            with warnings.catch_warnings():  # MVAPICHRunner warns on stderr when mpiname is missing
+                warnings.simplefilter("ignore")
+                if not self.runner.backend_exists():
+                    raise UserError("--launcher", self.name, f"is not installed on this node ({self.runner.name} "
+                                    "backend not found)", "install it, or choose another --launcher (no_ssh, slurm)")
+            self.check_quietly(job)
+        if self.env_new:  # append, never rewrite: the user's lines stay as they are
+            old, new = self.env_file_texts()
+            self.env_file.write_text(old + new)
+            click.echo(f"dsf: added {', '.join(self.env_new)} to {self.env_file}", err=True)
+        argv = [job.deepspeed, *self.flags(job, starting=True), *self.program]
+        return self.run(argv, job)
+
+    def check_quietly(self, job: Job) -> None:
+        """Before a remote start: every host reachable over ssh, with the checkout and the venv."""
+        for host, why in check_hosts(self.hosts_to_check(job), self.probe):
+            if why is not None:
+                raise UserError("--hostfile", host, f"cannot be started: {why}", self.host_fix(host))
+
+    def run(self, argv: list[str], job: Job) -> int:
+        exec_argv(argv, {**os.environ, **job.explicit})
+
+
+class Pdsh(RunnerLauncher):
+    """`pdsh -w HOSTS` over ssh runs deepspeed's per-node launcher on every node; dsf watches its
+    output and stops the whole job when one node fails (pdsh alone waits for every node)."""
+
+    name = "pdsh"
+    needs_hostfile = False  # without one, deepspeed starts --num-gpus ranks here
+    mpi = False
+
+    @property
+    def tools(self) -> tuple[str, ...]:  # type: ignore[override]
+        return ("pdsh",) if self.remote else ()
+
+    def run(self, argv: list[str], job: Job) -> int:
+        if not self.remote:
+            exec_argv(argv, {**os.environ, **job.explicit})
+        from dsframework.launch_watch import watch_runner
+
+        return watch_runner(argv, env={**os.environ, **job.explicit}, hosts=list(job.active),
+                            world_info=launch.world_info(job.active))
+
+
+class OpenMPI(RunnerLauncher):
+    name = "openmpi"
+
+    def tool_fix(self, tool: str) -> str:
+        return "install OpenMPI (e.g. apt-get install openmpi-bin) on every node, or choose another --launcher"
+
+
+class MVAPICH(RunnerLauncher):
+    """Built as deepspeed builds it; not run on a cluster by dsf's tests (no MVAPICH here)."""
+
+    name = "mvapich"
+
+
+# --- one deepspeed per node: no_ssh, slurm -------------------------------------------------------------
+
+class NoSsh(Launcher):
+    """`deepspeed --no_ssh --node_rank K` run on each node by hand (or by another scheduler)."""
+
+    name = "no_ssh"
+
+    def check_flags(self, *, hostfile: bool, node_rank: int | None) -> None:
+        super().check_flags(hostfile=hostfile, node_rank=None)
+
+    def prepare(self, job: Job, *, starting: bool) -> None:
+        job.node_rank = node_rank_of(job.node_rank, job.active, required=starting)
+
+    def flags(self, job: Job, node: int | str | None) -> list[str]:
+        return job.deepspeed_flags("--no_ssh", "--node_rank", str(node))
+
+    def dry_run(self, job: Job) -> Iterator[str]:
+        for node, host in enumerate(job.active):
+            if job.node_rank is None or node == job.node_rank:
+                yield (f"{host}: cd {shlex.quote(os.getcwd())} && "
+                       f"{launch.shell_line([job.deepspeed, *self.flags(job, node), job.dsf, *job.train_args], job.env)}")
+
+    def start(self, job: Job) -> int:
+        exec_argv([job.deepspeed, *self.flags(job, job.node_rank), job.dsf, *job.train_args],
+                  {**os.environ, **job.explicit})
+
+
+class Slurm(NoSsh):
+    """Inside an allocation: `srun` starts one `deepspeed --no_ssh --node_rank $SLURM_NODEID` per node."""
+
+    name = "slurm"
+    tools = ("srun",)
+    check_flags = Launcher.check_flags  # --node-rank is SLURM's to give
+
+    def prepare(self, job: Job, *, starting: bool) -> None:
+        check_slurm_resources(job.active, include=job.include, exclude=job.exclude)
+
+    def missing_tools(self) -> list[tuple[str, str | None]]:
+        return super().missing_tools() + [("SLURM_JOB_ID", None if os.environ.get("SLURM_JOB_ID") else
+                                           "is not set: not inside an allocation (sbatch launch/slurm.sbatch, or salloc)")]
+
+    def tool_fix(self, tool: str) -> str:
+        return ("run dsf launch inside the job (launch/slurm.sbatch) or an salloc shell" if tool == "SLURM_JOB_ID"
+                else super().tool_fix(tool))
+
+    def srun(self, job: Job) -> list[str]:
+        return srun_command([job.deepspeed, *self.flags(job, SLURM_NODEID), job.dsf, *job.train_args], job.active)
+
+    def dry_run(self, job: Job) -> Iterator[str]:
+        yield f"srun: {launch.shell_line(self.srun(job), job.env)}"
+
+    def start(self, job: Job) -> int:
+        for name, why in self.missing_tools():
+            if why is not None:
+                raise UserError("--launcher", "slurm", f"{name} {why}",
+                                "run inside the allocation: sbatch launch/slurm.sbatch, or salloc")
+        argv = self.srun(job)
+        argv[0] = shutil.which("srun")
+        exec_argv(argv, {**os.environ, **job.explicit})
+
+
+LAUNCHERS: dict[str, type[Launcher]] = {cls.name: cls for cls in (Pdsh, OpenMPI, MVAPICH, Slurm, NoSsh)}
+
+
+# --- helpers ----------------------------------------------------------------------------------------------
+
+def exec_argv(argv: list[str], env: Mapping[str, str]) -> None:
+    """Replace this process with `argv` (its exit code is the command's)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(argv[0], argv, dict(env))
+
+
+def env_file_lines(env: Mapping[str, str], explicit: Mapping[str, str]) -> tuple[Path, dict[str, str]]:
+    """The .deepspeed_env deepspeed's runner reads here, and the lines dsf would append to it."""
+    home = launch.env_file_path(home=True)  # deepspeed's runner reads it too, and fails on a line it cannot split
+    if home.is_file():
+        launch.read_env_file(home.read_text(), origin=str(home))
+    path = launch.env_file_path()
+    existing = launch.read_env_file(path.read_text(), origin=str(path)) if path.is_file() else None
+    return path, launch.merge_env_file(existing, env, explicit=explicit, origin=str(path))
+
+
+def node_rank_of(node_rank: int | None, active: Mapping[str, list[int]], *, required: bool) -> int | None:
+    """--node-rank checked against the active hosts; None (every node) when not given and not required."""
+    hosts = list(active)
+    if node_rank is None:
+        if len(hosts) == 1:
+            return 0
+        if required:
+            raise UserError("--node-rank", None, f"is needed with --launcher no_ssh on {len(hosts)} nodes",
+                            f"run on each node with its rank: {', '.join(f'{r} on {h}' for r, h in enumerate(hosts))}")
+        return None
+    if not 0 <= node_rank < len(hosts):
+        raise UserError("--node-rank", node_rank, f"is not a node of the {len(hosts)} active host(s)",
+                        f"use 0..{len(hosts) - 1}: {', '.join(f'{r} = {h}' for r, h in enumerate(hosts))}")
+    return node_rank
+
+
+def check_slurm_resources(active: Mapping[str, list[int]], *, include: str, exclude: str) -> None:
+    """deepspeed's SlurmRunner rule: srun places tasks by count, so no slot ids, same count per host."""
+    from deepspeed.launcher.multinode_runner import SlurmRunner
+
+    try:
+        SlurmRunner.validate_active_resources(active)
+    except ValueError as err:
+        rule = str(err).split(". ")[0].rstrip(".")
+        flag, value = ("--include", include) if include else ("--exclude", exclude) if exclude else ("--hostfile", None)
+        raise UserError(flag, value, f"with --launcher slurm: {rule}",
+                        "filter whole hosts (e.g. --include worker-0@worker-1), or keep the first N slots of "
+                        "every host with --num-gpus N") from None
+
+
+def srun_command(node_argv: list[str], active: Mapping[str, list[int]]) -> list[str]:
+    """srun starting `node_argv` once per active host, inside the allocation; its `--node_rank`
+    is $SLURM_NODEID, single-quoted so that each node expands its own."""
+    script = shlex.join(node_argv).replace(SLURM_NODEID, "$SLURM_NODEID")
+    return ["srun", f"--nodes={len(active)}", "--ntasks-per-node=1", f"--nodelist={','.join(active)}",
+            "--kill-on-bad-exit=1", "bash", "-c", script]

@@ -247,7 +247,7 @@ class RunnerLauncher(Launcher):
     def dry_run(self, job: Job) -> Iterator[str]:
         """Each node's deepspeed.launcher.launch line (pdsh and one-node runs), the pdsh or mpirun
         line from deepspeed's own runner, and the .deepspeed_env it would read."""
-        if self.runner is None or self.runner.name == "pdsh":
+        if self.runner is None or not self.mpi:  # pdsh runs deepspeed's per-node launcher on each node
             for host, argv in launch.node_commands(job.active, master_addr=job.master, master_port=job.master_port,
                                                    program=self.program):
                 yield f"{host}: {launch.shell_line(argv, job.explicit if self.runner is None else None)}"
@@ -258,7 +258,7 @@ class RunnerLauncher(Launcher):
         files = [home.read_text()] if home.is_file() and home.resolve() != self.env_file.resolve() else []
         files = [launch.read_env_file(text, origin=str(self.env_file)) for text in [*files, old + new]]
         cmd = launch.runner_command(self.runner, job.active, exports=launch.runner_exports(os.environ, files))
-        yield f"{'pdsh' if self.runner.name == 'pdsh' else 'mpirun'}: {shlex.join(cmd)}"
+        yield f"{'mpirun' if self.mpi else 'pdsh'}: {shlex.join(cmd)}"
         yield f"# {self.env_file}: {f'would append {len(self.env_new)} line(s)' if new else 'unchanged'}"
         for line in (old + new).splitlines():
             yield f"{self.env_file}: {line}"
@@ -444,6 +444,10 @@ def check_slurm_resources(active: Mapping[str, list[int]], *, include: str, excl
 def srun_command(node_argv: list[str], active: Mapping[str, list[int]]) -> list[str]:
     """srun starting `node_argv` once per active host, inside the allocation; its `--node_rank`
     is $SLURM_NODEID, single-quoted so that each node expands its own."""
-    script = shlex.join(node_argv).replace(SLURM_NODEID, "$SLURM_NODEID")
+    # scancel --signal=TERM (preemption) signals every process of the step. deepspeed's runner has no
+    # handler and would die at once, ending the task, and SLURM then kills what is left of the step
+    # (the launcher, the ranks saving their checkpoint). Ignored here, the runner (SIG_IGN survives
+    # exec) waits for its launcher, which passes TERM on; the ranks and the launcher set their own.
+    script = "trap '' TERM; " + shlex.join(node_argv).replace(SLURM_NODEID, "$SLURM_NODEID")
     return ["srun", f"--nodes={len(active)}", "--ntasks-per-node=1", f"--nodelist={','.join(active)}",
             "--kill-on-bad-exit=1", "bash", "-c", script]

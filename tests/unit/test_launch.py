@@ -420,3 +420,16 @@ def test_launch_scripts_parse_and_multi_node_sh_runs_dsf_launch(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("worker-")]
     assert len(lines) == 2 and all("--master_port 29556" in line for line in lines)
+
+
+def test_slurm_outside_an_allocation_is_one_line_and_starts_nothing(tmp_path):
+    (tmp_path / "hostfile").write_text("worker-0 slots=1\nworker-1 slots=1\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    proc = subprocess.run([str(Path(sys.executable).with_name("dsf")), "launch", TINY, "--hostfile", "hostfile",
+                           "--launcher", "slurm", "--set", "train.global_batch=2", "--set", "train.micro_batch=1"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith("dsf: error: --launcher='slurm': ") and ("SLURM_JOB_ID is not set" in line
+                                                                     or "srun is not on PATH" in line)
+    assert "sbatch launch/slurm.sbatch" in line and sorted(p.name for p in tmp_path.iterdir()) == ["hostfile"]

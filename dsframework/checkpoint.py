@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import shutil
 from pathlib import Path
@@ -101,12 +102,9 @@ def _write_atomically(path: Path, text: str) -> None:
         tmp.write_text(text)
 
 
-def _inject_fault(point: str, step: int) -> None:
-    """Test hook: DSF_FAULT=`<point>@<step>` makes rank 0 die at `point` of that step's save
-    (a crash mid-checkpoint, for the fault tests). Unset in normal runs."""
-    if os.environ.get("DSF_FAULT") == f"{point}@{step}" and os.environ.get("RANK", "0") == "0":
-        print(f"dsf: DSF_FAULT={point}@{step}: rank 0 dies here", flush=True)
-        os._exit(97)
+def set_latest(ckpt_dir: Path, tag: str) -> None:
+    """Name `tag` in `<ckpt_dir>/latest`: the commit of a checkpoint (rank 0, once `tag` is complete)."""
+    _write_atomically(Path(ckpt_dir) / "latest", tag)
 
 
 def _frozen_and_trainable(engine: Any) -> tuple[bool, dict[str, list[int]]]:
@@ -119,10 +117,19 @@ def _frozen_and_trainable(engine: Any) -> tuple[bool, dict[str, list[int]]]:
     return has_frozen_parameters(engine.module), trainable
 
 
+def write_shards(engine: Any, partial: Path, *, client_state: dict[str, Any], exclude_frozen: bool) -> None:
+    """This rank's part of a checkpoint into the folder `partial`: DeepSpeed's model/optimizer shards
+    (with `client_state`; frozen parameters left out when `exclude_frozen`) and its RNG states."""
+    import torch
+
+    engine.save_checkpoint(str(partial.parent), tag=partial.name, client_state=client_state, save_latest=False,
+                           exclude_frozen_parameters=exclude_frozen)
+    torch.save(_rng_states(), partial / f"rng_rank{engine.global_rank}.pt")
+
+
 def save(engine: Any, ckpt_dir: Path, *, step: int, consumed_samples: int, layout: dict[str, int]) -> str:
     """Save a checkpoint of every rank at `step` (all ranks call it); returns its tag. Frozen parameters
     are left out (the manifest's `trainable` names what is in)."""
-    import torch
     import torch.distributed as dist
 
     ckpt_dir = Path(ckpt_dir)
@@ -139,10 +146,7 @@ def save(engine: Any, ckpt_dir: Path, *, step: int, consumed_samples: int, layou
     client_state = {"dsf": {"step": step, "consumed_samples": consumed_samples},
                     UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
     frozen, trainable = _frozen_and_trainable(engine)
-    engine.save_checkpoint(str(ckpt_dir), tag=partial.name, client_state=client_state, save_latest=False,
-                           exclude_frozen_parameters=frozen)
-    torch.save(_rng_states(), partial / f"rng_rank{engine.global_rank}.pt")
-    _inject_fault("checkpoint", step)
+    write_shards(engine, partial, client_state=client_state, exclude_frozen=frozen)
     dist.barrier()  # every rank's files are on disk
     if dist.get_rank() == 0:
         files = {str(p.relative_to(partial)): p.stat().st_size for p in sorted(partial.rglob("*")) if p.is_file()}
@@ -153,8 +157,7 @@ def save(engine: Any, ckpt_dir: Path, *, step: int, consumed_samples: int, layou
         for stale in ckpt_dir.glob(tag + UNIVERSAL + "*"):  # conversions of what it replaces
             shutil.rmtree(stale)
         os.replace(partial, final)
-        _inject_fault("latest", step)
-        _write_atomically(ckpt_dir / "latest", tag)
+        set_latest(ckpt_dir, tag)
     dist.barrier()
     return tag
 
@@ -268,6 +271,25 @@ def _check_trainable(engine: Any, ckpt_dir: Path, tag: str) -> bool:
     return frozen
 
 
+# What loading a damaged or foreign checkpoint raises: torch.load's errors for a file that is truncated
+# (RuntimeError from the zip reader), empty (EOFError), garbage (UnpicklingError; KeyError from the
+# weights-only unpickler), missing or unreadable (OSError); DeepSpeed's KeyError/AssertionError/ValueError
+# where it indexes or checks a state dict that lacks what it expects; RuntimeError where torch's
+# load_state_dict finds other shapes. Each is also what a bug raises, so it is the checkpoint's fault
+# only when raised in the code of LOADERS.
+DAMAGED_CHECKPOINT = (RuntimeError, EOFError, OSError, pickle.UnpicklingError, KeyError, AssertionError, ValueError)
+LOADERS = ("torch", "deepspeed")
+
+
+def _raised_in(err: BaseException, packages: tuple[str, ...]) -> bool:
+    """Whether the innermost frame of `err`'s traceback runs code of one of `packages`."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    module = tb.tb_frame.f_globals.get("__name__", "") if tb is not None else ""
+    return module.split(".")[0] in packages
+
+
 def load(engine: Any, ckpt_dir: Path, *, tag: str | None = None) -> dict[str, int]:
     """Load the latest checkpoint (or `tag`) into `engine`; returns the dsf client state."""
     import torch
@@ -279,7 +301,9 @@ def load(engine: Any, ckpt_dir: Path, *, tag: str | None = None) -> dict[str, in
     frozen = _check_trainable(engine, ckpt_dir, tag)
     try:  # a module without its frozen parameters (they were rebuilt from model.name) loads non-strictly
         path, client_state = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_module_strict=not frozen)
-    except (RuntimeError, EOFError, OSError, KeyError, ValueError, AssertionError) as err:
+    except DAMAGED_CHECKPOINT as err:
+        if not _raised_in(err, LOADERS):  # the same exception from code of ours is a bug: its traceback
+            raise
         raise UserError("checkpoint", str(Path(ckpt_dir) / tag),
                         f"could not be loaded ({type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''})",
                         "it is incomplete or corrupt; resume from an earlier tag") from None

@@ -13,8 +13,9 @@
   deepspeed's universal checkpoint, within 1e-4 of the 2-rank run.
 
 "Exactly" is 1e-6 relative against one uninterrupted run of the same config, computed in the test.
-The faults come from outside (signals) or from DSF_FAULT, a test hook that makes rank 0 die at a
-named point of a checkpoint (`checkpoint@STEP`) or poisons its loss (`nan@STEP`).
+The faults come from outside (signals) or from workers/faults.py, the real `dsf train` with rank 0
+made to die at a named point of a checkpoint save (`--fault checkpoint@STEP`) or its loss poisoned
+(`--fault nan@STEP`); dsframework itself has no fault hooks.
 """
 from __future__ import annotations
 
@@ -81,14 +82,17 @@ def wait_for_step(output_dir: Path, step: int, job: subprocess.Popen, log: Path)
     wait_for(reached, timeout=120, what=f"step {step}")
 
 
-def dsf_train(output_dir: Path, overrides: list[str], *, flags: tuple[str, ...] = (),
-              env: dict[str, str] | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    """A 2-rank `dsf train` that may fail: returns its exit code and output (the caller judges)."""
+FAULTS_WORKER = REPO / "tests" / "distributed" / "workers" / "faults.py"
+
+
+def dsf_train_with_fault(output_dir: Path, overrides: list[str], *, fault: str, fp16_on_cpu: bool = False,
+                         timeout: int = 300) -> subprocess.CompletedProcess:
+    """A 2-rank `dsf train` with `fault` (`nan@4`, `checkpoint@4`, ...) injected on rank 0 by
+    workers/faults.py: returns its exit code and output (the caller judges)."""
     sets = [a for o in run_overrides(output_dir, overrides) for a in ("--set", o)]
-    cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
-           str(BIN / "dsf"), "train", str(TINY_YAML), *sets, *flags]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO,
-                          env={**rank_env(), **(env or {})})
+    cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), str(FAULTS_WORKER),
+           *(("--fp16-on-cpu",) if fp16_on_cpu else ()), "--fault", fault, "train", str(TINY_YAML), *sets]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=rank_env())
 
 
 def test_killed_rank_ends_the_job_and_names_it(tmp_path):
@@ -139,8 +143,9 @@ def test_sigterm_checkpoints_and_resume_is_exact(tmp_path):
 
 def test_crash_during_checkpoint_keeps_latest(tmp_path, straight):
     out = tmp_path / "crashed"
-    proc = dsf_train(out, COMMON, env={"DSF_FAULT": "checkpoint@4"})
+    proc = dsf_train_with_fault(out, COMMON, fault="checkpoint@4")
     assert proc.returncode != 0, "rank 0 died in the middle of the step-4 checkpoint"
+    assert "fault checkpoint@4" in proc.stdout + proc.stderr, "the injected fault, not something else, ended it"
     ckpts = out / "checkpoints"
     assert (ckpts / "latest").read_text().strip() == "global_step2"
     assert (ckpts / "global_step4.partial").is_dir() and not (ckpts / "global_step4").exists()
@@ -180,7 +185,7 @@ def test_damaged_checkpoint_file_is_named(tmp_path, straight, damage):
 
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, straight):
     out = tmp_path / "nan"
-    proc = dsf_train(out, COMMON, env={"DSF_FAULT": "nan@4"})
+    proc = dsf_train_with_fault(out, COMMON, fault="nan@4")
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "loss: is not finite (nan or inf) at step 4" in proc.stderr
     assert "global_step2 is the last good checkpoint" in proc.stderr
@@ -208,12 +213,8 @@ def test_resume_on_more_ranks_through_universal_checkpoint(tmp_path, straight):
 def test_fp16_loss_scaler_skips_a_nan_step(tmp_path):
     """With fp16, an overflowing step is DeepSpeed's to skip (dynamic loss scaling), not a stop."""
     out = tmp_path / "fp16"
-    sets = [a for o in run_overrides(out, ["parallel.zero_stage=1", "train.precision=fp16"]) for a in ("--set", o)]
-    worker = REPO / "tests" / "distributed" / "workers" / "fp16_on_cpu.py"
-    cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), str(worker),
-           "train", str(TINY_YAML), *sets]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
-                          env={**rank_env(), "DSF_FAULT": "nan@3"})
+    proc = dsf_train_with_fault(out, ["parallel.zero_stage=1", "train.precision=fp16"], fault="nan@3",
+                                fp16_on_cpu=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = {m["step"]: m for m in read_metrics(out)}
     assert [records[s]["skipped_steps"] for s in range(1, 9)] == [0, 0, 1, 1, 1, 1, 1, 1]

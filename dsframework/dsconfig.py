@@ -222,17 +222,33 @@ def _quiet_deepspeed() -> Iterator[None]:
 def validate_ds_config(ds: dict[str, Any], *, dp_size: int) -> None:
     """Run deepspeed's own DeepSpeedConfig over `ds` at `dp_size`, and build its lr scheduler
     (which DeepSpeedConfig does not check); UserError if DeepSpeed objects to either."""
-    try:
-        with _quiet_deepspeed():
-            import torch
-            from deepspeed.runtime import lr_schedules
-            from deepspeed.runtime.config import DeepSpeedConfig
+    as_json = json.loads(json.dumps(ds))  # what DeepSpeed would read from the file (a TypeError here is a bug)
+    with _quiet_deepspeed():
+        import torch
+        from deepspeed.runtime import lr_schedules
+        from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
 
-            _ensure_comm()
-            DeepSpeedConfig(json.loads(json.dumps(ds)), mpu=_DataParallelOnly(dp_size))
-            if "scheduler" in ds:
+        _ensure_comm()
+        scheduler = getattr(lr_schedules, ds["scheduler"]["type"]) if "scheduler" in ds else None
+        # Only DeepSpeed's verdicts on the values are the user's: ValueError (its pydantic models'
+        # ValidationError, its own checks, the schedulers' argument checks), DeepSpeedConfigError, and
+        # the asserts DeepSpeedConfig states its batch and ZeRO rules with. Anything else (TypeError,
+        # KeyError, AttributeError, an assert outside DeepSpeedConfig) is a bug: it keeps its traceback.
+        try:
+            DeepSpeedConfig(as_json, mpu=_DataParallelOnly(dp_size))
+            if scheduler is not None:
                 probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
-                getattr(lr_schedules, ds["scheduler"]["type"])(probe, **ds["scheduler"]["params"])
-    except (AssertionError, ValueError, TypeError, KeyError, AttributeError) as err:
-        raise UserError("DeepSpeed config", None, f"rejected by DeepSpeedConfig at dp={dp_size}: {err}",
-                        "check the batch, ZeRO and precision settings") from None
+                scheduler(probe, **ds["scheduler"]["params"])
+        except (ValueError, DeepSpeedConfigError, AssertionError) as err:
+            if isinstance(err, AssertionError) and not _raised_in(err, "deepspeed.runtime.config"):
+                raise
+            raise UserError("DeepSpeed config", None, f"rejected by DeepSpeedConfig at dp={dp_size}: {err}",
+                            "check the batch, ZeRO and precision settings") from None
+
+
+def _raised_in(err: BaseException, module: str) -> bool:
+    """Whether the innermost frame of `err`'s traceback runs code of `module` (a module's name)."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_globals.get("__name__") == module

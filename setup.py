@@ -6,6 +6,10 @@
 """
 from setuptools import find_packages, setup
 
+# Metric sinks beside metrics.jsonl (logging.tensorboard, logging.wandb) and `dsf plot`: each is
+# imported only when used, so a training-only install can leave them out.
+METRICS = ["tensorboard>=2.10", "wandb>=0.17", "matplotlib>=3.7"]
+
 setup(
     name="dsframework",
     version="0.1.0",
@@ -27,6 +31,6 @@ setup(
         "pydantic>=2.5",
         "tqdm",
     ],
-    extras_require={"dev": ["pytest>=8", "pytest-timeout", "hypothesis"]},
+    extras_require={"metrics": METRICS, "dev": ["pytest>=8", "pytest-timeout", "hypothesis", *METRICS]},
     entry_points={"console_scripts": ["dsf=dsframework.cli:main"]},
 )

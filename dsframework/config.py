@@ -192,8 +192,49 @@ class CheckpointSpec(_Spec):
     save_final: bool = True
 
 
+def _directory_field(field: str, value: str | None, *, package: str | None, example: str) -> str | None:
+    """A metric sink's directory: not an existing regular file, and its library (`package`) installed."""
+    import importlib.util
+
+    if value is None:
+        return None
+    if not value.strip():
+        raise ValueError(f"is empty; name a directory (created if missing), e.g. logging.{field}={example}")
+    if Path(value).exists() and not Path(value).is_dir():
+        raise ValueError(f"is an existing file, not a directory; name a directory (created if missing), "
+                         f"e.g. logging.{field}={example}")
+    if package and importlib.util.find_spec(package) is None:  # found before anything starts, not in the first log step
+        raise ValueError(f"needs the {package} package, which is not installed; pip install {package} "
+                         f"(or pip install dsframework[metrics]), or remove logging.{field}")
+    return value
+
+
+class WandbSpec(_Spec):
+    """A Weights & Biases run, written offline (no network, no login); `wandb sync` uploads it later."""
+
+    project: str = Field("dsframework", min_length=1, description="W&B project the run is filed under")
+    name: str | None = Field(None, description="run name; default: W&B's own (runs are grouped by the "
+                             "output_dir's name)")
+    dir: str | None = Field(None, description="directory that gets wandb/offline-run-*; default: output_dir")
+    mode: Literal["offline"] = Field("offline", description="offline only: upload with `wandb sync "
+                                     "DIR/wandb/offline-run-*`")
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _offline_only(cls, mode: Any) -> Any:
+        if mode != "offline":
+            raise ValueError("dsf writes W&B runs offline only (the ranks need no network or login); set "
+                             "logging.wandb.mode=offline and upload later with `wandb sync DIR/wandb/offline-run-*`")
+        return mode
+
+    @field_validator("dir")
+    @classmethod
+    def _dir_is_a_directory(cls, value: str | None) -> str | None:
+        return _directory_field("wandb.dir", value, package="wandb", example="runs/tiny")
+
+
 class LoggingSpec(_Spec):
-    """What to report."""
+    """What to report, and where: metrics.jsonl always, plus TensorBoard, CSV and W&B when set."""
 
     every: int = Field(10, ge=1, description="log loss, lr and tokens/s every N steps")
     eval_every: int = Field(50, ge=0, description="evaluate every N steps (and at the end); 0: never")
@@ -202,6 +243,39 @@ class LoggingSpec(_Spec):
                                 "profile; default: the GPU's preset, else a matmul measured at start")
     breakdown: bool = Field(False, description="forward/backward/all-reduce/optimizer ms per step from "
                             "DeepSpeed's timers (they synchronise the device: a little slower)")
+    tensorboard: str | None = Field(None, description="directory for TensorBoard event files of the same "
+                                    "metrics (one run's own: tensorboard --logdir its parent compares runs)")
+    csv: str | None = Field(None, description="directory that gets metrics.csv, the same metrics as a spreadsheet")
+    wandb: WandbSpec | None = Field(None, description="an offline W&B run of the same metrics; `true` for "
+                                    "the defaults")
+
+    @field_validator("tensorboard")
+    @classmethod
+    def _tensorboard_is_a_directory(cls, value: str | None) -> str | None:
+        return _directory_field("tensorboard", value, package="tensorboard", example="runs/tiny/tb")
+
+    @field_validator("csv")
+    @classmethod
+    def _csv_is_a_directory(cls, value: str | None) -> str | None:
+        return _directory_field("csv", value, package=None, example="runs/tiny")  # csv: the standard library
+
+    @field_validator("wandb", mode="before")
+    @classmethod
+    def _wandb_switch(cls, value: Any) -> Any:
+        if value is True:  # logging.wandb: true -> every default
+            return {}
+        if value is False:
+            return None
+        return value
+
+    @model_validator(mode="after")
+    def _wandb_installed(self) -> "LoggingSpec":
+        import importlib.util
+
+        if self.wandb is not None and importlib.util.find_spec("wandb") is None:
+            raise UserError("logging.wandb", None, "needs the wandb package, which is not installed",
+                            "pip install wandb (or pip install dsframework[metrics]), or remove logging.wandb")
+        return self
 
 
 class RunConfig(_Spec):

@@ -13,8 +13,6 @@ ZeRO; this file only feeds it the right blocks and records what happened.
 """
 from __future__ import annotations
 
-import json
-import math
 import os
 import shutil
 import time
@@ -31,7 +29,8 @@ from dsframework.data.examples import use_chat_template
 from dsframework.data.store import IGNORE_INDEX, describe_store
 from dsframework.dsconfig import Batch, build_ds_config, resolve_batch
 from dsframework.errors import UserError
-from dsframework.guards import NonFiniteWatch, StopRequest, fault_step
+from dsframework.guards import NonFiniteWatch, StopRequest
+from dsframework.metrics import check_no_previous_outputs, open_sinks, remove_previous_outputs
 from dsframework.throughput import FlopsMeter
 from dsframework.parallel.pipeline import build_pipeline_module, stage_table
 from dsframework.parallel.topology import ParallelDims, build_grid, build_topology, check_model_layout
@@ -76,6 +75,8 @@ def check_output_dir(run: RunConfig, *, resume: bool, overwrite: bool) -> dict[s
         raise UserError("output_dir", run.output_dir, "already holds a run",
                         "pass --resume to continue it, --overwrite to replace it, "
                         "or --set output_dir=NEW_DIR")
+    if not resume and not overwrite:  # TensorBoard / CSV directories outside output_dir
+        check_no_previous_outputs(run.logging)
     return ckpt.verify(run.checkpoint_dir, tag) if resume else None
 
 
@@ -220,10 +221,10 @@ def micro_batch_loss(engine: Any, input_ids: Any, *, grid: Any = None, context: 
     return loss, loss.detach()
 
 
-def _train_step(engine: Any, micro_batches: list, *, pipeline: bool, poison: bool = False, **loss_kw: Any) -> Any:
+def _train_step(engine: Any, micro_batches: list, *, pipeline: bool, **loss_kw: Any) -> Any:
     """One optimizer step over this rank's micro-batches; their mean loss (a float64 tensor).
-    `poison` makes the loss NaN (the fault tests' injected divergence); `loss_kw` go to
-    `micro_batch_loss`."""
+    `loss_kw` go to `micro_batch_loss` (looked up in this module at each call: the fault tests'
+    worker wraps it)."""
     import torch
 
     if pipeline:  # DeepSpeed's pipeline engine runs the 1F1B schedule over all micro-batches
@@ -232,9 +233,6 @@ def _train_step(engine: Any, micro_batches: list, *, pipeline: bool, poison: boo
     total = torch.zeros((), dtype=torch.float64)
     for input_ids in micro_batches:
         loss, value = micro_batch_loss(engine, input_ids, **loss_kw)
-        if poison:
-            loss = loss * float("nan")
-            value = value * float("nan")
         engine.backward(loss)
         engine.step()  # DeepSpeed steps the optimizer at the accumulation boundary only
         total += value.double()
@@ -302,25 +300,6 @@ class StepBreakdown:
         out = {key: total / self.steps for key, total in self.sums.items()} if self.steps else {}
         self.sums, self.steps = {}, 0
         return out
-
-
-class MetricsLog:
-    """`<output_dir>/metrics.jsonl`, one JSON object per logged step, written by rank 0."""
-
-    def __init__(self, path: Path, *, enabled: bool, resume_step: int | None):
-        self.path, self.enabled = path, enabled
-        if enabled and resume_step is not None and path.exists():
-            # Lines past the checkpoint were never saved; the resumed run writes them anew.
-            kept = [line for line in path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] <= resume_step]
-            path.write_text("".join(line + "\n" for line in kept))
-
-    def write(self, record: dict[str, Any]) -> None:
-        if self.enabled:
-            # Strict JSON for jq and JavaScript readers: a non-finite value (fp16's skipped step) is null.
-            record = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
-            with self.path.open("a") as f:
-                f.write(json.dumps(record, allow_nan=False) + "\n")
 
 
 @dataclass
@@ -409,6 +388,7 @@ def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False) ->
             if overwrite:
                 shutil.rmtree(run.checkpoint_dir, ignore_errors=True)
                 (Path(run.output_dir) / "metrics.jsonl").unlink(missing_ok=True)
+                remove_previous_outputs(run.logging)
             run.checkpoint_dir.mkdir(parents=True, exist_ok=True)
             tokenizer.save_pretrained(str(run.checkpoint_dir / ckpt.TOKENIZER_DIR))
             ckpt.save_run_files(run.checkpoint_dir, config=config, run_yaml=dump_run_config(run))
@@ -467,16 +447,25 @@ def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False) ->
 
 def train(run: RunConfig, *, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
     """Train as configured; returns the last logged metrics (on every rank)."""
+    session = prepare(run, resume=resume, overwrite=overwrite)
+    # Rank 0's metric sinks (metrics.jsonl, TensorBoard, CSV, W&B): closed however the loop ends
+    # (done, a UserError, SIGTERM's Preempted), so every file holds every logged step.
+    sinks = open_sinks(run, resume_step=session.step if resume else None, enabled=session.rank == 0)
+    try:
+        return _loop(run, session, sinks, resume=resume)
+    finally:
+        sinks.close()
+
+
+def _loop(run: RunConfig, session: Session, sinks: Any, *, resume: bool) -> dict[str, Any]:
+    """The steps from where `session` stands to the end (or to train.stop_after, or SIGTERM)."""
     from tqdm import tqdm
 
-    session = prepare(run, resume=resume, overwrite=overwrite)
     rank, dims, batch, engine = session.rank, session.dims, session.batch, session.engine
     train_blocks, eval_blocks = session.train_blocks, session.eval_blocks
     step, consumed = session.step, session.consumed_samples
-    out = Path(run.output_dir)
     sampler = BlockSampler(len(train_blocks), micro_batch=batch.micro_batch, grad_accum=batch.grad_accum,
                            dp_size=dims.dp, dp_rank=session.dp_rank, seed=run.data.seed)
-    metrics = MetricsLog(out / "metrics.jsonl", enabled=rank == 0, resume_step=step if resume else None)
     meter = FlopsMeter.for_run(run, session.model_config, world=dims.world)
     breakdown = StepBreakdown(engine, enabled=run.logging.breakdown and not dims.pp_enabled)
     tokens_per_step = batch.global_batch * run.data.seq_len
@@ -498,14 +487,13 @@ def train(run: RunConfig, *, resume: bool = False, overwrite: bool = False) -> d
     last: dict[str, Any] = {}
     if not resume and run.logging.eval_every:
         last = {"step": 0, "eval_loss": evaluate()}  # the baseline the run is judged against
-        metrics.write(last)
+        sinks.log(last, step=0)
     bar = tqdm(total=run.train.steps, initial=step, disable=rank != 0 or not run.logging.progress,
                dynamic_ncols=True, desc="train")
     window_start, window_steps = time.perf_counter(), 0
     stop = min(run.train.steps, run.train.stop_after or run.train.steps)
     stop_request = StopRequest()
     nonfinite = NonFiniteWatch(enabled=run.train.precision != "fp16", device=engine.device)
-    poison_step = fault_step("nan")
 
     def check_finite() -> None:
         bad = nonfinite.first_step()
@@ -518,7 +506,7 @@ def train(run: RunConfig, *, resume: bool = False, overwrite: bool = False) -> d
 
     while step < stop:
         step_loss = _train_step(engine, step_batches(train_blocks, sampler, consumed),
-                                pipeline=dims.pp_enabled, poison=poison_step == step + 1, **loss_kw)
+                                pipeline=dims.pp_enabled, **loss_kw)
         step, consumed, window_steps = step + 1, consumed + batch.global_batch, window_steps + 1
         nonfinite.update(step, step_loss)
         breakdown.add_step()
@@ -537,7 +525,7 @@ def train(run: RunConfig, *, resume: bool = False, overwrite: bool = False) -> d
                 last["eval_loss"] = evaluate()
             if run.train.precision == "fp16":
                 last["skipped_steps"] = engine.skipped_steps  # overflowing steps the loss scaler dropped
-            metrics.write(last)
+            sinks.log(last, step=step)
             bar.set_postfix({k: f"{v:.4g}" for k, v in last.items() if k != "step"}, refresh=False)
             if rank == 0 and not run.logging.progress:
                 print("dsf: " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"

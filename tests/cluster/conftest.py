@@ -1,0 +1,67 @@
+"""Session fixtures of the cluster tests: the namespace nodes (tests/cluster/nodes.py), SLURM on
+them, and the single-node reference losses every multi-node training is compared with.
+
+    def test_x(cluster, reference, tmp_path):
+        code, output, _ = run_on(cluster, 0, dsf_launch_cmd(tmp_path, "pdsh"), cwd=tmp_path, ...)
+        assert_close(losses(tmp_path / "out"), reference, rtol=1e-5, what="pdsh")
+"""
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.cluster.jobs import RANKS_PER_NODE, launch_args, sweep
+from tests.cluster.nodes import Cluster, missing
+from tests.distributed.launcher import BIN, launch, losses
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    why = missing()
+    if why:
+        pytest.skip(f"cluster tests: {why}")
+    root = Path(tempfile.mkdtemp(prefix="dsf-cluster-"))
+    nodes = Cluster(root, nodes=2)
+    started = time.monotonic()
+    try:
+        nodes.start()
+        nodes.start_seconds = time.monotonic() - started
+        print(f"\ncluster: {nodes.count} nodes up in {nodes.start_seconds:.1f} s ({root})")
+        yield nodes
+    finally:
+        nodes.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def slurm(cluster):
+    why = missing("slurm")
+    if why:
+        pytest.skip(f"SLURM tests: {why}")
+    started = time.monotonic()
+    try:
+        cluster.start_slurm()
+    except (RuntimeError, TimeoutError) as err:
+        pytest.fail(f"SLURM did not come up: {err}\n{cluster.slurm_logs()}")
+    print(f"\nslurm: munged, slurmctld, {cluster.count} slurmd up in {time.monotonic() - started:.1f} s")
+    return cluster
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory) -> dict[int, float]:
+    """step -> loss of the same run on one node: `deepspeed --num_gpus 4` (4 CPU ranks), once a session."""
+    out = tmp_path_factory.mktemp("reference") / "out"
+    launch([str(BIN / "dsf"), "train", *launch_args(out)], num_ranks=2 * RANKS_PER_NODE, timeout=300)
+    return losses(out)
+
+
+@pytest.fixture
+def clean(cluster):
+    """Nothing of an earlier job on the nodes before the test, and nothing left after it."""
+    sweep(cluster)
+    yield cluster
+    sweep(cluster)

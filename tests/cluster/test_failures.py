@@ -1,0 +1,200 @@
+"""What a user sees when a node fails under `dsf launch` (pdsh) on two real nodes, and SLURM
+preemption: each failure ends the job within 60 s, one line of the output names the node and the
+cause, and no process of the job is left on any node.
+
+- node1's sshd is down: pdsh cannot reach it (connection refused);
+- node1 lacks the venv (a tmpfs hides /work/main/.venv in node1's mount namespace);
+- a rank on node1 is killed with SIGKILL once training has started;
+- `dsf launch --check` passes with both nodes up and names node1 (exit 2) with its sshd down;
+- `scancel --signal=TERM` (what SLURM sends before preemption) during an sbatch training leaves a
+  checkpoint at the step it stopped at; resuming it continues exactly (1e-6).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.cluster.jobs import dsf_launch_cmd, job_processes, launch_args, node_env, run_on
+from tests.cluster.nodes import missing, wait_until
+from tests.cluster.test_launchers import TIMEOUT, job_state, sbatch, wait_job
+from tests.distributed.launcher import BIN, REPO, assert_close, launch, losses
+
+LIMIT = 60  # seconds from the failure to the job's exit
+LONG = ["train.steps=100000", "train.warmup_steps=2"]  # the schedule of a long run, cut short
+
+
+@pytest.fixture
+def pdsh_cluster(clean):
+    if why := missing("pdsh"):
+        pytest.skip(why)
+    return clean
+
+
+def one_line(output: str, *needles: str) -> str | None:
+    """The first line of `output` holding every needle (case-insensitive)."""
+    return next((line for line in output.splitlines() if all(n.lower() in line.lower() for n in needles)), None)
+
+
+def assert_nothing_left(cluster) -> None:
+    try:
+        wait_until(lambda: not job_processes(cluster), timeout=10, what="the job's processes to end")
+    except TimeoutError:
+        left = job_processes(cluster)
+        pytest.fail("processes of the job left behind:\n" + "\n".join(
+            f"{node}: {pid} {line[:200]}" for node, procs in left.items() for pid, line in procs))
+
+
+def failed_launch(cluster, tmp_path, *, overrides=()) -> tuple[int | None, str, float]:
+    code, output, seconds = run_on(cluster, 0, dsf_launch_cmd(tmp_path, "pdsh", overrides=list(overrides)),
+                                   cwd=tmp_path, timeout=LIMIT + 15, log=tmp_path / "job.log")
+    print(f"exit {code} after {seconds:.1f} s\n{output[-3000:]}")
+    return code, output, seconds
+
+
+def test_node_without_sshd_ends_the_job_and_is_named(pdsh_cluster, tmp_path):
+    cluster = pdsh_cluster
+    cluster.stop_sshd(1)
+    try:
+        code, output, seconds = failed_launch(cluster, tmp_path)
+        assert_nothing_left(cluster)
+    finally:
+        cluster.start_sshd(1)
+    assert code not in (0, None) and seconds < LIMIT, f"exit {code} after {seconds:.0f} s"
+    assert one_line(output, "node1", "connection refused"), output[-3000:]
+
+
+def test_node_without_the_venv_ends_the_job_and_is_named(pdsh_cluster, tmp_path):
+    cluster = pdsh_cluster
+    venv = str(REPO / ".venv")
+    hide = cluster.run(1, ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", venv], timeout=10)
+    assert hide.returncode == 0, hide.stderr
+    try:
+        assert cluster.run(1, ["test", "-e", f"{venv}/bin/python"]).returncode != 0, "node1 sees no venv"
+        code, output, seconds = failed_launch(cluster, tmp_path)
+        assert_nothing_left(cluster)
+    finally:
+        cluster.run(1, ["umount", venv], timeout=10)
+    assert code not in (0, None) and seconds < LIMIT, f"exit {code} after {seconds:.0f} s"
+    assert one_line(output, "node1", f"{venv}/bin/python"), output[-3000:]
+
+
+def trainers(cluster, node: int) -> dict[int, int]:
+    """RANK -> pid of the trainer processes (dsf's watched child, DSF_RANK_TRAINER=1) on `node`."""
+    found = {}
+    for pid, _ in cluster.processes(node, "dsframework.cli"):
+        try:
+            env = dict(item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item)
+        except OSError:
+            continue
+        if env.get("DSF_RANK_TRAINER") == "1":
+            found[int(env["RANK"])] = pid
+    return found
+
+
+def test_rank_killed_on_node1_ends_the_job_and_is_named(pdsh_cluster, tmp_path):
+    cluster, out = pdsh_cluster, tmp_path / "out"
+    job = cluster.popen(0, dsf_launch_cmd(tmp_path, "pdsh", overrides=LONG), log=tmp_path / "job.log", cwd=tmp_path,
+                        env=node_env(cluster))
+    try:
+        def started() -> bool:
+            assert job.poll() is None, f"job ended early ({job.returncode}):\n{(tmp_path / 'job.log').read_text()[-3000:]}"
+            return (out / "metrics.jsonl").exists() and max(losses(out), default=0) >= 1
+
+        wait_until(started, timeout=TIMEOUT, what="step 1", every=0.3)
+        victims = trainers(cluster, 1)
+        assert sorted(victims) == [2, 3], f"node1 runs ranks 2 and 3: {victims}"
+        os.kill(victims[3], signal.SIGKILL)
+        killed = time.monotonic()
+        try:
+            code = job.wait(timeout=LIMIT + 15)
+        except Exception:
+            code = None
+        seconds = time.monotonic() - killed
+        assert_nothing_left(cluster)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    output = (tmp_path / "job.log").read_text()
+    assert code not in (0, None) and seconds < LIMIT, f"exit {code} {seconds:.0f} s after the kill\n{output[-3000:]}"
+    assert one_line(output, "node1", "rank 3", "SIGKILL"), output[-3000:]
+
+
+def test_check_reports_every_host_then_names_node1_without_sshd(pdsh_cluster, tmp_path):
+    cluster = pdsh_cluster
+    code, output, _ = run_on(cluster, 0, dsf_launch_cmd(tmp_path, "pdsh", flags=["--check"]), cwd=tmp_path,
+                             timeout=60, log=tmp_path / "check.log")
+    assert code == 0, output[-3000:]
+    assert one_line(output, "node1", "ok"), output[-3000:]
+    assert not job_processes(cluster)
+    cluster.stop_sshd(1)
+    try:
+        code, output, seconds = run_on(cluster, 0, dsf_launch_cmd(tmp_path, "pdsh", flags=["--check"]), cwd=tmp_path,
+                                       timeout=60, log=tmp_path / "check-down.log")
+    finally:
+        cluster.start_sshd(1)
+    assert code == 2, output[-3000:]
+    assert one_line(output, "node1", "connection refused"), output[-3000:]
+    assert not one_line(output, "node0", "refused"), "node0 is fine"
+
+
+# --- SLURM preemption ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def preempted(slurm, tmp_path_factory):
+    """An sbatch training stopped by `scancel --signal=TERM` once past step 2: (workdir, job, step)."""
+    workdir = tmp_path_factory.mktemp("preempted")
+    out = workdir / "out"
+    job = sbatch(slurm, workdir, launch_args(out, LONG))
+
+    def running() -> bool:
+        state = job_state(slurm, job)
+        assert state in ("PENDING", "CONFIGURING", "RUNNING"), f"job {job} {state} before step 2:\n" + \
+            (workdir / f"slurm-{job}.out").read_text()[-3000:]
+        return (out / "metrics.jsonl").exists() and max(losses(out), default=0) >= 2
+
+    wait_until(running, timeout=TIMEOUT, what=f"job {job} to reach step 2", every=0.3)
+    env = {**node_env(slurm), **slurm.slurm_env()}
+    cancel = slurm.run(0, ["scancel", "--signal=TERM", job], env=env, timeout=15)
+    assert cancel.returncode == 0, cancel.stderr
+    sent = time.monotonic()
+    state = wait_job(slurm, job, timeout=LIMIT + 30)
+    took = time.monotonic() - sent
+    output = (workdir / f"slurm-{job}.out").read_text()
+    print(f"preempted job {job}: {state} {took:.1f} s after SIGTERM")
+    assert not job_processes(slurm), "the preempted job left processes"
+    return workdir, job, output, took
+
+
+def test_slurm_sigterm_checkpoints_the_step(preempted):
+    workdir, job, output, took = preempted
+    out = workdir / "out"
+    stopped = max(losses(out))
+    assert took < LIMIT, f"job {job} took {took:.0f} s to stop"
+    assert (out / "checkpoints" / "latest").read_text().strip() == f"global_step{stopped}", output[-3000:]
+    assert f"stopped by SIGTERM at step {stopped}" in output, output[-3000:]
+    assert not list((out / "checkpoints").glob("*.partial"))
+
+
+@pytest.mark.xfail(strict=True, reason="dsf launch has no --resume (launch/slurm.sbatch passes its arguments to "
+                   "dsf launch, which answers `dsf: error: No such option '--resume'. Did you mean '--set'?`), so a "
+                   "preempted SLURM run cannot be "
+                   "resumed through the launcher; see /tmp/cluster_findings.md")
+def test_slurm_resume_after_preemption_is_exact(slurm, preempted, tmp_path):
+    workdir, _, _, _ = preempted
+    out = workdir / "out"
+    stopped = max(losses(out))
+    more = [*LONG, f"train.stop_after={stopped + 2}"]
+    job = sbatch(slurm, workdir, [*launch_args(out, more), "--resume"])
+    state = wait_job(slurm, job, timeout=TIMEOUT)
+    output = (workdir / f"slurm-{job}.out").read_text()
+    assert state == "COMPLETED", f"resume job {job}: {state}\n{output[-3000:]}"
+    resumed = losses(out)
+    straight = tmp_path / "straight"
+    launch([str(BIN / "dsf"), "train", *launch_args(straight, more)], num_ranks=4, timeout=300)
+    assert sorted(resumed) == list(range(1, stopped + 3))
+    assert_close(resumed, losses(straight), rtol=1e-6, what="preempted + resumed on SLURM vs straight")

@@ -100,8 +100,8 @@ class CsvSink:
     Columns are the metrics the run has logged, in the fixed order of COLUMNS (step, loss,
     eval_loss, lr, ...; any other metric after them); a step without a metric leaves its cell
     empty (the step-0 row has only eval_loss). A metric that first appears later (the loss after
-    the step-0 eval row) rewrites the small file once with the wider header. Non-finite values
-    are written `nan`/`inf`, as Python and pandas read them."""
+    the step-0 eval row) rewrites the small file with the wider header, a few times a run at most.
+    Non-finite values are written `nan`/`inf`, as Python and pandas read them."""
 
     def __init__(self, directory: Path, *, resume_step: int | None = None):
         self.path = Path(directory) / CSV_NAME

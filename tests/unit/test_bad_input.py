@@ -2,8 +2,14 @@
 
     python -m pytest tests/unit/test_bad_input.py -q
 
-Each case runs the real `dsf` command line in a subprocess (a world of one, no launcher) inside its
-own temporary directory, after writing the files the case needs. The contract, for every case:
+Each case runs the `dsf` command line (a world of one, no launcher) inside its own temporary
+directory, after writing the files the case needs. Most run it in this process, as `dsf` does:
+`cli._run_command(argv)` with stdout and stderr captured at the file descriptors, the environment
+and working directory of a fresh `dsf` (restored after), and Python's default warning filters (a
+warning Python would print counts as a stderr line). A case that would form a process group is
+stopped there (FormsAProcessGroup) and must run the real `dsf` in a subprocess instead: those cases,
+a launch that could start processes, and at least one case of each command as end-to-end proof
+(the script's exit code and stderr) do, each saying why (`process=`). The contract, for every case:
 
 - exit code 2;
 - stderr is exactly one non-empty line, `dsf: error: ...`, naming the field (and the value, when
@@ -22,6 +28,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,6 +69,66 @@ def dsf_env(home: Path) -> dict[str, str]:
 def run_dsf(args: list[str], *, cwd: Path, home: Path) -> subprocess.CompletedProcess:
     return subprocess.run(dsf_command() + args, cwd=cwd, env=dsf_env(home), capture_output=True,
                           text=True, timeout=TIMEOUT_S)
+
+
+class FormsAProcessGroup(BaseException):
+    """Raised where an in-process case would form a process group (a BaseException, so that no
+    `except Exception` on the way can turn it into something else)."""
+
+
+def _python_default_warning_filters() -> None:
+    """The filters of a `python` started without -W or PYTHONWARNINGS (pytest installs its own)."""
+    warnings.resetwarnings()
+    for category in (ResourceWarning, ImportWarning, PendingDeprecationWarning, DeprecationWarning):
+        warnings.simplefilter("ignore", category)
+    warnings.filterwarnings("default", category=DeprecationWarning, module="__main__")
+
+
+def run_dsf_in_process(args: list[str], *, cwd: Path, home: Path, capfd: pytest.CaptureFixture,
+                       monkeypatch: pytest.MonkeyPatch, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`dsf ARGS` as `dsf` runs it (cli._run_command; main() would os._exit after torch.distributed is
+    imported), in this process: exit code, stdout, stderr (with the warnings Python would print).
+    `env` is added to dsf_env(home).
+
+    No state outlives the call: the environment and cwd are restored, and forming a process group
+    raises FormsAProcessGroup instead (a case that gets that far runs as a subprocess)."""
+    import deepspeed
+    import deepspeed.comm
+    import huggingface_hub.constants
+    import torch.distributed
+
+    from dsframework import cli
+
+    def refuse(*_args, **_kwargs):
+        raise FormsAProcessGroup(f"dsf {' '.join(args)} forms a process group: give its Case process=...")
+
+    for owner, name in ((deepspeed, "init_distributed"), (deepspeed.comm, "init_distributed"),
+                        (torch.distributed, "init_process_group")):
+        monkeypatch.setattr(owner, name, refuse)
+    # HF_HUB_OFFLINE (dsf_env) is read when huggingface_hub is imported, long before this case.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    saved_env, saved_cwd, fresh_env = dict(os.environ), os.getcwd(), {**dsf_env(home), **(env or {})}
+    os.environ.clear()
+    os.environ.update(fresh_env)
+    os.chdir(cwd)
+    capfd.readouterr()  # only what the command writes
+    try:
+        with warnings.catch_warnings(record=True) as shown:
+            _python_default_warning_filters()
+            try:
+                cli._run_command(args)
+                code: int | str | None = 0
+            except SystemExit as stop:
+                code = stop.code
+    finally:
+        os.chdir(saved_cwd)
+        os.environ.clear()
+        os.environ.update(saved_env)
+    out, err = capfd.readouterr()
+    err += "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno, w.line) for w in shown)
+    if isinstance(code, str):  # sys.exit("message"): Python prints it and exits 1
+        err, code = err + code + "\n", 1
+    return subprocess.CompletedProcess(args, 0 if code is None else code, out, err)
 
 
 def snapshot(path: Path) -> dict[str, bytes] | None:
@@ -106,6 +173,9 @@ PRIOR_RUN = {
 }
 # An output_dir that exists but holds no run (so the run gets past the output-dir check).
 NOT_A_RUN = {"out/notes.txt": "keep me\n"}
+# Why a case runs the real `dsf` in a subprocess (the others run in this process: run_dsf_in_process).
+AFTER_GROUP = "named after the process group forms (the batch at the group's world, the checkpoint, the data)"
+END_TO_END = "the real `dsf` script's exit code and stderr, for a command no other subprocess case runs"
 
 
 @dataclass(frozen=True)
@@ -124,6 +194,7 @@ class Case:
     absent: tuple[str, ...] = ()    # paths (relative to {tmp}) that must not be created
     needs_ckpt: bool = False        # uses {ckpt}
     needs_run_copy: bool = False    # uses {run}
+    process: str | None = None      # why it runs the real `dsf` in a subprocess (default: in this process)
     xfail: str | None = None        # a known source bug: the reason
     skipif: str | None = None       # a condition (evaluated in this module) under which it cannot fail
 
@@ -165,12 +236,13 @@ CHAT_TEMPLATE_FILE = {"t.jinja": "{% for m in messages %}<{{ m['role'] }}>{{ m['
 
 
 def launch_case(id: str, *extra: str, expect: tuple, hosts: str | None = TWO_HOSTS, dry_run: bool = True,
-                files: dict[str, str] | None = None, guard: tuple[str, ...] = ("hosts",)) -> Case:
+                files: dict[str, str] | None = None, guard: tuple[str, ...] = ("hosts",),
+                process: str | None = None) -> Case:
     """A `dsf launch TINY_YAML [--hostfile {tmp}/hosts] [--dry-run] ...` case; nothing may be started."""
     hostfile = ("--hostfile", "{tmp}/hosts") if hosts else ()
     return Case(id, ("launch", str(TINY_YAML), *hostfile, *(("--dry-run",) if dry_run else ()), *extra),
                 expect=expect, files={**({"hosts": hosts} if hosts else {}), **(files or {})},
-                guard=guard if hosts else ())
+                guard=guard if hosts else (), process=process)
 
 
 CASES = [
@@ -216,15 +288,16 @@ CASES = [
                files={"out/checkpoints/latest": "global_step100\n", "out/metrics.jsonl": '{"step": 100}\n'}),
     train_case("train-overwrite-with-bad-batch-triple",
                OUT + "train: {micro_batch: 4, grad_accum: 2, global_batch: 7}\n", "--overwrite",
-               expect=("train.global_batch", "7"), files=PRIOR_RUN),
+               expect=("train.global_batch", "7"), files=PRIOR_RUN, process=AFTER_GROUP),
     Case("train-resume-with-mismatched-model",
          ("train", "{run}/checkpoints/run.yaml", "--resume",
           *sets("model.overrides.num_hidden_layers=3", "output_dir={run}")),
-         expect=("num_hidden_layers", "3", "differs from the checkpoint"), guard=("{run}",), needs_run_copy=True),
+         expect=("num_hidden_layers", "3", "differs from the checkpoint"), guard=("{run}",), needs_run_copy=True,
+         process=AFTER_GROUP),
     Case("train-resume-with-another-zero-stage",  # tp, pp and dp may change on resume; the ZeRO stage not
          ("train", "{run}/checkpoints/run.yaml", "--resume", *sets("parallel.zero_stage=1", "output_dir={run}")),
          expect=("parallel.zero_stage=1", "differs from the checkpoint's 2", "parallel.zero_stage=2"),
-         guard=("{run}",), needs_run_copy=True),
+         guard=("{run}",), needs_run_copy=True, process=AFTER_GROUP),
     # --- dsf train: model and data ----------------------------------------------------------------
     train_case("train-tp-larger-than-world", OUT + "parallel: {tp: 2}\n",
                expect=("world size", "1", "tp*pp", "{1}"), files=NOT_A_RUN),
@@ -245,17 +318,17 @@ CASES = [
                expect=("model.overrides.hiden_size", "32", "'hidden_size'"), files=NOT_A_RUN),
     train_case("train-inconsistent-batch-triple",
                OUT + "train:\n  micro_batch: 4\n  grad_accum: 2\n  global_batch: 7\n",
-               expect=("global_batch", "7"), files=NOT_A_RUN),
+               expect=("global_batch", "7"), files=NOT_A_RUN, process=AFTER_GROUP),
     train_case("train-missing-dataset", OUT + "data:\n  dataset: {tmp}/nope.jsonl\n",
-               expect=("data.dataset", "nope.jsonl"), files=NOT_A_RUN),
+               expect=("data.dataset", "nope.jsonl"), files=NOT_A_RUN, process=AFTER_GROUP),
     train_case("train-text-field-not-a-column",
                OUT + "data:\n  dataset: {tmp}/docs.jsonl\n  text_field: contnet\n",
                expect=("data.text_field", "contnet", "'content'"),
                files={**NOT_A_RUN, "docs.jsonl": "".join(f'{{"id": {i}, "content": "document number {i}"}}\n'
-                                                         for i in range(20))}),
+                                                         for i in range(20))}, process=AFTER_GROUP),
     train_case("train-malformed-jsonl", OUT + "data:\n  dataset: {tmp}/bad.jsonl\n",
                expect=("data.dataset", "bad.jsonl"),
-               files={**NOT_A_RUN, "bad.jsonl": '{"text": "a"\n{broken\n'}),
+               files={**NOT_A_RUN, "bad.jsonl": '{"text": "a"\n{broken\n'}, process=AFTER_GROUP),
     # --- dsf config -------------------------------------------------------------------------------
     Case("config-offload-param-below-stage3",
          ("config", "--offload-param", "cpu", "--zero-stage", "2", "-o", "{tmp}/ds.json"),
@@ -279,7 +352,7 @@ CASES = [
          expect=("warmup_steps", "5"), absent=("ds.json",)),
     Case("config-output-exists-without-force", ("config", "--zero-stage", "2", "-o", "{tmp}/ds.json"),
          expect=("--output", "ds.json", "--force"), files={"ds.json": '{"sentinel": true}\n'},
-         guard=("ds.json",)),
+         guard=("ds.json",), process=END_TO_END),
     Case("config-unknown-flag", ("config", "--zero-stag", "2"), expect=("--zero-stag",)),
     Case("config-tp-does-not-divide-world", ("config", "--tp", "3", "--world-size", "8", "-o", "{tmp}/ds.json"),
          expect=("--world-size", "8", "tp*pp", "{1, 2, 4, 8}"), absent=("ds.json",)),
@@ -302,7 +375,7 @@ CASES = [
          expect=("CKPT_DIR", "global_step99"), guard=("{ckpt}",), absent=("hf",), needs_ckpt=True),
     Case("export-out-dir-not-empty", ("export", "{ckpt}", "{tmp}/hf"),
          expect=("OUT_DIR", "hf", "--overwrite"), files={"hf/sentinel.txt": "keep me\n", "hf/config.json": "{}\n"},
-         guard=("hf", "{ckpt}"), needs_ckpt=True),
+         guard=("hf", "{ckpt}"), needs_ckpt=True, process=END_TO_END),
     Case("export-out-dir-is-a-file", ("export", "{ckpt}", "{tmp}/hf.bin"),
          expect=("OUT_DIR", "hf.bin"), files={"hf.bin": "not a directory\n"}, guard=("hf.bin", "{ckpt}"),
          needs_ckpt=True),
@@ -310,7 +383,7 @@ CASES = [
     Case("plan-unknown-cluster", PLAN_ARGS + ("--cluster", "h100-40gb"), expect=("--cluster", "h100-40gb", "h100-80gb")),
     Case("plan-corrupt-cluster-profile", PLAN_ARGS + ("--cluster", "{tmp}/cpu.json"),
          expect=("--cluster", "cpu.json", "JSON"), files={"cpu.json": '{"name": "cpu", "memory_per_gpu": '},
-         guard=("cpu.json",)),
+         guard=("cpu.json",), process=END_TO_END),
     Case("plan-profile-unknown-field", PLAN_ARGS + ("--cluster", "{tmp}/cpu.json"),
          expect=("cpu.json", "memory_per_gpus", "memory_per_gpu"),
          files={"cpu.json": '{"name": "cpu", "memory_per_gpus": 1e9, "peak_flops": {"fp32": 1e9}}'},
@@ -339,7 +412,8 @@ CASES = [
     launch_case("launch-node-rank-out-of-range", "--launcher", "no_ssh", "--node-rank", "2",
                 expect=("--node-rank", "2", "0..1")),
     launch_case("launch-no-ssh-two-nodes-without-node-rank", "--launcher", "no_ssh", dry_run=False,
-                expect=("--node-rank", "no_ssh", "worker-1")),
+                expect=("--node-rank", "no_ssh", "worker-1"),
+                process="not a dry run: were the check to regress, the launcher would start"),
     launch_case("launch-openmpi-with-include", "--launcher", "openmpi", "--include", "worker-0",
                 expect=("--launcher", "openmpi", "include")),
     launch_case("launch-slurm-slot-ids", "--launcher", "slurm", "--include", "worker-0:1@worker-1:1",
@@ -359,27 +433,29 @@ CASES = [
                expect=("row 1", "messages", "list of {role, content}"),
                files={**NOT_A_RUN, **CHAT_TEMPLATE_FILE,
                       "chats.jsonl": '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", '
-                                     '"content": "yo"}]}\n{"messages": "hello"}\n' * 10}, absent=("out/checkpoints",)),
+                                     '"content": "yo"}]}\n{"messages": "hello"}\n' * 10}, absent=("out/checkpoints",),
+               process=AFTER_GROUP),
     train_case("train-chat-unknown-role", OUT + SFT_YAML.format(fmt="chat", data="chats.jsonl"),
                expect=("assitant", "'assistant'"),
                files={**NOT_A_RUN, **CHAT_TEMPLATE_FILE,
                       "chats.jsonl": '{"messages": [{"role": "user", "content": "hi"}, {"role": "assitant", '
-                                     '"content": "yo"}]}\n' * 20}, absent=("out/checkpoints",)),
+                                     '"content": "yo"}]}\n' * 20}, absent=("out/checkpoints",),
+               process=AFTER_GROUP),
     train_case("train-chat-no-assistant-turn-left", OUT + SFT_YAML.format(fmt="chat", data="chats.jsonl"),
                expect=("data.dataset", "assistant"),
                files={**NOT_A_RUN, **CHAT_TEMPLATE_FILE,
                       "chats.jsonl": '{"messages": [{"role": "user", "content": "hi"}]}\n' * 20},
-               absent=("out/checkpoints",)),
+               absent=("out/checkpoints",), process=AFTER_GROUP),
     train_case("train-chat-tokenizer-without-template", OUT + SFT_YAML.format(fmt="chat", data="chats.jsonl").replace(
                    "  chat_template: {tmp}/t.jinja\n", ""),
                expect=("chat_template", "data.chat_template"),
                files={**NOT_A_RUN, "chats.jsonl": '{"messages": [{"role": "user", "content": "hi"}, '
                                                   '{"role": "assistant", "content": "yo"}]}\n' * 20},
-               absent=("out/checkpoints",)),
+               absent=("out/checkpoints",), process=AFTER_GROUP),
     train_case("train-prompt-completion-columns-missing", OUT + SFT_YAML.format(fmt="prompt_completion", data="qa.jsonl"),
                expect=("data.prompt_field='prompt'", "question, answer"),
                files={**NOT_A_RUN, **CHAT_TEMPLATE_FILE, "qa.jsonl": '{"question": "1+1", "answer": "2"}\n' * 20},
-               absent=("out/checkpoints",)),
+               absent=("out/checkpoints",), process=AFTER_GROUP),
     train_case("train-lora-with-tensor-parallelism", OUT + "model:\n  lora: {r: 4}\nparallel:\n  tp: 2\n",
                expect=("model.lora", "tp = pp = cp = 1", "tp=2"), files=PRIOR_RUN),
     train_case("train-chat-with-pipeline", OUT + "data:\n  format: chat\nparallel:\n  pp: 2\n  zero_stage: 1\n",
@@ -388,9 +464,9 @@ CASES = [
                + SFT_YAML.format(fmt="text", data="ids.jsonl"),
                expect=("data.dataset=99999", "outside the tokenizer's vocabulary"),
                files={**NOT_A_RUN, **CHAT_TEMPLATE_FILE, "ids.jsonl": '{"input_ids": [1, 2, 3, 4]}\n{"input_ids": [5, 99999]}\n' * 20},
-               needs_ckpt=True, absent=("out/checkpoints",)),
+               needs_ckpt=True, absent=("out/checkpoints",), process=AFTER_GROUP),
     # --- the command line itself ------------------------------------------------------------------
-    Case("unknown-subcommand", ("trian", "run.yaml"), expect=("trian",)),
+    Case("unknown-subcommand", ("trian", "run.yaml"), expect=("trian",), process=END_TO_END),
 ]
 
 
@@ -411,9 +487,25 @@ def test_enough_distinct_cases():
     assert len({c.id for c in CASES}) == len(CASES) >= 15
 
 
+def test_an_in_process_run_stops_at_the_process_group_and_leaves_no_state(tmp_path: Path, hf_home: Path,
+                                                                          capfd: pytest.CaptureFixture,
+                                                                          monkeypatch: pytest.MonkeyPatch):
+    """A good run goes as far as the process group, where run_dsf_in_process stops it; the environment
+    (which dsf's world of one fills with RANK, MASTER_PORT, ...) and cwd are as before."""
+    import deepspeed  # noqa: F401  (importing it sets PYTORCH_NVML_BASED_CUDA_CHECK once per process)
+
+    env, cwd = dict(os.environ), os.getcwd()
+    with pytest.raises(FormsAProcessGroup):
+        run_dsf_in_process(["train", str(TINY_YAML), *sets(f"output_dir={tmp_path / 'out'}")], cwd=tmp_path,
+                           home=hf_home, capfd=capfd, monkeypatch=monkeypatch)
+    assert dict(os.environ) == env and os.getcwd() == cwd
+
+
 @pytest.mark.parametrize("case", [_param(c) for c in CASES])
 def test_bad_input_is_one_line_exit_2_and_leaves_outputs_alone(case: Case, tmp_path: Path, hf_home: Path,
-                                                                request: pytest.FixtureRequest):
+                                                                request: pytest.FixtureRequest,
+                                                                capfd: pytest.CaptureFixture,
+                                                                monkeypatch: pytest.MonkeyPatch):
     places = {"{tmp}": str(tmp_path)}
     if case.needs_ckpt:
         places["{ckpt}"] = str(request.getfixturevalue("trained_run") / "checkpoints")
@@ -434,7 +526,11 @@ def test_bad_input_is_one_line_exit_2_and_leaves_outputs_alone(case: Case, tmp_p
     before = {str(p): snapshot(p) for p in guarded}
     assert all(v is not None for v in before.values()), "a guarded path was not set up"
 
-    proc = run_dsf([fill(a) for a in case.args], cwd=tmp_path, home=hf_home)
+    args = [fill(a) for a in case.args]
+    if case.process:
+        proc = run_dsf(args, cwd=tmp_path, home=hf_home)
+    else:
+        proc = run_dsf_in_process(args, cwd=tmp_path, home=hf_home, capfd=capfd, monkeypatch=monkeypatch)
 
     report = f"exit {proc.returncode}\n--- stdout ---\n{proc.stdout[-3000:]}\n--- stderr ---\n{proc.stderr[-3000:]}"
     assert "Traceback" not in proc.stdout and "Traceback" not in proc.stderr, report
@@ -478,26 +574,29 @@ LAYOUT_ERRORS = {  # (world, settings, the one line)
 
 
 @pytest.mark.parametrize("case", LAYOUT_ERRORS)
-def test_a_layout_error_is_named_before_the_rendezvous(tmp_path: Path, hf_home: Path, case: str):
+def test_a_layout_error_is_named_before_the_rendezvous(tmp_path: Path, hf_home: Path, case: str,
+                                                       capfd: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch):
     """Rank 0 of a world started alone (the other ranks never come): a layout that cannot run is
     named at once, not after waiting for the others where the process group forms (30 minutes by
-    default)."""
+    default). In this process, where forming the group raises FormsAProcessGroup: the error comes first."""
     from tests.distributed.launcher import free_port
 
     world, settings, line = LAYOUT_ERRORS[case]
-    env = dict(dsf_env(hf_home), RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+    env = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     args = ["train", str(TINY_YAML), *sets(f"output_dir={tmp_path / 'out'}", *settings)]
-    proc = subprocess.run(dsf_command() + args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    proc = run_dsf_in_process(args, cwd=tmp_path, home=hf_home, capfd=capfd, monkeypatch=monkeypatch, env=env)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.splitlines() == [f"dsf: error: {line}"], proc.stderr[-3000:]
     assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("damage", ["index-names-a-missing-shard", "shard-shapes-differ-from-config"])
-def test_a_broken_pretrained_directory_is_one_line_exit_2(tmp_path: Path, hf_home: Path, damage: str):
+def test_a_broken_pretrained_directory_is_one_line_exit_2(tmp_path: Path, hf_home: Path, damage: str,
+                                                          capfd: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch):
     """A local pretrained directory saved as several safetensors files, then damaged: the file is
-    named before any rank starts (safetensors headers only), and nothing in it is touched."""
+    named before any rank starts (safetensors headers only; in this process, where forming the
+    process group would raise), and nothing in it is touched."""
     import json
 
     from tests.unit.test_construct import save_pretrained
@@ -517,8 +616,8 @@ def test_a_broken_pretrained_directory_is_one_line_exit_2(tmp_path: Path, hf_hom
                   "use the config.json saved with these weights")
     before = snapshot(pretrained)
     (tmp_path / "run.yaml").write_text(OUT.replace("{tmp}", str(tmp_path)) + TINY_YAML_SETTINGS)
-    proc = run_dsf(["train", str(tmp_path / "run.yaml"), *sets(f"model.name={pretrained}")],
-                   cwd=tmp_path, home=hf_home)
+    proc = run_dsf_in_process(["train", str(tmp_path / "run.yaml"), *sets(f"model.name={pretrained}")],
+                              cwd=tmp_path, home=hf_home, capfd=capfd, monkeypatch=monkeypatch)
     report = f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
     assert proc.returncode == 2 and "Traceback" not in proc.stdout + proc.stderr, report
     lines = proc.stderr.splitlines()

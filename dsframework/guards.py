@@ -11,7 +11,6 @@ Both are collectives: every rank calls them at the same points of the loop.
 """
 from __future__ import annotations
 
-import os
 from typing import Any
 
 
@@ -97,10 +96,3 @@ class NonFiniteWatch:
         dist.all_reduce(first, op=dist.ReduceOp.MIN)
         return None if int(first.item()) == self.NONE else int(first.item())
 
-
-def fault_step(name: str) -> int | None:
-    """Test hook: DSF_FAULT=`nan@K` poisons rank 0's loss at step K (see checkpoint._inject_fault)."""
-    fault = os.environ.get("DSF_FAULT", "")
-    if fault.startswith(name + "@") and os.environ.get("RANK", "0") == "0":
-        return int(fault.split("@", 1)[1])
-    return None

@@ -240,10 +240,12 @@ def calibrate_cmd(ranks: int, output: Path, force: bool) -> None:
 @click.option("--check", is_flag=True, help="check ssh to every host and the launcher's tools, then exit")
 @click.option("--dry-run", is_flag=True, help="print what each launcher would run and exit")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="passed on to dsf train")
+@click.option("--resume", is_flag=True, help="passed on to dsf train: continue from the latest checkpoint")
+@click.option("--overwrite", is_flag=True, help="passed on to dsf train: replace the output_dir of an earlier run")
 def launch_cmd(run_yaml: Path, hostfile: Path | None, include: str, exclude: str, num_nodes: int, num_gpus: int,
                master_addr: str | None, master_port: int, launcher: str, node_rank: int | None,
                env_flags: tuple[str, ...], cluster_name: str | None, force: bool, check: bool, dry_run: bool,
-               overrides: tuple[str, ...]) -> None:
+               overrides: tuple[str, ...], resume: bool, overwrite: bool) -> None:
     """Check the hostfile, layout and memory of RUN_YAML, then start `deepspeed` on every node."""
     import os
 
@@ -264,7 +266,7 @@ def launch_cmd(run_yaml: Path, hostfile: Path | None, include: str, exclude: str
     job = Job(run_yaml=run_yaml, overrides=overrides, hostfile=hostfile, resources=resources, active=active,
               master=master_addr or next(iter(active)), master_port=master_port, env=env, explicit=explicit,
               include=include, exclude=exclude, num_nodes=num_nodes, num_gpus=num_gpus, node_rank=node_rank,
-              skipped=skipped)
+              skipped=skipped, train_flags=(("--resume",) if resume else ()) + (("--overwrite",) if overwrite else ()))
     how.prepare(job, starting=not (dry_run or check))
     memory = steps.memory_check(run, config, dims, active, cluster_name, force=force)
     if check:

@@ -60,10 +60,11 @@ class Job:
     num_gpus: int = -1
     node_rank: int | None = None  # no_ssh: the one node this command starts
     skipped: list[str] = field(default_factory=list)  # defaults not forwarded, and why
+    train_flags: tuple[str, ...] = ()  # --resume, --overwrite: passed on to dsf train
 
     @property
     def train_args(self) -> list[str]:
-        return ["train", str(self.run_yaml), *[a for o in self.overrides for a in ("--set", o)]]
+        return ["train", str(self.run_yaml), *[a for o in self.overrides for a in ("--set", o)], *self.train_flags]
 
     @property
     def deepspeed(self) -> str:

@@ -433,3 +433,12 @@ def test_slurm_outside_an_allocation_is_one_line_and_starts_nothing(tmp_path):
     assert line.startswith("dsf: error: --launcher='slurm': ") and ("SLURM_JOB_ID is not set" in line
                                                                      or "srun is not on PATH" in line)
     assert "sbatch launch/slurm.sbatch" in line and sorted(p.name for p in tmp_path.iterdir()) == ["hostfile"]
+
+
+def test_resume_and_overwrite_reach_every_nodes_dsf_train(in_tmp):
+    out = dry_run(in_tmp, "--launcher", "no_ssh", "--resume", *SETS, hosts="worker-0 slots=2\nworker-1 slots=2\n")
+    for host in ("worker-0", "worker-1"):
+        argv = shlex.split(out[host][0])
+        assert argv[-5:] == [*SETS, "--resume"] and argv[-7:-5] == ["train", TINY]
+    (srun,) = dry_run(in_tmp, "--launcher", "slurm", "--overwrite", *SETS)["srun"]
+    assert shlex.split(shlex.split(srun)[-1])[-1] == "--overwrite"

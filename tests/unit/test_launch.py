@@ -440,5 +440,6 @@ def test_resume_and_overwrite_reach_every_nodes_dsf_train(in_tmp):
     for host in ("worker-0", "worker-1"):
         argv = shlex.split(out[host][0])
         assert argv[-5:] == [*SETS, "--resume"] and argv[-7:-5] == ["train", TINY]
-    (srun,) = dry_run(in_tmp, "--launcher", "slurm", "--overwrite", *SETS)["srun"]
+    (srun,) = dry_run(in_tmp, "--launcher", "slurm", "--overwrite", *SETS,
+                      hosts="worker-0 slots=2\nworker-1 slots=2\n")["srun"]
     assert shlex.split(shlex.split(srun)[-1])[-1] == "--overwrite"

@@ -23,10 +23,10 @@ HOSTFILE = "".join(f"node{k} slots={RANKS_PER_NODE}\n" for k in range(2))
 # OMP_NUM_THREADS and TOKENIZERS_PARALLELISM through .deepspeed_env; MKL_NUM_THREADS goes by --env).
 NODE_ENV = {"GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
             "TOKENIZERS_PARALLELISM": "false"}
-# mpirun as root, and its out-of-band channel on the nodes' interface (the bridge's 10.213.78.0/24).
-OMPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-            "OMPI_MCA_oob_tcp_if_include": "eth0", "OMPI_MCA_btl_tcp_if_include": "eth0",
-            "OMPI_MCA_plm_rsh_no_tree_spawn": "1"}
+# mpirun refuses root without these. Nothing else is needed here: each node has one interface besides
+# lo, and deepspeed's runner passes `--mca btl_tcp_if_include eth0`. A node with several interfaces
+# would also want OMPI_MCA_oob_tcp_if_include (and btl_tcp_if_include) set to the nodes' network.
+OMPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 
 
 def node_env(cluster: Cluster, **extra: str) -> dict[str, str]:

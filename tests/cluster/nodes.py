@@ -49,7 +49,7 @@ def _which(tool: str) -> str | None:
 def missing(*groups: str) -> str | None:
     """Why the cluster tests of `groups` cannot run here (None when they can)."""
     if os.geteuid() != 0:
-        return f"needs root (network and mount namespaces, sshd); run the tests as root, and {INSTALL}"
+        return f"needs root (network and mount namespaces, sshd): run them as root, with the tools they use; {INSTALL}"
     lacking = [tool for group in ("core", *groups) for tool in TOOLS[group] if _which(tool) is None]
     if lacking:
         return f"{', '.join(lacking)} not found; {INSTALL}"
@@ -74,6 +74,24 @@ def wait_until(predicate, *, timeout: float, what: str, every: float = 0.1):
         time.sleep(every)
 
 
+class NamespacesUnavailable(RuntimeError):
+    """Root, but this machine (a container) does not let us make namespaces: the tests skip."""
+
+
+def remove_stale() -> None:
+    """Namespaces of an earlier session that was killed before its tear-down (its pid is gone)."""
+    listing = _run(["ip", "netns", "list"], check=False).stdout.split("\n")
+    for ns in {line.split()[0] for line in listing if line.startswith("dsfc-")}:
+        owner = ns.split("-")[1]
+        if owner.isdigit() and not Path(f"/proc/{owner}").exists():
+            for pid in _run(["ip", "netns", "pids", ns], check=False).stdout.split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+            _run(["ip", "netns", "del", ns], check=False)
+
+
 class Cluster:
     """N namespace nodes with sshd (and, on demand, SLURM) under `root`, a scratch directory."""
 
@@ -91,10 +109,13 @@ class Cluster:
         self.sshd: dict[int, subprocess.Popen] = {}
         self.slurm: list[subprocess.Popen] = []
         self.logs = self.root / "logs"
+        self.start_seconds = 0.0  # how long start() took
 
     # --- set-up ------------------------------------------------------------------------------------
 
     def start(self) -> None:
+        started = time.monotonic()
+        remove_stale()
         for sub in ("ssh", "logs", "etc"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         self._network()
@@ -105,9 +126,14 @@ class Cluster:
             self.start_sshd(k)
         for k in range(self.count):  # every node reaches every node over ssh by name
             wait_until(lambda k=k: self.port_open(0, self.addrs[k], 22), timeout=10, what=f"sshd on {self.names[k]}")
+        self.start_seconds = time.monotonic() - started
 
     def _network(self) -> None:
-        _run(["ip", "netns", "add", self.bridge_ns])
+        try:
+            _run(["ip", "netns", "add", self.bridge_ns])
+        except RuntimeError as err:
+            raise NamespacesUnavailable(f"cannot create network namespaces here ({err}); a container needs "
+                                        "CAP_SYS_ADMIN and CAP_NET_ADMIN (e.g. docker run --privileged)") from None
         self.made.append(self.bridge_ns)
         _run(["ip", "-n", self.bridge_ns, "link", "add", "br0", "type", "bridge"])
         _run(["ip", "-n", self.bridge_ns, "link", "set", "br0", "up"])

@@ -23,6 +23,7 @@ from tests.cluster.nodes import missing, wait_until
 from tests.cluster.test_launchers import TIMEOUT, job_state, sbatch, wait_job
 from tests.distributed.launcher import BIN, REPO, assert_close, launch, losses
 
+pytestmark = pytest.mark.timeout(600)  # a watchdog: a hang fails, the tear-down still runs
 LIMIT = 60  # seconds from the failure to the job's exit
 LONG = ["train.steps=100000", "train.warmup_steps=2"]  # the schedule of a long run, cut short
 

@@ -19,6 +19,8 @@ from tests.cluster.jobs import dsf_launch_cmd, job_processes, launch_args, node_
 from tests.cluster.nodes import missing, wait_until
 from tests.distributed.launcher import BIN, REPO, assert_close, losses
 
+# A watchdog over every test of the module (fixtures included): a hang fails, the tear-down still runs.
+pytestmark = pytest.mark.timeout(600)
 TIMEOUT = 240  # a training of 5 steps takes ~20-40 s here; a hang fails, it does not block
 
 

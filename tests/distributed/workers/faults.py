@@ -7,7 +7,8 @@
 `--fault POINT@STEP` (taken out of the arguments before `dsf` reads them) picks the fault:
 
 - `nan@K`: rank 0's loss (the one backpropagated and the one logged) is multiplied by NaN in every
-  micro-batch of optimizer step K, the divergence the NaN guard must catch;
+  micro-batch of optimizer step K, the divergence the NaN guard must catch (not with pp > 1, where
+  DeepSpeed's pipeline engine computes the loss);
 - `checkpoint@K`: rank 0 dies (exit 97) in the step-K save after every rank wrote its DeepSpeed
   shards and RNG state, before the checkpoint is committed (manifest, rename, `latest`);
 - `latest@K`: rank 0 dies after the step-K checkpoint was renamed into place, before `latest`

@@ -85,7 +85,8 @@ def _python_default_warning_filters() -> None:
 
 
 def run_dsf_in_process(args: list[str], *, cwd: Path, home: Path, capfd: pytest.CaptureFixture,
-                       monkeypatch: pytest.MonkeyPatch, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+                       monkeypatch: pytest.MonkeyPatch,
+                       env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`dsf ARGS` as `dsf` runs it (cli._run_command; main() would os._exit after torch.distributed is
     imported), in this process: exit code, stdout, stderr (with the warnings Python would print).
     `env` is added to dsf_env(home).
@@ -593,7 +594,8 @@ def test_a_layout_error_is_named_before_the_rendezvous(tmp_path: Path, hf_home: 
 
 @pytest.mark.parametrize("damage", ["index-names-a-missing-shard", "shard-shapes-differ-from-config"])
 def test_a_broken_pretrained_directory_is_one_line_exit_2(tmp_path: Path, hf_home: Path, damage: str,
-                                                          capfd: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch):
+                                                          capfd: pytest.CaptureFixture,
+                                                          monkeypatch: pytest.MonkeyPatch):
     """A local pretrained directory saved as several safetensors files, then damaged: the file is
     named before any rank starts (safetensors headers only; in this process, where forming the
     process group would raise), and nothing in it is touched."""

@@ -36,7 +36,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from dsframework.errors import UserError
+from dsframework.errors import UserError, raised_in
 from dsframework.files import written_then_renamed
 
 TOKENIZER_DIR = "tokenizer"
@@ -281,15 +281,6 @@ DAMAGED_CHECKPOINT = (RuntimeError, EOFError, OSError, pickle.UnpicklingError, K
 LOADERS = ("torch", "deepspeed")
 
 
-def _raised_in(err: BaseException, packages: tuple[str, ...]) -> bool:
-    """Whether the innermost frame of `err`'s traceback runs code of one of `packages`."""
-    tb = err.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    module = tb.tb_frame.f_globals.get("__name__", "") if tb is not None else ""
-    return module.split(".")[0] in packages
-
-
 def load(engine: Any, ckpt_dir: Path, *, tag: str | None = None) -> dict[str, int]:
     """Load the latest checkpoint (or `tag`) into `engine`; returns the dsf client state."""
     import torch
@@ -302,7 +293,7 @@ def load(engine: Any, ckpt_dir: Path, *, tag: str | None = None) -> dict[str, in
     try:  # a module without its frozen parameters (they were rebuilt from model.name) loads non-strictly
         path, client_state = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_module_strict=not frozen)
     except DAMAGED_CHECKPOINT as err:
-        if not _raised_in(err, LOADERS):  # the same exception from code of ours is a bug: its traceback
+        if not raised_in(err, *LOADERS):  # the same exception from code of ours is a bug: its traceback
             raise
         raise UserError("checkpoint", str(Path(ckpt_dir) / tag),
                         f"could not be loaded ({type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''})",

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from dsframework.config import ParallelSpec, TrainSpec
-from dsframework.errors import UserError
+from dsframework.errors import UserError, raised_in
 from dsframework.runtime_facts import (ZERO3_PERSISTENCE_THRESHOLD, ZERO3_PREFETCH_BUCKET, ZERO_ALLGATHER_BUCKET,
                                        ZERO_REDUCE_BUCKET)
 
@@ -240,15 +240,7 @@ def validate_ds_config(ds: dict[str, Any], *, dp_size: int) -> None:
                 probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
                 scheduler(probe, **ds["scheduler"]["params"])
         except (ValueError, DeepSpeedConfigError, AssertionError) as err:
-            if isinstance(err, AssertionError) and not _raised_in(err, "deepspeed.runtime.config"):
+            if isinstance(err, AssertionError) and not raised_in(err, "deepspeed.runtime.config"):
                 raise
             raise UserError("DeepSpeed config", None, f"rejected by DeepSpeedConfig at dp={dp_size}: {err}",
                             "check the batch, ZeRO and precision settings") from None
-
-
-def _raised_in(err: BaseException, module: str) -> bool:
-    """Whether the innermost frame of `err`'s traceback runs code of `module` (a module's name)."""
-    tb = err.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    return tb is not None and tb.tb_frame.f_globals.get("__name__") == module

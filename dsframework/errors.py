@@ -42,3 +42,17 @@ def divide(numerator: int, denominator: int, *, what: str) -> int:
         raise UserError(what, numerator, f"is not divisible by {denominator}",
                         f"choose a multiple of {denominator}")
     return numerator // denominator
+
+
+def raised_in(err: BaseException, *modules: str) -> bool:
+    """Whether the innermost frame of `err`'s traceback runs code of one of `modules` (a module's
+    name, or a package's: "deepspeed" covers deepspeed.runtime.config). What tells a library's
+    refusal of bad input (turned into a UserError) from a bug of ours (left a traceback).
+
+        raised_in(err, "torch", "deepspeed")
+    """
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    name = tb.tb_frame.f_globals.get("__name__", "") if tb is not None else ""
+    return any(name == m or name.startswith(m + ".") for m in modules)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster.jobs import RANKS_PER_NODE, launch_args, sweep
+from tests.cluster.jobs import RANKS_PER_NODE, REFERENCE_STEPS, launch_args, sweep
 from tests.cluster.nodes import Cluster, NamespacesUnavailable, missing
 from tests.distributed.launcher import BIN, launch, losses
 
@@ -54,10 +54,14 @@ def slurm(cluster):
 
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory) -> dict[int, float]:
-    """step -> loss of the same run on one node: `deepspeed --num_gpus 4` (4 CPU ranks), once a session."""
+    """step -> loss of the same run on one node: `deepspeed --num_gpus 4` (4 CPU ranks), once a session,
+    REFERENCE_STEPS steps of the schedule every run here follows."""
     out = tmp_path_factory.mktemp("reference") / "out"
-    launch([str(BIN / "dsf"), "train", *launch_args(out)], num_ranks=2 * RANKS_PER_NODE, timeout=300)
-    return losses(out)
+    launch([str(BIN / "dsf"), "train", *launch_args(out, [f"train.stop_after={REFERENCE_STEPS}"])],
+           num_ranks=2 * RANKS_PER_NODE, timeout=300)
+    got = losses(out)
+    assert sorted(got) == list(range(1, REFERENCE_STEPS + 1))
+    return got
 
 
 @pytest.fixture

@@ -15,8 +15,12 @@ from pathlib import Path
 from tests.cluster.nodes import Cluster
 from tests.distributed.launcher import BIN, TINY_YAML, rank_env, run_overrides
 
-# 4 ranks = 2 nodes x 2 slots; 5 short steps of the tiny model.
-OVERRIDES = ["train.steps=5"]
+# 4 ranks = 2 nodes x 2 slots; 5 short steps of the tiny model, cut from a long schedule
+# (train.stop_after) so that every run here - the launchers', the preempted one, the resumed one -
+# is a prefix of the one single-node reference run (REFERENCE_STEPS steps of the same schedule).
+STEPS, REFERENCE_STEPS = 5, 8
+OVERRIDES = ["train.steps=100000", "train.warmup_steps=2", f"train.stop_after={STEPS}"]
+UNTIL_STOPPED = ["train.stop_after=null"]  # trains until killed or preempted
 RANKS_PER_NODE = 2
 HOSTFILE = "".join(f"node{k} slots={RANKS_PER_NODE}\n" for k in range(2))
 # What the ranks need on every node, forwarded by `dsf launch` (its defaults forward GLOO_SOCKET_IFNAME,

@@ -15,13 +15,19 @@ import re
 
 import pytest
 
-from tests.cluster.jobs import dsf_launch_cmd, job_processes, launch_args, node_env, run_on
+from tests.cluster.jobs import STEPS, dsf_launch_cmd, job_processes, launch_args, node_env, run_on
 from tests.cluster.nodes import missing, wait_until
 from tests.distributed.launcher import BIN, REPO, assert_close, losses
 
 # A watchdog over every test of the module (fixtures included): a hang fails, the tear-down still runs.
 pytestmark = pytest.mark.timeout(600)
 TIMEOUT = 240  # a training of 5 steps takes ~20-40 s here; a hang fails, it does not block
+
+
+def assert_matches(got: dict[int, float], reference: dict[int, float], *, rtol: float, what: str) -> None:
+    """`got` holds steps 1..N once each and equals the reference's first N steps."""
+    assert sorted(got) == list(range(1, len(got) + 1)) and got, f"{what}: steps {sorted(got)}"
+    assert_close(got, {s: reference[s] for s in got}, rtol=rtol, what=what)
 
 
 def _train(cluster, tmp_path, launcher: str) -> tuple[str, dict[int, float]]:
@@ -39,14 +45,16 @@ def test_pdsh_trains_across_two_nodes(clean, reference, tmp_path):
     output, got = _train(clean, tmp_path, "pdsh")
     assert re.search(r"^node1: ", output, re.M), "pdsh ran ranks on node1"
     assert "GLOO_SOCKET_IFNAME=eth0" in (tmp_path / ".deepspeed_env").read_text()
-    assert_close(got, reference, rtol=1e-5, what="pdsh, 2 nodes x 2 ranks vs 1 node x 4 ranks")
+    assert len(got) == STEPS
+    assert_matches(got, reference, rtol=1e-5, what="pdsh, 2 nodes x 2 ranks vs 1 node x 4 ranks")
 
 
 def test_openmpi_trains_across_two_nodes(clean, reference, tmp_path):
     if why := missing("openmpi"):
         pytest.skip(why)
     _, got = _train(clean, tmp_path, "openmpi")
-    assert_close(got, reference, rtol=1e-5, what="openmpi, 2 nodes x 2 ranks vs 1 node x 4 ranks")
+    assert len(got) == STEPS
+    assert_matches(got, reference, rtol=1e-5, what="openmpi, 2 nodes x 2 ranks vs 1 node x 4 ranks")
 
 
 def sbatch(cluster, workdir, args: list[str], *, env_extra: dict | None = None) -> str:
@@ -80,5 +88,6 @@ def test_slurm_trains_across_two_nodes(slurm, clean, reference, tmp_path):
     output = (tmp_path / f"slurm-{job}.out").read_text() if (tmp_path / f"slurm-{job}.out").exists() else ""
     assert state == "COMPLETED", f"job {job}: {state}\n{output[-5000:]}\n{slurm.slurm_logs()[-3000:]}"
     assert (tmp_path / "hostfile").read_text() == "node0 slots=2\nnode1 slots=2\n"
-    assert_close(losses(tmp_path / "out"), reference, rtol=1e-5,
-                 what="slurm, 2 nodes x 2 ranks vs 1 node x 4 ranks")
+    got = losses(tmp_path / "out")
+    assert len(got) == STEPS
+    assert_matches(got, reference, rtol=1e-5, what="slurm, 2 nodes x 2 ranks vs 1 node x 4 ranks")

@@ -1,9 +1,10 @@
 """Session fixtures of the cluster tests: the namespace nodes (tests/cluster/nodes.py), SLURM on
 them, and the single-node reference losses every multi-node training is compared with.
 
-    def test_x(cluster, reference, tmp_path):
-        code, output, _ = run_on(cluster, 0, dsf_launch_cmd(tmp_path, "pdsh"), cwd=tmp_path, ...)
-        assert_close(losses(tmp_path / "out"), reference, rtol=1e-5, what="pdsh")
+    def test_x(clean, reference, tmp_path):      # clean: the cluster, with no job left on it before or after
+        code, output, _ = run_on(clean, 0, dsf_launch_cmd(tmp_path, "pdsh"), cwd=tmp_path, timeout=240,
+                                 log=tmp_path / "job.log")
+        assert_matches(losses(tmp_path / "out"), reference, rtol=1e-5, what="pdsh")  # its first steps
 """
 from __future__ import annotations
 

@@ -116,7 +116,7 @@ class Launcher:
         """(tool, None or why not) for what this launcher runs on this node."""
         return [(tool, None if shutil.which(tool) else "is not on PATH") for tool in self.tools]
 
-    def host_fix(self, host: str) -> str:
+    def host_fix(self, host: str, why: str = "") -> str:
         return "write a name or address every node resolves in the hostfile"
 
     def check(self, job: Job) -> None:
@@ -134,7 +134,7 @@ class Launcher:
             return click.echo(f"# {self.name}: every check passed")
         name, why = failed[0]
         if name in job.active:
-            raise UserError("--check", name, why, self.host_fix(name))
+            raise UserError("--check", name, why, self.host_fix(name, why))
         raise UserError("--check", name, why, self.tool_fix(name))
 
     def tool_fix(self, tool: str) -> str:
@@ -241,9 +241,11 @@ class RunnerLauncher(Launcher):
     def probe(self, host: str) -> str | None:
         return ssh_reason(host, node_checkout_check())
 
-    def host_fix(self, host: str) -> str:
-        return (f"set up passwordless ssh from this node to {host} (ssh-copy-id {host}), and the same checkout and "
-                f"virtual environment at the same path on every node")
+    def host_fix(self, host: str, why: str = "") -> str:
+        if why.endswith("does not exist there"):  # ssh works; the node lacks this checkout or venv
+            return (f"put the same checkout and virtual environment at the same path on {host} (a shared "
+                    f"filesystem, or a copy), and launch from a directory that exists there")
+        return f"set up passwordless ssh from this node to {host} (ssh-copy-id {host}) and check the name resolves"
 
     def dry_run(self, job: Job) -> Iterator[str]:
         """Each node's deepspeed.launcher.launch line (pdsh and one-node runs), the pdsh or mpirun
@@ -289,7 +291,7 @@ class RunnerLauncher(Launcher):
         """Before a remote start: every host reachable over ssh, with the checkout and the venv."""
         for host, why in check_hosts(self.hosts_to_check(job), self.probe):
             if why is not None:
-                raise UserError("--hostfile", host, f"cannot be started: {why}", self.host_fix(host))
+                raise UserError("--hostfile", host, f"cannot be started: {why}", self.host_fix(host, why))
 
     def run(self, argv: list[str], job: Job) -> int:
         exec_argv(argv, {**os.environ, **job.explicit})
@@ -318,6 +320,15 @@ class Pdsh(RunnerLauncher):
 
 class OpenMPI(RunnerLauncher):
     name = "openmpi"
+    ROOT_VARS = ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM")
+
+    def start(self, job: Job) -> int:
+        # mpirun refuses root with a page of text unless told twice; say it in one line, before anything starts
+        if self.remote and os.geteuid() == 0 and not all(os.environ.get(v) == "1" for v in self.ROOT_VARS):
+            raise UserError("--launcher", self.name, "runs mpirun as root, which OpenMPI refuses unless "
+                            "OMPI_ALLOW_RUN_AS_ROOT=1 and OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 are set",
+                            "launch as a regular user, or export both variables")
+        return super().start(job)
 
     def tool_fix(self, tool: str) -> str:
         return "install OpenMPI (e.g. apt-get install openmpi-bin) on every node, or choose another --launcher"

@@ -80,7 +80,7 @@ def test_node_without_the_venv_ends_the_job_and_is_named(pdsh_cluster, tmp_path)
     finally:
         cluster.run(1, ["umount", venv], timeout=10)
     assert code not in (0, None) and seconds < LIMIT, f"exit {code} after {seconds:.0f} s"
-    assert one_line(output, "node1", f"{venv}/bin/python"), output[-3000:]
+    assert one_line(output, "node1", f"{venv}/bin/python", "same checkout"), output[-3000:]  # the fix fits the cause
 
 
 def trainers(cluster, node: int) -> dict[int, int]:

@@ -44,7 +44,7 @@ def launch(script_and_args: list[str], *, num_ranks: int, timeout: int = 600) ->
     This is the command `deepspeed --num_gpus N` runs for a single node - deepspeed's per-node
     launcher, `deepspeed.launcher.launch`, with the world_info the runner would encode - started
     directly, which saves the runner's own start (about 1.5 s of every launch, ~100 launches).
-    The runner itself is exercised by the quickstart, fault and two-node tests.
+    The runner itself is exercised by the quickstart and fault tests, and across nodes by tests/cluster.
     """
     from deepspeed.launcher.runner import encode_world_info
 

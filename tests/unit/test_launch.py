@@ -443,3 +443,16 @@ def test_resume_and_overwrite_reach_every_nodes_dsf_train(in_tmp):
     (srun,) = dry_run(in_tmp, "--launcher", "slurm", "--overwrite", *SETS,
                       hosts="worker-0 slots=2\nworker-1 slots=2\n")["srun"]
     assert shlex.split(shlex.split(srun)[-1])[-1] == "--overwrite"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mpirun's refusal of root applies to root only")
+def test_openmpi_as_root_without_openmpis_consent_is_one_line(tmp_path):
+    (tmp_path / "hostfile").write_text("worker-0 slots=1\nworker-1 slots=1\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OMPI_")}
+    proc = subprocess.run([str(Path(sys.executable).with_name("dsf")), "launch", TINY, "--hostfile", "hostfile",
+                           "--launcher", "openmpi", "--set", "train.global_batch=2", "--set", "train.micro_batch=1"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith("dsf: error: --launcher='openmpi': ") and "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hostfile"]  # no .deepspeed_env written

@@ -531,8 +531,9 @@ def _loop(run: RunConfig, session: Session, sinks: Any, *, resume: bool) -> dict
                 print("dsf: " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                          for k, v in last.items()), flush=True)
         preempted = stop_request.agreed()
+        stopped_early = done and step < run.train.steps  # train.stop_after: always with a checkpoint to resume
         if (preempted and not done) or (run.checkpoint.every and step % run.checkpoint.every == 0) or (
-                done and run.checkpoint.save_final):
+                done and run.checkpoint.save_final) or stopped_early:
             check_finite()  # a diverged model is never saved over the last good one
             ckpt.save(engine, run.checkpoint_dir, step=step, consumed_samples=consumed, layout=layout_of(run, dims))
         if preempted and not done:  # (on the last step the run is simply finished)

@@ -102,3 +102,37 @@ def release_shm_buffers() -> None:
     name = (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
             f"{os.environ.get('MASTER_PORT', '')}_{dist.get_rank()}")
     (Path("/dev/shm") / name).unlink(missing_ok=True)
+
+
+CPU_OPS = ("ShareMemCommBuilder", "FusedAdamBuilder", "CPUAdamBuilder")  # what dsf's CPU runs load
+
+
+def build_ops(builders: tuple[str, ...] = CPU_OPS) -> list[str]:
+    """Build DeepSpeed's JIT ops that runs on this accelerator load (or find them in the cache), as
+    `DS_BUILD_OPS=1 pip install deepspeed` builds ops at install time: the first training then
+    does not stop for about a minute per op. Returns the ops now ready.
+
+        python -m dsframework.jit        # launch/setup_env.sh runs it; a no-op once built
+    """
+    pin_build_tools()
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if accelerator.device_name() != "cpu":  # GPU wheels ship or JIT their own ops; nothing dsf pins there
+        return []
+    ready = []
+    for name in builders:
+        builder = accelerator.create_op_builder(name)
+        if builder is not None and builder.is_compatible(verbose=False):
+            builder.load(verbose=False)
+            ready.append(builder.name)
+    return ready
+
+
+if __name__ == "__main__":
+    import time
+
+    started = time.perf_counter()
+    ops = build_ops()
+    print(f"jit: {', '.join(ops) or 'no CPU ops'} ready in {os.environ['TORCH_EXTENSIONS_DIR']} "
+          f"({time.perf_counter() - started:.0f} s)")

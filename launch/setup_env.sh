@@ -53,4 +53,7 @@ if [ ! -f "$stamp" ] || [ setup.py -nt "$stamp" ] || ! .venv/bin/python -c "impo
   .venv/bin/python -m pip install -q -e ".[dev]"
   touch "$stamp"
 fi
+# DeepSpeed's CPU ops (shm all-reduce, Adam), built once here as DS_BUILD_OPS builds them at install,
+# not by the first training (about a minute each); cached in .venv/torch_extensions afterwards.
+.venv/bin/python -m dsframework.jit 2>/dev/null | tail -n 1 || echo "setup_env: warning: DeepSpeed's CPU ops not built; the first run builds them" >&2
 echo "setup_env: .venv ready ($(.venv/bin/python -c 'import torch, deepspeed, transformers; print(f"torch {torch.__version__}, deepspeed {deepspeed.__version__}, transformers {transformers.__version__}")' 2>/dev/null))"

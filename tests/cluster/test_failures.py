@@ -185,7 +185,10 @@ def test_slurm_sigterm_checkpoints_the_step(preempted):
 
 def test_slurm_resume_after_preemption_is_exact(slurm, preempted, reference):
     """`sbatch launch/slurm.sbatch RUN.yaml ... --resume` goes on from the preemption checkpoint;
-    steps 1..REFERENCE_STEPS (before and after the stop) equal one uninterrupted run within 1e-6."""
+    steps 1..REFERENCE_STEPS (before and after the stop) equal one uninterrupted run within 1e-6.
+    This is also the SLURM launcher's training check: both jobs train 2 nodes x 2 ranks through
+    launch/slurm.sbatch (the hostfile it writes lists both nodes), and every step equals one
+    node's 4-rank run (the 1e-5 the other launchers are held to, and tighter)."""
     workdir, _, _, _, stopped, _ = preempted
     out = workdir / "out"
     assert stopped < REFERENCE_STEPS, f"preempted only at step {stopped}: nothing left to resume"
@@ -193,6 +196,7 @@ def test_slurm_resume_after_preemption_is_exact(slurm, preempted, reference):
     state = wait_job(slurm, job, timeout=TIMEOUT)
     output = (workdir / f"slurm-{job}.out").read_text()
     assert state == "COMPLETED", f"resume job {job}: {state}\n{output[-3000:]}"
+    assert (workdir / "hostfile").read_text() == "node0 slots=2\nnode1 slots=2\n"  # scontrol's nodes, in order
     resumed = losses(out)
     assert sorted(resumed) == list(range(1, REFERENCE_STEPS + 1)), "metrics.jsonl holds each step once"
     assert_matches(resumed, reference, rtol=1e-6, what=f"preempted at step {stopped} + resumed on SLURM vs straight")

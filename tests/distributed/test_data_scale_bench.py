@@ -1,4 +1,4 @@
-"""bench/data_scale.py (the data path at 200M tokens) works end to end at 3M tokens: the corpus is
+"""bench/data_scale.py (the data path at 200M tokens) works end to end at 1.5M tokens: the corpus is
 written and prepared as dsf train prepares it, the store holds at least the tokens asked for (and
 exactly what its files hold), the preparing process stays under 2 GiB, and each of the 2 training
 ranks grows by less than 100 MB from a tiny corpus to this one (about 80 s)."""
@@ -13,7 +13,7 @@ from pathlib import Path
 from tests.distributed.launcher import REPO, rank_env
 
 GiB = 2**30
-TOKENS = 3_000_000
+TOKENS = 1_500_000
 
 
 def test_data_scale_bench_small(tmp_path):

@@ -422,17 +422,25 @@ def test_launch_scripts_parse_and_multi_node_sh_runs_dsf_launch(tmp_path):
     assert len(lines) == 2 and all("--master_port 29556" in line for line in lines)
 
 
-def test_slurm_outside_an_allocation_is_one_line_and_starts_nothing(tmp_path):
+def refused_launch(tmp_path, *flags: str, drop_env: str) -> str:
+    """`dsf launch TINY --hostfile H FLAGS` (two hosts) without the variables starting with
+    `drop_env`: its one stderr line, after checking exit 2, no traceback, nothing written."""
     (tmp_path / "hostfile").write_text("worker-0 slots=1\nworker-1 slots=1\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop_env)}
     proc = subprocess.run([str(Path(sys.executable).with_name("dsf")), "launch", TINY, "--hostfile", "hostfile",
-                           "--launcher", "slurm", "--set", "train.global_batch=2", "--set", "train.micro_batch=1"],
+                           *flags, "--set", "train.global_batch=2", "--set", "train.micro_batch=1"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hostfile"]  # nothing started, no .deepspeed_env
     (line,) = proc.stderr.splitlines()
+    return line
+
+
+def test_slurm_outside_an_allocation_is_one_line_and_starts_nothing(tmp_path):
+    line = refused_launch(tmp_path, "--launcher", "slurm", drop_env="SLURM_")
     assert line.startswith("dsf: error: --launcher='slurm': ") and ("SLURM_JOB_ID is not set" in line
                                                                      or "srun is not on PATH" in line)
-    assert "sbatch launch/slurm.sbatch" in line and sorted(p.name for p in tmp_path.iterdir()) == ["hostfile"]
+    assert "sbatch launch/slurm.sbatch" in line
 
 
 def test_resume_and_overwrite_reach_every_nodes_dsf_train(in_tmp):
@@ -447,12 +455,5 @@ def test_resume_and_overwrite_reach_every_nodes_dsf_train(in_tmp):
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mpirun's refusal of root applies to root only")
 def test_openmpi_as_root_without_openmpis_consent_is_one_line(tmp_path):
-    (tmp_path / "hostfile").write_text("worker-0 slots=1\nworker-1 slots=1\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OMPI_")}
-    proc = subprocess.run([str(Path(sys.executable).with_name("dsf")), "launch", TINY, "--hostfile", "hostfile",
-                           "--launcher", "openmpi", "--set", "train.global_batch=2", "--set", "train.micro_batch=1"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    (line,) = proc.stderr.splitlines()
+    line = refused_launch(tmp_path, "--launcher", "openmpi", drop_env="OMPI_")
     assert line.startswith("dsf: error: --launcher='openmpi': ") and "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1" in line
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["hostfile"]  # no .deepspeed_env written

@@ -281,8 +281,9 @@ class RunnerLauncher(Launcher):
                                     "backend not found)", "install it, or choose another --launcher (no_ssh, slurm)")
             self.check_quietly(job)
         if self.env_new:  # append, never rewrite: the user's lines stay as they are
-            old, new = self.env_file_texts()
-            self.env_file.write_text(old + new)
+            old = self.env_file.read_text() if self.env_file.is_file() else ""
+            with self.env_file.open("a") as out:
+                out.write(("\n" if old and not old.endswith("\n") else "") + self.env_file_texts()[1])
             click.echo(f"dsf: added {', '.join(self.env_new)} to {self.env_file}", err=True)
         argv = [job.deepspeed, *self.flags(job, starting=True), *self.program]
         return self.run(argv, job)

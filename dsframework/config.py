@@ -104,6 +104,15 @@ class TrainSpec(_Spec):
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final lr / peak lr (cosine)")
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     seed: int = Field(42, description="seed for weight init and dropout")
+    compile: bool | Literal["auto"] = Field(
+        "auto", description="torch.compile the model (inductor; kernels cached beside the run): true, false, or "
+        "auto: time the first eager steps, then compile when the steps left would win back the compile time")
+    chunked_loss: bool | Literal["auto"] = Field(
+        "auto", description="compute the causal LM loss over chunks of tokens so the whole micro-batch's fp32 "
+        "logits never exist at once (forward and backward); auto: when they would exceed one chunk")
+    loss_chunk_tokens: int | None = Field(
+        None, ge=1, description="tokens per loss chunk; default: as many as keep a chunk's fp32 logits "
+        "to 256 MiB (runtime_facts.loss_chunk_tokens)")
 
     @field_validator("warmup_steps")
     @classmethod

@@ -28,6 +28,24 @@ ZERO3_PERSISTENCE_THRESHOLD = 100_000    # stage3_param_persistence_threshold: s
 STAGE0_ALLREDUCE_BUCKET = 500_000_000    # DeepSpeed's default allreduce_bucket_size (stage 0; not written)
 
 
+# --- the chunked loss (models/loss.py) -----------------------------------------------------------
+LOSS_CHUNK_LOGITS = 2**26  # fp32 logits elements of one loss chunk (256 MiB): the chunk's tokens x vocab rows
+
+
+def loss_chunk_tokens(vocab_rows: int, *, chunk_tokens: int | None = None) -> int:
+    """Tokens per loss chunk for a head of `vocab_rows` rows on this rank (train.loss_chunk_tokens
+    when given): as many as keep one chunk's fp32 logits to LOSS_CHUNK_LOGITS elements, at least 64."""
+    return chunk_tokens or max(64, LOSS_CHUNK_LOGITS // max(vocab_rows, 1))
+
+
+def loss_is_chunked(setting: bool | str, *, tokens: int, vocab_rows: int, chunk_tokens: int | None = None) -> bool:
+    """Whether a micro-batch of `tokens` tokens computes its loss in chunks (train.chunked_loss):
+    true / false as set; auto when its tokens span more than one chunk."""
+    if setting == "auto":
+        return tokens > loss_chunk_tokens(vocab_rows, chunk_tokens=chunk_tokens)
+    return bool(setting)
+
+
 # --- vocabulary padding --------------------------------------------------------------------------
 
 def padded_vocab(num_embeddings: int, *, tp: int, multiple: int | None = None) -> int:

@@ -2,6 +2,8 @@
 
     dsf config --zero-stage 3 --offload-optimizer cpu --precision bf16 --world-size 8 \\
                --global-batch 256 --micro-batch 4 -o ds_config.json
+    dsf config --zero-stage 3 --precision bf16 --world-size 8 --global-batch 256 \\
+               --auto-knobs --model llama-7b --cluster h100-80gb --seq-len 4096   # knobs + micro-batch planned
     deepspeed --num_gpus 2 $(which dsf) train launch/examples/tiny.yaml --set train.steps=50
     dsf train launch/examples/tiny.yaml --resume          # a world of one, no launcher
     dsf export runs/tiny/checkpoints runs/tiny/hf
@@ -62,13 +64,24 @@ def cli() -> None:
 @click.option("--steps", type=int, default=200, show_default=True, help="total steps, for the lr schedule")
 @click.option("--lr-schedule", type=click.Choice(["cosine", "linear", "constant"]), default="cosine",
               show_default=True)
+@click.option("--auto-knobs", is_flag=True, help="choose ZeRO's bucket, persistence and prefetch sizes (and, "
+              "with --global-batch alone, the largest micro-batch that fits) from the memory the planner predicts "
+              "free; needs --model, --cluster, --seq-len and --world-size")
+@click.option("--model", "model_name", help="--auto-knobs: preset, config.json or pretrained directory")
+@click.option("--cluster", "cluster_name", help="--auto-knobs: a cluster preset or a dsf calibrate profile")
+@click.option("--seq-len", type=click.IntRange(min=8), help="--auto-knobs: tokens per sequence")
+@click.option("--gpus-per-node", type=click.IntRange(min=1), default=8, show_default=True,
+              help="--auto-knobs: ranks per node (the world fills nodes of this many)")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), help="file; stdout without")
 @click.option("--force", is_flag=True, help="replace an existing --output file")
-def config_cmd(world_size: int | None, output: Path | None, force: bool, **flags: object) -> None:
+def config_cmd(world_size: int | None, output: Path | None, force: bool, auto_knobs: bool, model_name: str | None,
+               cluster_name: str | None, seq_len: int | None, gpus_per_node: int, **flags: object) -> None:
     """Write a DeepSpeed JSON, checked by DeepSpeed's own DeepSpeedConfig at --world-size.
 
     Give any two of --micro-batch, --grad-accum, --global-batch (the third is derived; with
-    --global-batch, --world-size is needed too).
+    --global-batch, --world-size is needed too). With --auto-knobs the planner chooses ZeRO's knobs
+    for --model on --cluster at --seq-len (see `dsf plan`), and the micro-batch when only
+    --global-batch is given.
     """
     from dsframework.config import build_run_config
     from dsframework.dsconfig import build_ds_config, dumps, validate_ds_config
@@ -79,6 +92,14 @@ def config_cmd(world_size: int | None, output: Path | None, force: bool, **flags
     if world_size is None and flags["global_batch"] is not None:
         raise UserError("--global-batch", flags["global_batch"], "needs --world-size to derive the rest",
                         "pass --world-size, or give --micro-batch and --grad-accum instead")
+    if auto_knobs:
+        needed = (("--model", model_name), ("--cluster", cluster_name), ("--seq-len", seq_len),
+                  ("--world-size", world_size))
+        missing = next((flag for flag, value in needed if value is None), None)
+        if missing is not None:
+            raise click.UsageError(f"--auto-knobs needs {missing}: the knobs are planned for a model, a cluster, "
+                                   "a sequence length and a world size; pass --model, --cluster, --seq-len and "
+                                   "--world-size")
     train_keys = ("micro_batch", "grad_accum", "global_batch", "optimizer", "lr", "weight_decay",
                   "grad_clip", "warmup_steps", "steps", "lr_schedule", "precision")
     parallel_keys = ("zero_stage", "offload_optimizer", "offload_param", "nvme_path", "tp", "pp", "cp", "zero_hpz")
@@ -93,6 +114,11 @@ def config_cmd(world_size: int | None, output: Path | None, force: bool, **flags
         problem = grid_problem(dims) if world_size else None  # the layout's rules that need no model
         if problem is not None:
             raise problem
+        notes: list[str] = []
+        if auto_knobs:
+            notes = _auto_knobs(sections, run, dims, model_name=model_name, cluster_name=cluster_name,
+                                seq_len=seq_len, gpus_per_node=gpus_per_node)
+            run = build_run_config(sections)
         ds = build_ds_config(run.train, run.parallel, dp_size=dims.dp)
     except UserError as err:  # name the flag the user typed, not the config field behind it
         raise UserError(_flag_for(err.field), err.value, err.rule, err.fix) from None
@@ -103,6 +129,8 @@ def config_cmd(world_size: int | None, output: Path | None, force: bool, **flags
     else:
         validate_ds_config(ds, dp_size=dims.dp)
     text = dumps(ds)
+    for line in notes:  # stderr: stdout is the JSON
+        click.echo(f"dsf: {line}", err=True)
     if output is None:
         click.echo(text, nl=False)
         return
@@ -110,6 +138,44 @@ def config_cmd(world_size: int | None, output: Path | None, force: bool, **flags
     output.write_text(text)
     layout = f"tp={dims.tp} pp={dims.pp} cp={dims.cp} dp={dims.dp if world_size else 'any'}"
     click.echo(f"dsf: wrote {output} (ZeRO-{run.parallel.zero_stage}, {layout})", err=True)
+
+
+def _auto_knobs(sections: dict, run, dims, *, model_name: str, cluster_name: str, seq_len: int,
+                gpus_per_node: int) -> list[str]:
+    """`dsf config --auto-knobs`: put the planner's knobs (and, given only the global batch, the
+    largest micro-batch that fits) into `sections`, the raw run config; the lines to print."""
+    from dataclasses import replace
+
+    from dsframework.config import ModelSpec
+    from dsframework.dsconfig import resolve_batch
+    from dsframework.models import resolve_model
+    from dsframework.planner.cluster import GiB, load_cluster
+    from dsframework.planner.fit import run_job, run_layout
+    from dsframework.planner.knobs import largest_micro_batch, with_knobs
+    from dsframework.planner.model import describe_model
+
+    per_node = min(gpus_per_node, dims.world)
+    cluster = load_cluster(cluster_name, nodes=-(-dims.world // per_node), gpus_per_node=per_node)
+    desc = describe_model(resolve_model(ModelSpec(name=model_name)).config, name=model_name)
+    train = run.train
+    batch = resolve_batch(train.micro_batch, train.grad_accum, train.global_batch, dp_size=dims.dp)
+    layout = run_layout(run.parallel, dp=dims.dp, micro_batch=batch.micro_batch, grad_accum=batch.grad_accum)
+    job = replace(run_job(run, global_batch=batch.global_batch), seq_len=seq_len)
+    notes = []
+    if train.global_batch is not None and train.micro_batch is None and train.grad_accum is None:
+        micro = largest_micro_batch(desc, layout, job, cluster, per_replica=batch.global_batch // dims.dp)
+        if micro is not None:
+            layout = replace(layout, micro_batch=micro, grad_accum=batch.global_batch // dims.dp // micro)
+            sections["train"]["micro_batch"] = micro
+            notes.append(f"micro-batch {micro}: the largest that fits ({desc.name}, seq {seq_len}, {cluster.name})")
+    layout, fit, choice = with_knobs(desc, layout, job, cluster)
+    if choice is None:
+        notes.append(f"knobs: dsf's defaults: {fit.why_not} for {desc.name} at micro-batch {layout.micro_batch}")
+        return notes
+    sections["parallel"]["zero_knobs"] = layout.knobs.changed(layout.zero_stage)
+    chosen = ", ".join(f"{k} {v:,}" for k, v in sections["parallel"]["zero_knobs"].items()) or "dsf's defaults"
+    notes.append(f"knobs: {chosen} (predicted {fit.need / GiB:.1f} of {fit.available / GiB:.1f} GiB per rank)")
+    return notes + [f"  {line}" for line in choice.why]
 
 
 def _flag_for(field: str) -> str:
@@ -184,7 +250,7 @@ def _write_plan_files(plan, output_dir: Path, *, model_name: str) -> None:
     best, job = plan.best, plan.job
     run = build_run_config(run_config_dict(best, model_name=model_name, seq_len=job.seq_len,
                                            global_batch=job.global_batch, precision=job.precision,
-                                           output_dir=str(output_dir / "run")))
+                                           output_dir=str(output_dir / "run"), plan=plan))
     ds = build_ds_config(run.train, run.parallel, dp_size=best.layout.dp)
     validate_ds_config(ds, dp_size=best.layout.dp)
     output_dir.mkdir(parents=True, exist_ok=True)

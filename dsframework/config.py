@@ -123,6 +123,32 @@ class TrainSpec(_Spec):
         return warmup_steps
 
 
+class ZeroKnobsSpec(_Spec):
+    """DeepSpeed's ZeRO bucket, persistence and prefetch settings, in elements; None: dsf's default
+    (runtime_facts). `dsf plan -o` and `dsf config --auto-knobs` choose them from the memory the
+    plan leaves free (planner/knobs.py); `--set parallel.zero_knobs.prefetch_bucket=2e7` sets one."""
+
+    persistence_threshold: int | None = Field(
+        None, ge=0, description="ZeRO-3 stage3_param_persistence_threshold: tensors of at most this many elements "
+        "stay whole on every rank and are never gathered (default 1e5)")
+    prefetch_bucket: int | None = Field(
+        None, ge=0, description="ZeRO-3 stage3_prefetch_bucket_size: elements gathered ahead of the layer that "
+        "needs them; 0 turns prefetching off (default 5e7)")
+    max_live_parameters: int | None = Field(
+        None, ge=1, description="ZeRO-3 stage3_max_live_parameters: gathered elements beyond which prefetching "
+        "stops (default: DeepSpeed's 1e9)")
+    reduce_bucket: int | None = Field(
+        None, ge=1, description="ZeRO 1-3 reduce_bucket_size: gradient elements per reduce (default 5e7)")
+    allgather_bucket: int | None = Field(
+        None, ge=2, multiple_of=2, description="ZeRO 1-2 allgather_bucket_size: updated-weight elements per "
+        "all-gather, even (DeepSpeed's rule; default 5e7)")
+
+
+# Which ZeRO stages read each knob (DeepSpeed ignores the rest).
+_KNOB_STAGES = {"persistence_threshold": (3,), "prefetch_bucket": (3,), "max_live_parameters": (3,),
+                "reduce_bucket": (1, 2, 3), "allgather_bucket": (1, 2)}
+
+
 class ParallelSpec(_Spec):
     """How to split the work across ranks."""
 
@@ -144,6 +170,19 @@ class ParallelSpec(_Spec):
                                   "uniform or type:<regex>")
     activation_checkpointing: Literal["none", "full"] = Field(
         "none", description="recompute activations in the backward pass: none or full (every layer)")
+    zero_knobs: ZeroKnobsSpec = Field(default_factory=ZeroKnobsSpec, description="ZeRO's bucket, persistence and "
+                                      "prefetch sizes (elements); unset: dsf's defaults")
+
+    @field_validator("zero_knobs")
+    @classmethod
+    def _knobs_of_this_stage(cls, knobs: ZeroKnobsSpec, info: ValidationInfo) -> ZeroKnobsSpec:
+        stage = info.data.get("zero_stage")
+        for name, stages in _KNOB_STAGES.items():
+            if stage is not None and getattr(knobs, name) is not None and stage not in stages:
+                raise UserError(f"parallel.zero_knobs.{name}", getattr(knobs, name),
+                                f"is read at ZeRO stage {'/'.join(map(str, stages))} only, not at zero_stage={stage}",
+                                f"remove parallel.zero_knobs.{name} or change parallel.zero_stage")
+        return knobs
 
     @field_validator("offload_optimizer")
     @classmethod

@@ -53,8 +53,7 @@ def memory_check(run, config, dims, active, cluster_name: str | None, *, force: 
     from dsframework.dsconfig import resolve_batch
     from dsframework.launch import local_cluster
     from dsframework.planner.cluster import GiB, load_cluster
-    from dsframework.planner.fit import check_fit, run_layout
-    from dsframework.planner.memory import Job
+    from dsframework.planner.fit import check_fit, run_job, run_layout
     from dsframework.planner.model import describe_model
 
     ranks_per_node = max(len(slots) for slots in active.values())
@@ -64,7 +63,7 @@ def memory_check(run, config, dims, active, cluster_name: str | None, *, force: 
         cluster, source = local_cluster(nodes=len(active), ranks_per_node=ranks_per_node)
     batch = resolve_batch(run.train.micro_batch, run.train.grad_accum, run.train.global_batch, dp_size=dims.dp)
     layout = run_layout(run.parallel, dp=dims.dp, micro_batch=batch.micro_batch, grad_accum=batch.grad_accum)
-    job = Job(seq_len=run.data.seq_len, global_batch=batch.global_batch, precision=run.train.precision)
+    job = run_job(run, global_batch=batch.global_batch)
     lora = ""
     if run.model.lora is not None:  # only the adapters have gradients and optimizer states
         from dataclasses import replace

@@ -25,6 +25,8 @@ ZERO_REDUCE_BUCKET = 50_000_000          # zero_optimization.reduce_bucket_size 
 ZERO_ALLGATHER_BUCKET = 50_000_000       # zero_optimization.allgather_bucket_size (stages 1-2)
 ZERO3_PREFETCH_BUCKET = 50_000_000       # zero_optimization.stage3_prefetch_bucket_size
 ZERO3_PERSISTENCE_THRESHOLD = 100_000    # stage3_param_persistence_threshold: smaller tensors stay whole
+ZERO3_MAX_LIVE_PARAMETERS = 1_000_000_000  # DeepSpeed's stage3_max_live_parameters (written only when the plan
+#                                           chooses one: it caps how far ahead ZeRO-3 prefetches)
 STAGE0_ALLREDUCE_BUCKET = 500_000_000    # DeepSpeed's default allreduce_bucket_size (stage 0; not written)
 
 
@@ -101,4 +103,4 @@ def partition_balanced(weights: list[int] | list[float], num_parts: int) -> list
 
 
 __all__ = ["ZERO_REDUCE_BUCKET", "ZERO_ALLGATHER_BUCKET", "ZERO3_PREFETCH_BUCKET", "ZERO3_PERSISTENCE_THRESHOLD",
-           "STAGE0_ALLREDUCE_BUCKET", "padded_vocab", "partition_uniform", "partition_balanced"]
+           "ZERO3_MAX_LIVE_PARAMETERS", "STAGE0_ALLREDUCE_BUCKET", "padded_vocab", "partition_uniform", "partition_balanced"]

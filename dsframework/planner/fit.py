@@ -1,7 +1,8 @@
 """Will one given run fit? The planner's memory model and fit rule, for a layout already chosen.
 
     layout = run_layout(run.parallel, dp=dims.dp, micro_batch=batch.micro_batch, grad_accum=batch.grad_accum)
-    fit = check_fit(describe_model(config), layout, Job(seq_len=512, global_batch=32, precision="bf16"), cluster)
+    job = run_job(run, global_batch=batch.global_batch)   # or Job(seq_len=512, global_batch=32, precision="bf16")
+    fit = check_fit(describe_model(config), layout, job, cluster)
     fit.fits, fit.need / GiB, fit.available / GiB      # busiest rank (with headroom) vs usable per rank
     fit.host_need / GiB, fit.host_available / GiB      # a node's RAM to build, offload or export
     check_fit(desc, layout, Job(..., trainable_params=count.trainable, trainable_persistent=count.persistent), cluster)
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsframework.planner.cluster import Cluster, GiB
-from dsframework.planner.memory import (EXPORT_SHARD_BYTES, HostMemory, Job, Layout, Memory, host_memory_per_node,
+from dsframework.planner.memory import (EXPORT_SHARD_BYTES, HostMemory, Job, Knobs, Layout, Memory, host_memory_per_node,
                                         memory_per_rank)
 from dsframework.planner.model import ModelDesc
 
@@ -64,11 +65,20 @@ class Fit:
 
 def run_layout(parallel: Any, *, dp: int, micro_batch: int, grad_accum: int) -> Layout:
     """The planner's Layout of a run config's `parallel` section (nvme offload counts as
-    offloaded); `dp` is the replicas, world / (tp x pp x cp) (ParallelDims.dp)."""
+    offloaded; its zero_knobs, where set, replace dsf's defaults); `dp` is the replicas,
+    world / (tp x pp x cp) (ParallelDims.dp)."""
     return Layout(dp=dp, tp=parallel.tp, pp=parallel.pp, cp=parallel.cp, zero_stage=parallel.zero_stage,
                   zero_hpz=parallel.zero_hpz, offload_optimizer=parallel.offload_optimizer != "none",
                   offload_param=parallel.offload_param != "none", micro_batch=micro_batch,
-                  grad_accum=grad_accum, activation_checkpointing=parallel.activation_checkpointing)
+                  grad_accum=grad_accum, activation_checkpointing=parallel.activation_checkpointing,
+                  knobs=Knobs.of(getattr(parallel, "zero_knobs", None)))
+
+
+def run_job(run: Any, *, global_batch: int) -> Job:
+    """The planner's Job of a run config: its sequence length, precision and loss chunking
+    (train.chunked_loss, train.loss_chunk_tokens) at `global_batch` sequences a step."""
+    return Job(seq_len=run.data.seq_len, global_batch=global_batch, precision=run.train.precision,
+               chunked_loss=run.train.chunked_loss, loss_chunk_tokens=run.train.loss_chunk_tokens)
 
 
 def check_fit(desc: ModelDesc, layout: Layout, job: Job, cluster: Cluster, *,

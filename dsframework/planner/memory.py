@@ -8,6 +8,8 @@ and the host memory a node needs to build the model, hold what is offloaded, and
     host = host_memory_per_node(desc, layout, mem, ranks_per_node=8)
     host.build, host.offload, host.export, host.peak   # bytes of one node's RAM
     lora = Job(seq_len=4096, global_batch=64, trainable_params=103_546_880)  # LoRA: the adapters alone train
+    Layout(dp=8, zero_stage=3, knobs=Knobs(persistence_threshold=4_194_304))  # ZeRO's knobs (parallel.zero_knobs)
+    Job(seq_len=4096, global_batch=64, chunked_loss=True)   # the loss over chunks (train.chunked_loss; "auto")
 
 Model states follow what DeepSpeed (0.19) really allocates, which is more than the ZeRO paper's
 2 + 2 + 12 bytes per parameter in places (checked against live engines in
@@ -23,9 +25,13 @@ splitting, w the parameter bytes (4 fp32, 2 bf16/fp16), d the data-parallel size
     2      w P               w P / d                         12 P / d
     3      w P / d + the     w P / d                         12 P / d
            persistent ones
-           (<= 1e5 elements,
+           (<= the threshold,
            kept whole)
            + w P / N with hpZ
+
+ZeRO-3's persistent tensors are those of at most `Layout.knobs.persistence_threshold` elements
+(DeepSpeed's stage3_param_persistence_threshold, 1e5 unless chosen): each is whole on every rank
+beside its partition, and never gathered.
 
 d is the ranks ZeRO shards over: data x context parallel (`Layout.zero_ranks`; the context ranks
 of a replica hold the same weights, DeepSpeed's sequence-data-parallel group). ZeRO++ hpZ
@@ -98,12 +104,21 @@ buffer). Selective recomputation (Korthikanti section 4.2) recomputes exactly th
 sdpa never stores, so it equals `none` here and is not offered. The first and last stages also
 keep the embedding's token ids, the final norm's inputs and the fp32 logits the loss reads (b s V
 / t x 4 bytes). Under 1F1B, stage i holds min(pp - i, grad_accum) micro-batches in flight.
+With a chunked loss (`Job.chunked_loss`: True, or "auto" when the rank's b s / cp tokens span more
+than one chunk, `runtime_facts.loss_is_chunked`, as the training loop decides) the last stage keeps
+no logits: each chunk's are recomputed in the backward from the final norm's output, which is
+already counted; one chunk's fp32 logits and their fp32 gradient exist at a time, a buffer of
+c x V / t x (4 + 4) bytes for c = `runtime_facts.loss_chunk_tokens` tokens (fewer when the
+micro-batch has fewer).
 
-Buffers: ZeRO's communication buckets (the sizes dsconfig.py writes, from runtime_facts: reduce
-5e7 elements, all-gather 5e7 at stages 1-2, ZeRO-3's prefetch bucket and the gathered working
-set of two layers), the fp32 gradient
-partition made at the optimizer step, DeepSpeed's 5e8-element all-reduce bucket at stage 0, the
-logits and their gradient, pipeline send/receive buffers, and the recompute working set.
+Buffers: ZeRO's communication buckets in the sizes of `Layout.knobs` (what dsconfig.py writes;
+dsf's defaults from runtime_facts: reduce 5e7 elements, all-gather 5e7 at stages 1-2; min(bucket,
+what the rank moves) at stages 1-2, the reduce bucket whole at stage 3, where DeepSpeed allocates
+it at start), ZeRO-3's gathered working set (`zero3_gathered`: two layers' non-persistent tensors
+plus what it prefetched ahead, the prefetch bucket capped by max_live_parameters and by the stage's
+gathered elements), the fp32 gradient partition made at the optimizer step, DeepSpeed's
+5e8-element all-reduce bucket at stage 0, the logits and their gradient (or one loss chunk's),
+pipeline send/receive buffers, and the recompute working set.
 """
 from __future__ import annotations
 
@@ -113,8 +128,9 @@ from typing import Literal
 
 from dsframework.parallel.topology import ParallelDims
 from dsframework.planner.model import ModelDesc
-from dsframework.runtime_facts import (STAGE0_ALLREDUCE_BUCKET, ZERO3_PERSISTENCE_THRESHOLD, ZERO3_PREFETCH_BUCKET,
-                                       ZERO_ALLGATHER_BUCKET, ZERO_REDUCE_BUCKET, padded_vocab, partition_balanced)
+from dsframework.runtime_facts import (STAGE0_ALLREDUCE_BUCKET, ZERO3_MAX_LIVE_PARAMETERS, ZERO3_PERSISTENCE_THRESHOLD,
+                                       ZERO3_PREFETCH_BUCKET, ZERO_ALLGATHER_BUCKET, ZERO_REDUCE_BUCKET, loss_chunk_tokens,
+                                       loss_is_chunked, padded_vocab, partition_balanced)
 
 ADAM_STATE_BYTES = 8  # fp32 exp_avg + exp_avg_sq
 MASTER_BYTES = 4  # fp32 master copy of the parameters
@@ -133,10 +149,50 @@ class Job:
     # parameters, which are frozen (held, no gradients or optimizer states). None: every parameter trains.
     trainable_params: int | None = None
     trainable_persistent: int = 0  # of those, elements in tensors ZeRO-3 keeps whole (<= 1e5 elements)
+    # The causal LM loss over chunks of tokens (train.chunked_loss: True, False or "auto";
+    # train.loss_chunk_tokens): the last stage then holds one chunk's logits at a time.
+    chunked_loss: bool | str = "auto"
+    loss_chunk_tokens: int | None = None
 
     @property
     def param_bytes(self) -> int:
         return 4 if self.precision == "fp32" else 2
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """DeepSpeed's ZeRO settings that trade memory for fewer, larger or earlier collectives, in
+    elements (the run config's parallel.zero_knobs; planner/knobs.py chooses them from the memory a
+    plan leaves free). The defaults are the values dsf writes without a choice (runtime_facts).
+
+        Knobs()                                          # dsf's defaults
+        Knobs(persistence_threshold=4_194_304)           # tensors <= 4.2M elements stay whole
+        Knobs.of(run.parallel.zero_knobs)                # a run config's, None -> the default
+    """
+
+    persistence_threshold: int = ZERO3_PERSISTENCE_THRESHOLD  # ZeRO-3: tensors this small are never partitioned
+    prefetch_bucket: int = ZERO3_PREFETCH_BUCKET  # ZeRO-3: elements gathered ahead of the module that needs them
+    max_live_parameters: int = ZERO3_MAX_LIVE_PARAMETERS  # ZeRO-3: gathered elements beyond which prefetch stops
+    reduce_bucket: int = ZERO_REDUCE_BUCKET  # ZeRO 1-3: gradient elements per reduce(-scatter)
+    allgather_bucket: int = ZERO_ALLGATHER_BUCKET  # ZeRO 1-2: updated-weight elements per all-gather
+
+    @classmethod
+    def of(cls, spec: object) -> "Knobs":
+        """From a config.ZeroKnobsSpec (or anything with its fields); a field left None keeps the default."""
+        default = cls()
+        return cls(**{name: getattr(spec, name, None) if getattr(spec, name, None) is not None
+                      else getattr(default, name) for name in cls.__dataclass_fields__})
+
+    def changed(self, zero_stage: int) -> dict[str, int]:
+        """The knobs that differ from the defaults and that `zero_stage` uses, as parallel.zero_knobs
+        fields: what a run config needs to say."""
+        used = {0: (), 1: ("reduce_bucket", "allgather_bucket"), 2: ("reduce_bucket", "allgather_bucket"),
+                3: ("persistence_threshold", "prefetch_bucket", "max_live_parameters", "reduce_bucket")}[zero_stage]
+        default = Knobs()
+        return {name: getattr(self, name) for name in used if getattr(self, name) != getattr(default, name)}
+
+
+DEFAULT_KNOBS = Knobs()
 
 
 @dataclass(frozen=True)
@@ -155,6 +211,7 @@ class Layout:
     activation_checkpointing: Literal["none", "full"] = "none"
     cp: int = 1  # context parallel (Ulysses): each rank of a group holds seq_len / cp tokens
     zero_hpz: int = 1  # ZeRO-3 hpZ: a secondary weight partition within groups of this many ranks
+    knobs: Knobs = DEFAULT_KNOBS  # ZeRO's buckets and ZeRO-3's persistence / prefetch settings
 
     @property
     def world(self) -> int:
@@ -217,29 +274,32 @@ def _padded_vocab_rows(vocab: int, tp: int) -> int:
     return padded_vocab(vocab, tp=tp) // tp
 
 
-def _items(desc: ModelDesc, tp: int) -> list[tuple[int, int, str]]:
-    """The pipeline's layer list as (elements per tensor rank, persistent elements, kind)."""
+def _items(desc: ModelDesc, tp: int, threshold: int = ZERO3_PERSISTENCE_THRESHOLD) -> list[tuple[int, int, str]]:
+    """The pipeline's layer list as (elements per tensor rank, persistent elements, kind); a tensor
+    is persistent when its elements on this tensor rank are <= `threshold` (DeepSpeed compares the
+    tensor it partitions, ds_numel)."""
     def split(numel: int, sharded: bool) -> int:
         return numel // tp if sharded else numel
 
     rows = _padded_vocab_rows(desc.vocab, tp)
     embed = rows * desc.hidden + desc.position_params
-    embed_persistent = sum(n for n in (rows * desc.hidden, desc.position_params)
-                           if 0 < n <= ZERO3_PERSISTENCE_THRESHOLD)
+    embed_persistent = sum(n for n in (rows * desc.hidden, desc.position_params) if 0 < n <= threshold)
     layer = sum(split(n, s) for n, s in desc.layer_tensors)
-    layer_persistent = sum(split(n, s) for n, s in desc.layer_tensors if split(n, s) <= ZERO3_PERSISTENCE_THRESHOLD)
+    layer_persistent = sum(split(n, s) for n, s in desc.layer_tensors if split(n, s) <= threshold)
     head = rows * desc.hidden if (desc.head_params or desc.tied) else 0
-    head_persistent = head if head <= ZERO3_PERSISTENCE_THRESHOLD else 0
+    head_persistent = head if head <= threshold else 0
     return ([(embed, embed_persistent, "embed")] + [(layer, layer_persistent, "layer")] * desc.layers
             + [(desc.final_norm_params, desc.final_norm_params, "norm"), (head, head_persistent, "head")])
 
 
 @lru_cache(maxsize=4096)
-def stage_shapes(desc: ModelDesc, tp: int, pp: int) -> tuple[StageShape, ...]:
+def stage_shapes(desc: ModelDesc, tp: int, pp: int,
+                 threshold: int = ZERO3_PERSISTENCE_THRESHOLD) -> tuple[StageShape, ...]:
     """Each pipeline stage's parameters (per tensor rank), balanced by parameters as
-    `partition_method=parameters` does. A tied head on its own stage holds a copy of the
-    embedding; with one stage the tie costs nothing."""
-    items = _items(desc, tp)
+    `partition_method=parameters` does, and those in tensors of <= `threshold` elements (ZeRO-3's
+    persistent ones). A tied head on its own stage holds a copy of the embedding; with one stage
+    the tie costs nothing."""
+    items = _items(desc, tp, threshold)
     if desc.tied and pp == 1:
         items[-1] = (0, 0, "head")
     bounds = partition_balanced([n for n, _, _ in items], pp)
@@ -331,10 +391,22 @@ def ulysses_buffer_bytes(desc: ModelDesc, *, micro_batch: int, seq_len: int, tp:
     return 2 * bs * (2 * desc.hidden / tp + 2 * kv) * w
 
 
+def loss_chunk(desc: ModelDesc, layout: Layout, job: Job) -> int | None:
+    """Tokens whose logits the last stage holds at once when its loss is chunked (Job.chunked_loss,
+    decided as the training loop decides it: runtime_facts.loss_is_chunked on this rank's tokens and
+    vocabulary rows), else None: the whole micro-batch's logits exist together."""
+    rows = _padded_vocab_rows(desc.vocab, layout.tp)
+    tokens = layout.micro_batch * job.seq_len // layout.cp
+    if not loss_is_chunked(job.chunked_loss, tokens=tokens, vocab_rows=rows, chunk_tokens=job.loss_chunk_tokens):
+        return None
+    return min(tokens, loss_chunk_tokens(rows, chunk_tokens=job.loss_chunk_tokens))
+
+
 def _edge_activation_bytes(desc: ModelDesc, shape: StageShape, *, micro_batch: int, seq_len: int, tp: int,
-                           precision: str, cp: int = 1) -> float:
+                           precision: str, cp: int = 1, chunked: bool = False) -> float:
     """The first stage's token ids; the last stage's final norm and fp32 logits for the loss
-    (for this rank's seq_len / cp tokens)."""
+    (for this rank's seq_len / cp tokens). A `chunked` loss keeps no logits: each chunk's are
+    recomputed in the backward from the final norm's output, already counted here."""
     bs = micro_batch * seq_len / cp
     w = 4 if precision == "fp32" else 2
     total = 0.0
@@ -343,7 +415,8 @@ def _edge_activation_bytes(desc: ModelDesc, shape: StageShape, *, micro_batch: i
     if shape.last:
         h = desc.hidden
         norm = _rms_norm_bytes(h, w) if desc.family == "llama" else 2 * h * w + 2 * 4
-        total += bs * (norm + _padded_vocab_rows(desc.vocab, tp) * 4 + 8)  # logits fp32, labels
+        logits = 0 if chunked else _padded_vocab_rows(desc.vocab, tp) * 4
+        total += bs * (norm + logits + 8)  # logits fp32, labels
     return total
 
 
@@ -408,23 +481,46 @@ def _model_states(shape: StageShape, layout: Layout, job: Job, train: Trained) -
     return states
 
 
+def layer_gathered(desc: ModelDesc, *, tp: int, threshold: int) -> int:
+    """Elements of one decoder layer (on one tensor rank) ZeRO-3 all-gathers: its tensors above the
+    persistence `threshold` (the persistent ones are never gathered)."""
+    return sum(k for k in (n // tp if s else n for n, s in desc.layer_tensors) if k > threshold)
+
+
+def zero3_gathered(desc: ModelDesc, shape: StageShape, layout: Layout) -> float:
+    """Elements ZeRO-3 holds gathered at once: two layers (the one computing and the one being
+    released, or backward's pair) plus what it prefetched ahead: the prefetch bucket, capped by the
+    live-parameter limit (prefetch stops when max_live_parameters are gathered) and by what the
+    stage has to gather."""
+    knobs = layout.knobs
+    layer = layer_gathered(desc, tp=layout.tp, threshold=knobs.persistence_threshold)
+    ahead = min(knobs.prefetch_bucket, max(knobs.max_live_parameters - layer, 0), shape.params - shape.persistent)
+    return 2 * layer + max(ahead, 0)
+
+
 def _buffers(desc: ModelDesc, shape: StageShape, layout: Layout, job: Job, layer_act: float,
              train: Trained) -> float:
     """Gradient-sized buffers (reduce and all-reduce buckets, the all-gather of updated weights,
-    the fp32 gradient partition) follow what trains (T); ZeRO-3's gathered layers, the weights."""
+    the fp32 gradient partition) follow what trains (T); ZeRO-3's gathered layers, the weights.
+    Bucket sizes are the layout's knobs; ZeRO-3 allocates its reduce bucket whole at start
+    (contiguous gradients), stages 1-2 only as much as there is to reduce."""
     T, d, w, z = train.elements, layout.zero_ranks, job.param_bytes, layout.zero_stage
+    knobs = layout.knobs
     bs = layout.micro_batch * job.seq_len / layout.cp  # this rank's tokens
     total = 0.0
     if z == 0 and d > 1:
         total += min(STAGE0_ALLREDUCE_BUCKET, T) * w
     if z in (1, 2):
-        total += min(ZERO_REDUCE_BUCKET, T) * w + min(ZERO_ALLGATHER_BUCKET, T) * w + 4 * T / d
+        total += min(knobs.reduce_bucket, T) * w + min(knobs.allgather_bucket, T) * w + 4 * T / d
     if z == 3:
-        layer_full = sum(n // layout.tp if s else n for n, s in desc.layer_tensors)
-        total += min(ZERO_REDUCE_BUCKET, T) * w + 2 * layer_full * w + min(ZERO3_PREFETCH_BUCKET, layer_full) * w
-        total += 4 * T / d
-    if shape.last:  # logits (w bytes) and their fp32 gradient in the backward
-        total += bs * _padded_vocab_rows(desc.vocab, layout.tp) * (w + 4)
+        total += knobs.reduce_bucket * w + zero3_gathered(desc, shape, layout) * w + 4 * T / d
+    if shape.last:
+        rows = _padded_vocab_rows(desc.vocab, layout.tp)
+        chunk = loss_chunk(desc, layout, job)
+        if chunk is None:  # the logits (w bytes) and their fp32 gradient in the backward
+            total += bs * rows * (w + 4)
+        else:  # one chunk's fp32 logits and their fp32 gradient at a time
+            total += chunk * rows * (4 + 4)
     if layout.pp > 1:
         total += 2 * bs * desc.hidden * w
     total += ulysses_buffer_bytes(desc, micro_batch=layout.micro_batch, seq_len=job.seq_len, tp=layout.tp,
@@ -441,17 +537,19 @@ def stage_memories(desc: ModelDesc, layout: Layout, job: Job) -> list[Memory]:
     kept_per_layer = (layout.micro_batch * job.seq_len / layout.cp * desc.hidden * job.param_bytes
                       if layout.activation_checkpointing == "full" else layer_act)
     memories = []
-    for index, shape in enumerate(stage_shapes(desc, layout.tp, layout.pp)):
+    chunk = loss_chunk(desc, layout, job)
+    for index, shape in enumerate(stage_shapes(desc, layout.tp, layout.pp, layout.knobs.persistence_threshold)):
         in_flight = min(layout.pp - index, layout.grad_accum) if layout.pp > 1 else 1
         edge = _edge_activation_bytes(desc, shape, micro_batch=layout.micro_batch, seq_len=job.seq_len,
-                                      tp=layout.tp, precision=job.precision, cp=layout.cp)
+                                      tp=layout.tp, precision=job.precision, cp=layout.cp, chunked=chunk is not None)
         train = trained(desc, shape, job)
         states = _model_states(shape, layout, job, train)
         hpz = states.pop("hpz_secondary")
         memories.append(Memory(**states, activations=in_flight * (shape.layers * kept_per_layer + edge),
                                buffers=_buffers(desc, shape, layout, job, layer_act, train), stage=index,
                                parts={"params_elements": shape.params, "layers": shape.layers,
-                                      "trainable_elements": train.elements, "hpz_secondary": hpz}))
+                                      "trainable_elements": train.elements, "hpz_secondary": hpz,
+                                      "persistent_elements": shape.persistent, "loss_chunk_tokens": chunk}))
     return memories
 
 

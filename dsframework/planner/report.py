@@ -3,12 +3,21 @@
     print(plan_table(plan, top=5))
     records = [c.as_dict() for c in plan.candidates]          # --json
     run_config_dict(plan.best, model_name="llama-7b", seq_len=4096, global_batch=512, precision="bf16")
+    knobs_lines(plan.best)                                    # ZeRO's knobs the plan chose, and why
+
+The table ends with the best layout and its knobs:
+
+    best: ZeRO-3, tp 1 pp 1 dp 8, micro-batch 2 x 4, checkpointing none: 9,321 tokens/s predicted
+    knobs: persistence_threshold 16,777,216, prefetch_bucket 270,532,608, max_live_parameters ..., reduce_bucket ...
+      43.13 GiB free per rank; the knobs may take 50% of it, 7.19 GiB each
+      persistence threshold 16,777,216: tensors of <= 16,777,216 elements stay whole on every rank (+4.00 GiB) ...
 """
 from __future__ import annotations
 
 from typing import Any
 
 from dsframework.planner.cluster import GiB
+from dsframework.planner.memory import loss_chunk
 from dsframework.planner.search import Candidate, Plan, describe_grid, family_of
 
 
@@ -72,21 +81,39 @@ def plan_table(plan: Plan, *, top: int = 5) -> str:
             if flat is not None:  # (when none fits, `dropped` says why)
                 out.append(f"  fastest without context parallelism: {describe_grid(flat.layout)}, "
                            f"{flat.tokens_per_s:,.0f} tokens/s ({flat.tokens_per_s / best.tokens_per_s:.0%} of the best)")
+        out += knobs_lines(best)
     return "\n".join(out)
 
 
+def knobs_lines(candidate: Candidate) -> list[str]:
+    """'knobs: name value, ...' (the ones that differ from dsf's defaults) and the reasons, indented."""
+    choice, lay = candidate.knobs, candidate.layout
+    if choice is None:
+        return []
+    changed = lay.knobs.changed(lay.zero_stage)
+    head = ", ".join(f"{k} {v:,}" for k, v in changed.items()) or "dsf's defaults"
+    return [f"knobs: {head}"] + [f"  {line}" for line in choice.why]
+
+
 def run_config_dict(candidate: Candidate, *, model_name: str, seq_len: int, global_batch: int,
-                    precision: str, output_dir: str = "runs/planned") -> dict[str, Any]:
-    """The run config (as `dsf train` reads it) of a candidate."""
+                    precision: str, output_dir: str = "runs/planned", plan: Plan | None = None) -> dict[str, Any]:
+    """The run config (as `dsf train` reads it) of a candidate: its layout, its ZeRO knobs where they
+    differ from dsf's defaults, and train.chunked_loss true where the plan counted a chunked loss
+    (`plan` gives the model and job to decide that; without it the run keeps `auto`)."""
     lay = candidate.layout
+    train: dict[str, Any] = {"global_batch": global_batch, "micro_batch": lay.micro_batch, "grad_accum": None,
+                             "precision": precision}
+    if plan is not None and loss_chunk(plan.desc, lay, plan.job) is not None:
+        train["chunked_loss"] = True
+    parallel_knobs = lay.knobs.changed(lay.zero_stage)
     return {
         "model": {"name": model_name},
         "data": {"seq_len": seq_len},
-        "train": {"global_batch": global_batch, "micro_batch": lay.micro_batch, "grad_accum": None,
-                  "precision": precision},
+        "train": train,
         "parallel": {"tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "zero_stage": lay.zero_stage, "zero_hpz": lay.zero_hpz,
                      "offload_optimizer": "cpu" if lay.offload_optimizer else "none",
                      "offload_param": "cpu" if lay.offload_param else "none",
-                     "activation_checkpointing": lay.activation_checkpointing},
+                     "activation_checkpointing": lay.activation_checkpointing,
+                     **({"zero_knobs": parallel_knobs} if parallel_knobs else {})},
         "output_dir": output_dir,
     }

@@ -15,6 +15,8 @@ ZeRO-3 and optimizer offload; optimizer offload with ZeRO 1-3; hpZ groups within
 smaller than the ZeRO group (a group of all of them is plain ZeRO-3 with a second copy). A candidate fits when its busiest rank, plus the safety
 margin, stays within the GPU's memory, and a node's host memory holds what the run puts there:
 its ranks' shares while they are built plus their offloaded states, and `dsf export`.
+Every layout that fits gets ZeRO's knobs from the memory it leaves free (planner/knobs.py), and
+is ranked with them: `plan.best.knobs.why` says what was chosen and why.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from typing import Iterator
 from dsframework.parallel.topology import ParallelDims, layout_problem
 from dsframework.planner.cluster import Cluster, GiB, resize
 from dsframework.planner.fit import check_fit
+from dsframework.planner.knobs import KnobChoice, with_knobs
 from dsframework.planner.memory import HostMemory, Job, Layout, Memory
 from dsframework.planner.model import ModelDesc
 from dsframework.planner.speed import StepTime, step_time
@@ -42,6 +45,7 @@ class Candidate:
     mfu: float = 0.0
     host: HostMemory | None = None  # one node's host memory: build, offload, export
     over: float = 0.0  # need / available on the tighter side, device or host (> 1: does not fit)
+    knobs: KnobChoice | None = None  # ZeRO's knobs chosen from the free memory (layout.knobs), and why
 
     @property
     def family(self) -> str:
@@ -58,6 +62,7 @@ class Candidate:
                 "activation_checkpointing": lay.activation_checkpointing, "fits": self.fits,
                 "memory": self.memory.as_dict(), "cpu_memory": self.memory.cpu_per_rank * self._ranks_per_node,
                 "host_memory": self.host.as_dict() if self.host else None,
+                "zero_knobs": lay.knobs.changed(lay.zero_stage),
                 "step_time_s": self.time.total, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu}
 
     _ranks_per_node: int = field(default=1, compare=False)
@@ -138,9 +143,14 @@ def enumerate_layouts(desc: ModelDesc, cluster: Cluster, job: Job, *, tp: int | 
                                                  activation_checkpointing=checkpointing)
 
 
-def evaluate(desc: ModelDesc, layout: Layout, job: Job, cluster: Cluster) -> Candidate:
-    """Memory, time and fit of one layout."""
-    fit = check_fit(desc, layout, job, cluster)
+def evaluate(desc: ModelDesc, layout: Layout, job: Job, cluster: Cluster, *, knobs: bool = True) -> Candidate:
+    """Memory, time and fit of one layout; with `knobs`, one that fits gets ZeRO's knobs chosen from
+    the memory it leaves free (knobs.with_knobs) and is priced with them."""
+    choice = None
+    if knobs:
+        layout, fit, choice = with_knobs(desc, layout, job, cluster)
+    else:
+        fit = check_fit(desc, layout, job, cluster)
     memory, time = fit.memory, step_time(desc, layout, job, cluster)
     ranks_per_node = min(cluster.gpus_per_node, cluster.world)
     why = ""
@@ -154,7 +164,7 @@ def evaluate(desc: ModelDesc, layout: Layout, job: Job, cluster: Cluster) -> Can
     mfu = tokens_per_s * desc.flops_per_token(job.seq_len) / peak
     over = max(fit.need / fit.available, fit.host_need / fit.host_available)
     return Candidate(layout, memory, time, fits=not why, why_not=why, tokens_per_s=tokens_per_s, mfu=mfu,
-                     host=fit.host, over=over, _ranks_per_node=ranks_per_node)
+                     host=fit.host, over=over, knobs=choice, _ranks_per_node=ranks_per_node)
 
 
 def describe_grid(layout: Layout) -> str:
@@ -171,13 +181,14 @@ NO_CONTEXT_PARALLEL = "cp 1 (no context parallelism)"
 
 
 def search(desc: ModelDesc, cluster: Cluster, job: Job, *, tp: int | None = None, pp: int | None = None,
-           zero_stage: int | None = None, cp: int | None = None, suggest: bool = True) -> Plan:
+           zero_stage: int | None = None, cp: int | None = None, suggest: bool = True, knobs: bool = True) -> Plan:
     """All candidates, fitting ones first by predicted tokens/s, then the rest by memory.
 
     `dropped_families` gives, for each family (ZeRO stage, hpZ, offload) none of whose layouts
     fits, its closest miss; and when only context-parallel layouts fit, the closest miss without
-    (key NO_CONTEXT_PARALLEL): why the plan splits the sequence."""
-    candidates = [evaluate(desc, layout, job, cluster)
+    (key NO_CONTEXT_PARALLEL): why the plan splits the sequence. `knobs`: choose ZeRO's knobs for
+    each fitting layout (evaluate); without, dsf's defaults (what fits is the same either way)."""
+    candidates = [evaluate(desc, layout, job, cluster, knobs=knobs)
                   for layout in enumerate_layouts(desc, cluster, job, tp=tp, pp=pp, zero_stage=zero_stage, cp=cp)]
     candidates.sort(key=lambda c: (not c.fits, -c.tokens_per_s if c.fits else 0, c.memory.total))
     dropped: dict[str, str] = {}
@@ -206,11 +217,11 @@ def suggestions(desc: ModelDesc, cluster: Cluster, job: Job, candidates: list[Ca
     out.append(f"closest: {family_of(closest.layout)} ({_describe(closest.layout)}) needs {closest.why_not}")
     for factor in (2, 4, 8, 16, 32, 64):
         bigger = resize(cluster, nodes=cluster.nodes * factor)
-        if search(desc, bigger, job, suggest=False, **pins).fitting:
+        if search(desc, bigger, job, suggest=False, knobs=False, **pins).fitting:
             out.append(f"{bigger.nodes} nodes ({bigger.world} GPUs) would fit")
             break
     if any(pins.values()):
-        if search(desc, cluster, job, suggest=False).fitting:
+        if search(desc, cluster, job, suggest=False, knobs=False).fitting:
             out.append("unpinning --tp/--pp/--cp/--zero-stage would fit")
     return out
 

@@ -12,6 +12,11 @@ pipe, so a group of tensor ranks sits on one node first, then the context group 
 Context parallelism (Ulysses) does four all-to-alls per layer forward (q, k, v in, the output
 back) and four backward, none overlapped; ZeRO-3 with hpZ gathers the forward's weights across
 the whole ZeRO group and the backward's from the secondary partition inside the hpZ group.
+ZeRO's knobs (Layout.knobs, chosen by planner/knobs.py) are priced as DeepSpeed uses them: a
+gradient reduce or weight all-gather runs in ceil(elements / bucket) collectives, each paying the
+latency; ZeRO-3 never gathers its persistent tensors (fewer bytes, fewer fetches); and its
+prefetch hides the gathers behind compute in proportion to how much of the next layer the prefetch
+bucket covers (ZERO3_GATHER_OVERLAP when it covers a whole layer).
 Fixed costs (operator dispatch, ZeRO-3's module hooks and fetches) come from the cluster
 profile; on a GPU the host runs ahead of the device, so only what exceeds the compute shows.
 Checked against measured tokens/s of every layout on CPU ranks by bench/plan_vs_measured.py.
@@ -21,16 +26,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dsframework.planner.cluster import Cluster
-from dsframework.planner.memory import Job, Layout, stage_shapes, ulysses_kv_heads
+import math
+
+from dsframework.planner.memory import Job, Layout, layer_gathered, stage_shapes, ulysses_kv_heads
 from dsframework.planner.model import ModelDesc
-from dsframework.runtime_facts import ZERO3_PERSISTENCE_THRESHOLD
+from dsframework.runtime_facts import STAGE0_ALLREDUCE_BUCKET
 
 # (Achieved / peak FLOP/s is the cluster's `matmul_efficiency`: a preset's default, or measured.)
 REPLICATED_FRACTION = 0.15  # of a layer's time that tensor parallelism does not split (norms,
 #                             residual adds, rotary, the loss: every tensor rank does all of it)
 RECOMPUTE_FACTOR = 4 / 3  # full checkpointing runs the forward twice: 4 passes instead of 3
 DP_OVERLAP = 0.5  # share of ZeRO's gradient reduction hidden behind the backward pass
-ZERO3_GATHER_OVERLAP = 0.5  # share of ZeRO-3's parameter all-gathers hidden by prefetching
+ZERO3_GATHER_OVERLAP = 0.5  # share of ZeRO-3's parameter all-gathers hidden by prefetching a whole layer
 TP_OVERLAP = 0.0  # Megatron TP all-reduces sit on the critical path
 CP_OVERLAP = 0.0  # Ulysses' all-to-alls too: attention waits for them, the next linear for the result
 CPU_ADAM_PARAMS_PER_S = 1.0e9  # DeepSpeedCPUAdam, parameters updated per second per rank
@@ -74,9 +81,26 @@ def _all_to_all(bytes_: float, ranks: int, bandwidth: float, *, latency: float) 
     return (ranks - 1) / ranks * bytes_ / bandwidth + latency
 
 
+def _buckets(elements: float, bucket: int) -> int:
+    """Collectives a reduce or all-gather of `elements` runs in with buckets of `bucket` elements."""
+    return max(1, math.ceil(elements / max(bucket, 1)))
+
+
 def _bandwidth(cluster: Cluster, group_span: int) -> float:
     """Ranks `group_span` apart in the grid: within a node if the whole span fits in one."""
     return cluster.intra_node_bandwidth if group_span <= cluster.gpus_per_node else cluster.inter_node_bandwidth
+
+
+def zero3_gather_overlap(desc: ModelDesc, layout: Layout) -> float:
+    """Share of ZeRO-3's all-gathers hidden behind compute: ZERO3_GATHER_OVERLAP scaled by how much
+    of the next layer's gathered weights the prefetch covers (all of it: the full share), the prefetch
+    being the bucket, or less where max_live_parameters stops it."""
+    layer = layer_gathered(desc, tp=layout.tp, threshold=layout.knobs.persistence_threshold)
+    if layer == 0:
+        return ZERO3_GATHER_OVERLAP
+    knobs = layout.knobs
+    ahead = min(knobs.prefetch_bucket, max(knobs.max_live_parameters - layer, 0))  # the live limit stops prefetch
+    return ZERO3_GATHER_OVERLAP * min(1.0, ahead / layer)
 
 
 def step_time(desc: ModelDesc, layout: Layout, job: Job, cluster: Cluster) -> StepTime:
@@ -90,7 +114,8 @@ def step_time(desc: ModelDesc, layout: Layout, job: Job, cluster: Cluster) -> St
         flops *= (1 - REPLICATED_FRACTION) + REPLICATED_FRACTION * layout.tp
     compute = flops / (cluster.flops(job.precision) * cluster.matmul_efficiency)
 
-    stages = stage_shapes(desc, layout.tp, layout.pp)
+    knobs = layout.knobs
+    stages = stage_shapes(desc, layout.tp, layout.pp, knobs.persistence_threshold)
     busiest = max(stages, key=lambda s: s.params)
     micro_batches = layout.grad_accum
     local_tokens = layout.micro_batch * job.seq_len / layout.cp
@@ -121,24 +146,28 @@ def step_time(desc: ModelDesc, layout: Layout, job: Job, cluster: Cluster) -> St
     d = layout.zero_ranks
     dp_bw = _bandwidth(cluster, d * layout.tp)
     grad_bytes = busiest.params * w
+    # One latency per bucket: bigger buckets, fewer collectives.
+    reduce_lat = lat * _buckets(busiest.params, knobs.reduce_bucket)
     if layout.zero_stage == 0:  # one all-reduce, bucketed behind the backward pass
-        reduce = _ring(grad_bytes, d, dp_bw, all_reduce=True, latency=lat)
+        reduce = _ring(grad_bytes, d, dp_bw, all_reduce=True, latency=lat * _buckets(busiest.params,
+                                                                                     STAGE0_ALLREDUCE_BUCKET))
         gather = 0.0
-    elif layout.zero_stage == 1:  # reduce to the owners at the boundary, gather updated params after
-        reduce = _ring(grad_bytes, d, dp_bw, all_reduce=False, latency=lat)
-        gather = _ring(grad_bytes, d, dp_bw, all_reduce=False, latency=lat)
-    elif layout.zero_stage == 2:  # gradients are reduce-scattered at every micro-batch
-        reduce = micro_batches * _ring(grad_bytes, d, dp_bw, all_reduce=False, latency=lat)
-        gather = _ring(grad_bytes, d, dp_bw, all_reduce=False, latency=lat)  # updated params
-    else:  # ZeRO-3: gather parameters for forward and backward of every micro-batch
-        reduce = micro_batches * _ring(grad_bytes, d, dp_bw, all_reduce=False, latency=lat)
-        forward = _ring(grad_bytes, d, dp_bw, all_reduce=False, latency=lat)
+    elif layout.zero_stage in (1, 2):  # gradients reduced to their owners, updated params gathered after
+        reduce = _ring(grad_bytes, d, dp_bw, all_reduce=False, latency=reduce_lat)
+        if layout.zero_stage == 2:  # reduce-scattered at every micro-batch
+            reduce *= micro_batches
+        gather = _ring(grad_bytes, d, dp_bw, all_reduce=False,
+                       latency=lat * _buckets(busiest.params, knobs.allgather_bucket))
+    else:  # ZeRO-3: gather the non-persistent parameters for forward and backward of every micro-batch
+        reduce = micro_batches * _ring(grad_bytes, d, dp_bw, all_reduce=False, latency=reduce_lat)
+        gathered_bytes = (busiest.params - busiest.persistent) * w  # persistent tensors are never gathered
+        forward = _ring(gathered_bytes, d, dp_bw, all_reduce=False, latency=lat)
         if layout.zero_hpz > 1:  # backward's from the secondary partition, inside the hpZ group
-            backward = _ring(grad_bytes, layout.zero_hpz, _bandwidth(cluster, layout.zero_hpz), all_reduce=False,
-                             latency=lat)
+            backward = _ring(gathered_bytes, layout.zero_hpz, _bandwidth(cluster, layout.zero_hpz),
+                             all_reduce=False, latency=lat)
         else:
             backward = forward
-        gather = (1 - ZERO3_GATHER_OVERLAP) * micro_batches * (forward + backward)
+        gather = (1 - zero3_gather_overlap(desc, layout)) * micro_batches * (forward + backward)
     dp_comm = (1 - DP_OVERLAP) * reduce + gather
 
     # Pipeline: (p - 1) idle micro-batch slots of the 1F1B schedule, and activations sent across.
@@ -168,7 +197,7 @@ def step_time(desc: ModelDesc, layout: Layout, job: Job, cluster: Cluster) -> St
         overhead += (2 * modules * busiest.layers * micro_batches * ZERO3_OPS_PER_MODULE_PASS
                      * cluster.op_overhead_s)
     if layout.zero_stage == 3 and d > 1:
-        fetched = sum(1 for n, s in desc.layer_tensors if (n // layout.tp if s else n) > ZERO3_PERSISTENCE_THRESHOLD)
+        fetched = sum(1 for n, s in desc.layer_tensors if (n // layout.tp if s else n) > knobs.persistence_threshold)
         fetches = 2 * fetched * busiest.layers * micro_batches
         overhead += fetches * (lat + ZERO3_OPS_PER_FETCH * cluster.op_overhead_s)
     if layout.cp > 1:  # Ulysses' reshapes and copies around its 8 all-to-alls (and the position gather)

@@ -3,7 +3,9 @@ parameters, gradients and optimizer states are within 5% of what the engine hold
 workers/model_states.py for what is counted), at world 1, 2 and 4, ZeRO 0-3, with CPU optimizer
 (and parameter) offload, at tp2 and pp2, and for LoRA (model.lora, peft's all-linear adapters at r 8:
 the frozen base held whole at ZeRO-2 and partitioned at ZeRO-3, gradients and optimizer states of the
-adapters alone; the planner's Job.trainable_params from models/lora.py count_lora_parameters).
+adapters alone; the planner's Job.trainable_params from models/lora.py count_lora_parameters), and
+with ZeRO's knobs set (parallel.zero_knobs): the tensors ZeRO-3 keeps whole at a persistence
+threshold are the planner's persistent elements, and its reduce bucket the bytes the planner counts.
 
 One launch per world size trains every case of that world one step, case after case.
 """
@@ -18,7 +20,7 @@ import pytest
 from dsframework.config import load_run_config
 from dsframework.dsconfig import resolve_batch
 from dsframework.models.lora import count_lora_parameters
-from dsframework.planner.memory import Job, Layout, stage_memories
+from dsframework.planner.memory import Job, Knobs, Layout, stage_memories
 from dsframework.planner.model import describe_model
 from tests.distributed.launcher import TINY_YAML, launch
 
@@ -32,7 +34,11 @@ CASES = {  # world: {case: overrides}
         "zero3": "parallel.zero_stage=3",
         "zero2_offload": "parallel.zero_stage=2,parallel.offload_optimizer=cpu",
         "zero3_offload": "parallel.zero_stage=3,parallel.offload_optimizer=cpu,parallel.offload_param=cpu",
-        "lora_zero2": "parallel.zero_stage=2,model.lora.r=8", "lora_zero3": "parallel.zero_stage=3,model.lora.r=8"},
+        "lora_zero2": "parallel.zero_stage=2,model.lora.r=8", "lora_zero3": "parallel.zero_stage=3,model.lora.r=8",
+        # q, k, v, o and the norms stay whole (<= 5000 elements), the MLP and embedding are partitioned
+        "zero3_knobs": "parallel.zero_stage=3,parallel.zero_knobs.persistence_threshold=5000,"
+                       "parallel.zero_knobs.reduce_bucket=3000000,parallel.zero_knobs.prefetch_bucket=20000,"
+                       "parallel.zero_knobs.max_live_parameters=40000"},
     4: {"zero1": "parallel.zero_stage=1", "tp2_zero1": "parallel.zero_stage=1,parallel.tp=2",
         "pp2_zero1": "parallel.zero_stage=1,parallel.pp=2,train.micro_batch=1"},
 }
@@ -67,7 +73,7 @@ def predicted(output_dir: Path, world: int):
     layout = Layout(dp=dp, tp=par.tp, pp=par.pp, zero_stage=par.zero_stage,
                     offload_optimizer=par.offload_optimizer == "cpu", offload_param=par.offload_param == "cpu",
                     micro_batch=batch.micro_batch, grad_accum=batch.grad_accum,
-                    activation_checkpointing=par.activation_checkpointing)
+                    activation_checkpointing=par.activation_checkpointing, knobs=Knobs.of(par.zero_knobs))
     job = Job(seq_len=run.data.seq_len, global_batch=batch.global_batch, precision=run.train.precision)
     if run.model.lora is not None:
         count = count_lora_parameters(config, run.model.lora)
@@ -88,3 +94,15 @@ def test_model_states_match_the_live_engine(measured, world, case):
             assert got[key] > 0, f"{case} rank {got['rank']}: measured no {key}"
             assert abs(value - got[key]) <= 0.05 * got[key], (
                 f"{case} rank {got['rank']} {key}: predicted {value:,.0f} B, engine holds {got[key]:,} B")
+
+
+@pytest.mark.parametrize("case", ["zero3", "zero3_knobs"])
+def test_zero3_knobs_match_the_live_engine(measured, case):
+    """Persistent elements exactly; the reduce bucket's bytes exactly (allocated whole, fp32 here)."""
+    output_dir, ranks = measured[(2, case)]
+    want = predicted(output_dir, 2)[0]
+    run = load_run_config(output_dir / "checkpoints" / "run.yaml")
+    knobs = Knobs.of(run.parallel.zero_knobs)
+    for got in ranks:
+        assert got["persistent"] == want.parts["persistent_elements"], (case, got["persistent"])
+        assert got["reduce_bucket"] == knobs.reduce_bucket * 4, (case, got["reduce_bucket"])

@@ -77,10 +77,15 @@ def test_zero_settings_dsf_writes_are_the_ones_the_planner_counts():
     zero3 = build_ds_config(run3.train, run3.parallel, dp_size=2)["zero_optimization"]
     assert zero3["stage3_prefetch_bucket_size"] == runtime_facts.ZERO3_PREFETCH_BUCKET
     assert zero3["stage3_param_persistence_threshold"] == runtime_facts.ZERO3_PERSISTENCE_THRESHOLD
+    assert "stage3_max_live_parameters" not in zero3  # DeepSpeed's own default unless a plan chooses one
     for name in ("ZERO_REDUCE_BUCKET", "ZERO_ALLGATHER_BUCKET", "ZERO3_PREFETCH_BUCKET", "STAGE0_ALLREDUCE_BUCKET",
-                 "ZERO3_PERSISTENCE_THRESHOLD"):
+                 "ZERO3_PERSISTENCE_THRESHOLD", "ZERO3_MAX_LIVE_PARAMETERS"):
         assert getattr(memory, name) is getattr(runtime_facts, name)  # imported, not copied
-    assert speed.ZERO3_PERSISTENCE_THRESHOLD is runtime_facts.ZERO3_PERSISTENCE_THRESHOLD
+    # The planner's default knobs (memory and speed both read Layout.knobs) are those same values.
+    assert memory.Knobs() == memory.Knobs(runtime_facts.ZERO3_PERSISTENCE_THRESHOLD, runtime_facts.ZERO3_PREFETCH_BUCKET,
+                                          runtime_facts.ZERO3_MAX_LIVE_PARAMETERS, runtime_facts.ZERO_REDUCE_BUCKET,
+                                          runtime_facts.ZERO_ALLGATHER_BUCKET)
+    assert speed.layer_gathered is memory.layer_gathered
 
 
 @pytest.mark.parametrize("vocab", [97, 512, 32000, 50257, 128256])

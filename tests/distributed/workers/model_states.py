@@ -10,7 +10,9 @@ What is counted, as distinct tensor storages (a tensor reached twice counts once
   planner's device and host bytes are compared together: on CPU ranks both are host memory);
 - grads: the most held at any of: after a micro-batch's backward inside the accumulation window,
   and just before the optimizer step (p.grad, and ZeRO's gradient partitions and buffers);
-- optimizer: after the step, the Adam states and ZeRO's fp32 master partitions.
+- optimizer: after the step, the Adam states and ZeRO's fp32 master partitions;
+- persistent: elements of the parameters ZeRO-3 keeps whole (ds_persist), and reduce_bucket: the
+  bytes of ZeRO-3's reduce bucket (its ipg buffers), what parallel.zero_knobs sizes.
 """
 import json
 import sys
@@ -80,6 +82,17 @@ def optimizer_bytes(engine) -> int:
     return _storages(tensors)
 
 
+def persistent_elements(module) -> int:
+    return sum(p.ds_numel for p in module.parameters() if getattr(p, "ds_persist", False))
+
+
+def reduce_bucket_bytes(engine) -> int:
+    """ZeRO-3's contiguous reduce buckets (one per dtype, allocated at start); 0 at other stages."""
+    buckets = getattr(engine.optimizer, "ipg_buckets", None) or {}
+    return sum(b.buffer.numel() * b.buffer.element_size() for b in buckets.values()
+               if torch.is_tensor(getattr(b, "buffer", None)))
+
+
 def measure(run) -> dict:
     session = prepare(run)
     engine = session.engine
@@ -113,6 +126,7 @@ def measure(run) -> dict:
                 held["grads"] = max(held["grads"], grad_bytes(engine))
             engine.step()
     return {"params": param_bytes(engine.module), "grads": held["grads"], "optimizer": optimizer_bytes(engine),
+            "persistent": persistent_elements(engine.module), "reduce_bucket": reduce_bucket_bytes(engine),
             "rank": session.rank, "stage": getattr(engine, "stage_id", 0), "dp": session.dims.dp}
 
 

@@ -1,12 +1,25 @@
-"""`dsf train` against a plain DeepSpeed loop and `transformers.Trainer`: tokens/s per ZeRO stage.
+"""`dsf train` against DeepSpeed and `transformers.Trainer` on the same job: two tables of tokens/s.
 
-    .venv/bin/python bench/compare.py                                  # ZeRO 1, 2, 3; 3 x (A B C); ~7 min on 2 cores
-    .venv/bin/python bench/compare.py --stages 2 --repeats 1 --steps 20  # quick look
-    .venv/bin/python bench/compare.py --smoke                          # end to end in ~1 min
-    .venv/bin/python bench/compare.py --json                           # the same figures for machines
+    .venv/bin/python bench/compare.py                      # both tables, small-llama; ~25 min on 2 cores (est.)
+    .venv/bin/python bench/compare.py --table recommended  # "each tool as its docs recommend"; ~9 min (est.)
+    .venv/bin/python bench/compare.py --table stages --stages 2 --repeats 1 --steps 20   # quick look
+    .venv/bin/python bench/compare.py --model tiny-llama --seq-len 64   # the per-step overhead (~20 ms steps)
+    .venv/bin/python bench/compare.py --smoke              # end to end in 2-4 min (tiny-llama; mostly compile)
+    .venv/bin/python bench/compare.py --json               # the same figures for machines
 
-Three ways to train the same thing on the same 2 ranks (`deepspeed --num_gpus 2`, CPU ranks with
-gloo here, one thread each), each its own launch, run in turn A B C A B C ... per stage:
+The job (what is trained) is the same in every launch: `--model` (default small-llama: 4 layers,
+hidden 256, 2.9M parameters with the task's 512-token vocabulary (7.1M at the preset's 8192), where
+per-step overhead no longer dominates; tiny-llama shows that overhead), the
+counting task's packed blocks (dsframework.data, tokenizer trained once here), `--seq-len`,
+`--global-batch`, `--steps`, fp32, AdamW with the same lr schedule and clipping, the same weights
+(dsframework.models.build_model, same seed, also under zero.Init), the same per-rank order of the
+blocks (dsframework.data.BlockSampler; the Trainer gets a dataset laid out so that accelerate's
+sharding hands each rank exactly those micro-batches), and a loss read every --log-every steps
+(dsf's logging.every, the Trainer's logging_steps), none in between. Every launch is
+`deepspeed --num_gpus 2 ...`: 2 CPU ranks with gloo here, one thread each. Launches run in turn
+(A B C A B C ...) so drift in the machine hits every way alike.
+
+Table "stages" (--table stages): the cost of each tool at the SAME DeepSpeed JSON, per ZeRO stage:
 
   A  dsf      `deepspeed --num_gpus 2 $(which dsf) train launch/examples/tiny.yaml --set ...`
   B  raw      this file's `--worker raw`: `deepspeed.initialize(config=ds_config.json)` and a
@@ -14,27 +27,42 @@ gloo here, one thread each), each its own launch, run in turn A B C A B C ... pe
   C  Trainer  this file's `--worker trainer`: `transformers.Trainer` with
               `TrainingArguments(deepspeed=ds_config.json)`.
 
-What is the same: the run config (tiny.yaml + the `--set` overrides of `run_overrides`), the
-DeepSpeed JSON (dsframework.dsconfig.build_ds_config of that run config, written once per stage;
-B and C read the file, dsf builds the identical dict itself), the tokenizer (trained once here),
-the packed blocks (dsframework.data), the weights (dsframework.models.build_model, same seed;
-under ZeRO-3 built inside zero.Init with the same JSON), the per-rank order of the blocks
-(dsframework.data.BlockSampler; the Trainer gets a dataset laid out so that accelerate's sharding
-hands each rank exactly those micro-batches), fp32, the optimizer, lr schedule, clipping and ZeRO
-stage (all in the JSON; the TrainingArguments are set to match it, which HF checks), and the host
-synchronisation: a loss all-reduce and `.item()` every --log-every steps (dsf's logging.every,
-the Trainer's logging_steps), none in between. The Trainer has evaluation, saving, reporting,
-tqdm, dataloader workers and torch.compile off.
+The JSON is dsframework.dsconfig.build_ds_config of the run config, written once per stage (B and C
+read the file, dsf builds the identical dict itself); micro-batch --micro-batch for all three.
+
+Table "recommended" (--table recommended): the same job, each tool configured as its docs recommend:
+
+  dsf      the plan: `dsf plan --model M --cluster C --nodes 1 --gpus-per-node 2 --seq-len S
+           --global-batch G --precision fp32 -o DIR` (C: a `dsf calibrate --ranks 2` profile of
+           this machine, or --cluster), whose run.yaml is used as written (layout, ZeRO stage and
+           knobs, micro-batch) with only the job's fields put in (model, data, steps, optimizer, lr
+           schedule, logging), plus `--set train.compile=true --set train.chunked_loss=true`.
+  docs     the Trainer with the ZeRO-3 JSON of transformers' DeepSpeed guide
+           (docs/source/en/deepspeed.md, "ZeRO-3"; HF_DOCS_ZERO3 below): "auto" values filled by
+           the Trainer; its `offload_optimizer` / `offload_param` to the CPU dropped unless
+           --docs-offload (the guide offers them for when GPU memory runs out; CPU ranks have no
+           device memory to save, and offload only adds copies and swaps in DeepSpeed's CPU Adam).
+  axolotl  the Trainer with Axolotl's preset deepspeed_configs/zero3.json (AXOLOTL_ZERO3 below),
+           as is: its bf16/fp16 "auto" resolve to off from the TrainingArguments, so fp32 on
+           CPU forces no change.
+
+Both Trainer JSONs get the job's optimizer and lr schedule as "auto"-filled sections (AdamW, the
+WarmupCosineLR dsf uses; the docs' and Axolotl's own YAML set these beside the JSON), per-device
+batch --micro-batch, torch.compile off (neither preset turns it on). The final-loss check: each
+Trainer's last-step loss must be within --loss-tolerance (relative) of dsf's, else the table says
+DIFFERS. The table gives tokens/s per tool (median of --repeats launches) with its spread, compile
+seconds separately (dsf's `compile_s`, from its metrics; the first window is outside tokens/s
+anyway), and dsf / the better Trainer (goal in issue 14: >= 1.2 on this machine), with the range
+over launches (worst dsf / best Trainer .. best dsf / worst Trainer).
 
 Tokens/s of one launch = tokens / wall seconds on rank 0 over steps --warmup-steps-excluded+1 ..
---steps (start-up, the first steps and the final clean-up are not timed). For dsf that is read
-from its metrics.jsonl windows (`tokens_per_s` every logging.every steps, the first windows left
-out); B and C take time.perf_counter() at the same step boundaries. The table gives, per ZeRO
-stage, the median launch of each way, the ratios dsf/raw and dsf/Trainer of the medians, and each
-way's spread ((max - min) / median over its launches). A second table gives the loss at the last
-step (mean over the global batch; the three should agree closely, since they train the same
-thing) and each way's wall seconds per launch (start-up included). Logs of every launch are
-kept under --out.
+--steps (start-up, compilation, the first steps and the final clean-up are not timed). For dsf that
+is read from its metrics.jsonl windows (`tokens_per_s` every logging.every steps, the first windows
+left out); B and C take time.perf_counter() at the same step boundaries. The stages table gives,
+per ZeRO stage, the median launch of each way, the ratios dsf/raw and dsf/Trainer of the medians,
+and each way's spread ((max - min) / median over its launches), then the loss at the last step
+(mean over the global batch; the three should agree closely, since they train the same thing) and
+each way's wall seconds per launch (start-up included). Logs of every launch are kept under --out.
 """
 from __future__ import annotations
 
@@ -54,6 +82,38 @@ BIN = Path(sys.executable).parent
 TINY_YAML = REPO / "launch" / "examples" / "tiny.yaml"
 WORLD = 2  # ranks of every launch
 WAYS = {"dsf": "dsf train", "raw": "raw DeepSpeed", "trainer": "HF Trainer"}
+TOOLS = {"dsf": "dsf train, its plan + compile + chunked loss", "docs": "HF Trainer, transformers docs' ZeRO-3",
+         "axolotl": "HF Trainer, Axolotl zero3.json"}
+
+# transformers' DeepSpeed guide (huggingface/transformers docs/source/en/deepspeed.md at 019da1e8): the
+# "ZeRO-3" example's zero_optimization, with the top-level keys of the guide's complete "auto" config.
+HF_DOCS_ZERO3 = {
+    "zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "offload_param": {"device": "cpu", "pin_memory": True}, "overlap_comm": True, "contiguous_gradients": True,
+        "sub_group_size": 1e9, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto", "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9, "stage3_gather_16bit_weights_on_model_save": True},
+    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+             "hysteresis": 2, "min_loss_scale": 1},
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False}
+# Axolotl's preset (axolotl-ai-cloud/axolotl deepspeed_configs/zero3.json at 2341b2c0), as is.
+AXOLOTL_ZERO3 = {
+    "zero_optimization": {
+        "stage": 3, "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 0,
+        "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto", "stage3_max_live_parameters": 0,
+        "stage3_max_reuse_distance": 0, "stage3_gather_16bit_weights_on_model_save": True},
+    "bf16": {"enabled": "auto"},
+    "fp16": {"enabled": "auto", "auto_cast": False, "loss_scale": 0, "initial_scale_power": 32,
+             "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1},
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False}
+# What the job is (the same in every launch), as opposed to how a tool runs it: the train fields put
+# into the plan's run.yaml (its model, data, logging and checkpoint sections are the job's whole).
+JOB_TRAIN_FIELDS = ("steps", "global_batch", "optimizer", "lr", "betas", "eps", "weight_decay", "grad_clip",
+                    "lr_schedule", "warmup_steps", "min_lr_ratio", "precision", "seed")
 
 
 # --- the shared run -----------------------------------------------------------------------------
@@ -78,13 +138,43 @@ def save_tokenizer(directory: Path) -> None:
     train_tokenizer(load_texts(run.data), run.data).save_pretrained(str(directory))
 
 
-def write_ds_config(overrides: list[str], path: Path) -> None:
-    """The DeepSpeed JSON `dsf train` builds for this run config at dp=2, for raw and Trainer to read."""
+def dsf_ds_config(overrides: list[str]) -> dict:
+    """The DeepSpeed JSON `dsf train` builds for this run config at dp=2."""
     from dsframework.config import load_run_config
-    from dsframework.dsconfig import build_ds_config, dumps
+    from dsframework.dsconfig import build_ds_config
 
     run = load_run_config(TINY_YAML, overrides)
-    path.write_text(dumps(build_ds_config(run.train, run.parallel, dp_size=WORLD)))
+    return build_ds_config(run.train, run.parallel, dp_size=WORLD)
+
+
+def trainer_ds_config(preset: dict, job: dict, *, keep_offload: bool = False) -> dict:
+    """A tool's preset JSON for the Trainer, plus the job's optimizer and lr schedule (`job`: dsf's
+    JSON of the job) with "auto" wherever the Trainer fills a value from its TrainingArguments."""
+    config = json.loads(json.dumps(preset))
+    if not keep_offload:
+        for key in ("offload_optimizer", "offload_param"):
+            config["zero_optimization"].pop(key, None)
+    optimizer, scheduler = job["optimizer"], job["scheduler"]
+    config["optimizer"] = {"type": optimizer["type"], "params": dict.fromkeys(optimizer["params"], "auto")}
+    config["scheduler"] = {"type": scheduler["type"],
+                           "params": {**scheduler["params"], "total_num_steps": "auto", "warmup_num_steps": "auto"}}
+    return config
+
+
+def planned_run_yaml(plan_yaml: Path, job_overrides: list[str], path: Path) -> dict:
+    """`dsf plan -o`'s run.yaml as written (layout, ZeRO stage and knobs, micro-batch) with the job's
+    fields put in; written to `path`. Returns its train and parallel sections."""
+    import yaml
+
+    from dsframework.config import load_run_config
+
+    job = load_run_config(TINY_YAML, job_overrides).model_dump(mode="json")
+    planned = yaml.safe_load(plan_yaml.read_text())
+    for section in ("model", "data", "logging", "checkpoint"):
+        planned[section] = job[section]
+    planned["train"].update({k: job["train"][k] for k in JOB_TRAIN_FIELDS})
+    path.write_text(yaml.safe_dump(planned, sort_keys=False))
+    return {"train": planned["train"], "parallel": planned["parallel"]}
 
 
 # --- launching ----------------------------------------------------------------------------------
@@ -108,30 +198,31 @@ def launch(script_and_args: list[str], log: Path) -> tuple[int, float]:
     return code, time.perf_counter() - start
 
 
-def fail(way: str, code: int, log: Path) -> None:
+def fail(way: str, code: int, log: Path, *, label: str) -> None:
     lines = log.read_text(errors="replace").splitlines()
     errors = [line.strip() for line in lines if re.search(r"(Error|Exception|Assertion)\b.*:", line)]
     last = (errors or [line.strip() for line in lines if line.strip()] or ["no output"])[-1][:300]
-    sys.exit(f"{WAYS[way]} failed (exit {code}): {last}\n  log: {log}")
+    sys.exit(f"{way} ({label}) failed (exit {code}): {last}\n  log: {log}")
 
 
-def run_way(way: str, args: argparse.Namespace, *, stage: int, work: Path, index: int) -> dict:
-    """One launch of one way; its record: tokens_per_s, final_loss, final_lr, launch_s, engine."""
-    out = work / f"z{stage}" / f"{way}{index}"
-    overrides = run_overrides(args, stage=stage, tokenizer_dir=work / "tokenizer", output_dir=out)
+def run_way(way: str, args: argparse.Namespace, *, out: Path, overrides: list[str], ds_json: Path | None = None,
+            dsf_yaml: Path = TINY_YAML) -> dict:
+    """One launch of one way (dsf: `dsf train dsf_yaml`; raw or trainer: this file's worker on
+    `ds_json`), `overrides` its --set list; its record: tokens_per_s, final_loss, final_lr, launch_s,
+    engine (and compile_s for dsf)."""
     sets = [a for o in overrides for a in ("--set", o)]
     if way == "dsf":
-        cmd = [str(BIN / "dsf"), "train", str(TINY_YAML), *sets, "--overwrite"]
+        cmd = [str(BIN / "dsf"), "train", str(dsf_yaml), *sets, "--overwrite"]
     else:
         cmd = [str(Path(__file__).resolve()), "--worker", way,
-               "--ds-config", str(work / f"z{stage}" / "ds_config.json"), "--record", str(out / "record.json"),
+               "--ds-config", str(ds_json), "--record", str(out / "record.json"),
                "--steps", str(args.steps), "--log-every", str(args.log_every),
                "--warmup-steps-excluded", str(args.warmup_steps_excluded), *sets]
     out.mkdir(parents=True, exist_ok=True)
     (out / "record.json").unlink(missing_ok=True)
     code, wall = launch(cmd, out / "launch.log")
     if code:
-        fail(way, code, out / "launch.log")
+        fail(way, code, out / "launch.log", label=" ".join(cmd[:3]) if way == "dsf" else f"--worker {way}")
     if way == "dsf":
         record = dsf_record(out, args)
         banner = re.search(r"ZeRO-(\d)", (out / "launch.log").read_text())
@@ -143,8 +234,8 @@ def run_way(way: str, args: argparse.Namespace, *, stage: int, work: Path, index
 
 def dsf_record(out: Path, args: argparse.Namespace) -> dict:
     """Tokens/s over the logged windows after the excluded steps: tokens / the windows' seconds."""
-    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line]
-    logged = [m for m in logged if "tokens_per_s" in m]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line]
+    logged = [m for m in records if "tokens_per_s" in m]
     tokens_per_step = args.global_batch * args.seq_len
     seconds, previous = 0.0, 0
     for m in logged:
@@ -153,7 +244,15 @@ def dsf_record(out: Path, args: argparse.Namespace) -> dict:
         previous = m["step"]
     timed = args.steps - args.warmup_steps_excluded
     return {"tokens_per_s": tokens_per_step * timed / seconds, "train_s": seconds,
-            "final_loss": logged[-1]["loss"], "final_lr": logged[-1]["lr"]}
+            "final_loss": logged[-1]["loss"], "final_lr": logged[-1]["lr"], "compile_s": compile_seconds(out, records)}
+
+
+def compile_seconds(out: Path, records: list[dict]) -> float | None:
+    """dsf's compile seconds: the last `compile_s` of its metrics.jsonl (a running total; else of its
+    log); None when it did not compile."""
+    seconds = [float(r["compile_s"]) for r in records if r.get("compile_s") is not None] or \
+        [float(s) for s in re.findall(r"\bcompile_s[=: ]+([\d.]+)", (out / "launch.log").read_text(errors="replace"))]
+    return seconds[-1] if seconds else None
 
 
 # --- the workers (one process per rank, under the launcher) -------------------------------------
@@ -192,7 +291,8 @@ def rank_inputs(overrides: list[str], ds_config: dict):
     tokenizer = load_tokenizer(run.model.tokenizer)
     train_blocks, _ = token_stores(load_texts(run.data), tokenizer, run.data, cache_dir=store_cache_dir())
     source = resolve_model(run.model)
-    zero3 = ds_config if run.parallel.zero_stage == 3 else None  # partitioned at construction, as dsf does
+    # Partitioned at construction under ZeRO-3, as dsf and the Trainer (HF's zero.Init) do.
+    zero3 = ds_config if ds_config.get("zero_optimization", {}).get("stage") == 3 else None
     model = build_model(source, source.config_for(tokenizer), seed=run.train.seed, zero3_ds_config=zero3)
     return run, batch, train_blocks, model
 
@@ -201,7 +301,8 @@ def engine_facts(engine, ds_json: Path) -> dict:
     """What the DeepSpeed engine really runs with, and the keys of its config that differ from the file."""
     given = engine.config if isinstance(engine.config, dict) else json.loads(Path(engine.config).read_text())
     want = json.loads(ds_json.read_text())
-    return {"zero_stage": engine.zero_optimization_stage(),
+    zero = {k: v for k, v in given.get("zero_optimization", {}).items() if k != "stage"}
+    return {"zero_stage": engine.zero_optimization_stage(), "zero_optimization": zero,
             "optimizer": type(getattr(engine, "basic_optimizer", None) or engine.optimizer).__name__,
             "scheduler": type(engine.lr_scheduler).__name__, "micro_batch": engine.train_micro_batch_size_per_gpu(),
             "grad_accum": engine.gradient_accumulation_steps(), "grad_clip": engine.gradient_clipping(),
@@ -299,6 +400,8 @@ def trainer_worker(overrides: list[str], ds_json: Path, record_path: Path, *, ex
     from deepspeed.accelerator import get_accelerator
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
+    from dsframework.config import load_run_config
+    from dsframework.dsconfig import resolve_batch
     from dsframework.jit import pin_build_tools, release_shm_buffers
 
     pin_build_tools()
@@ -311,7 +414,8 @@ def trainer_worker(overrides: list[str], ds_json: Path, record_path: Path, *, ex
     release_shm_buffers()
     rank, world = state.process_index, state.num_processes
     assert world == dist.get_world_size() == WORLD, f"accelerate sees {world} processes"
-    run, batch, blocks, model = rank_inputs(overrides, json.loads(ds_json.read_text()))
+    run = load_run_config(TINY_YAML, overrides)
+    batch = resolve_batch(run.train.micro_batch, run.train.grad_accum, run.train.global_batch, dp_size=world)
     t = run.train
     args = TrainingArguments(
         output_dir=str(record_path.parent / "trainer"), deepspeed=str(ds_json),
@@ -325,6 +429,9 @@ def trainer_worker(overrides: list[str], ds_json: Path, record_path: Path, *, ex
         report_to="none", disable_tqdm=True, log_level="warning", dataloader_num_workers=0,
         dataloader_pin_memory=False, dataloader_drop_last=True, remove_unused_columns=False,
         torch_compile=False)  # activation checkpointing is off by default
+    # As HF builds a model under ZeRO-3: after the TrainingArguments, inside zero.Init with their
+    # DeepSpeed config (the file with the Trainer's "auto" values filled).
+    run, batch, blocks, model = rank_inputs(overrides, args.hf_deepspeed_config.config)
     clock = StepClock(tokens_per_step=batch.global_batch * run.data.seq_len)
     facts = {}
 
@@ -361,16 +468,24 @@ def trainer_worker(overrides: list[str], ds_json: Path, record_path: Path, *, ex
 # --- the tables ---------------------------------------------------------------------------------
 
 def summarize(runs: dict[str, list[dict]]) -> dict:
+    """Per way: the median of its launches' tokens/s, their spread, losses, lr, times, engine."""
     figures = {}
     for way, records in runs.items():
         rates = [r["tokens_per_s"] for r in records]
         median = statistics.median(rates)
+        compiles = [r["compile_s"] for r in records if r.get("compile_s") is not None]
         figures[way] = {"median_tokens_per_s": median, "runs_tokens_per_s": rates,
                         "spread": (max(rates) - min(rates)) / median,
                         "final_loss": [r["final_loss"] for r in records], "final_lr": records[0]["final_lr"],
                         "median_launch_s": statistics.median(r["launch_s"] for r in records),
                         "median_train_s": statistics.median(r["train_s"] for r in records),
+                        "median_compile_s": statistics.median(compiles) if compiles else None,
                         "engine": records[0]["engine"]}
+    return figures
+
+
+def summarize_stage(runs: dict[str, list[dict]]) -> dict:
+    figures = summarize(runs)
     figures["dsf_over_raw"] = figures["dsf"]["median_tokens_per_s"] / figures["raw"]["median_tokens_per_s"]
     figures["dsf_over_trainer"] = figures["dsf"]["median_tokens_per_s"] / figures["trainer"]["median_tokens_per_s"]
     return figures
@@ -406,23 +521,135 @@ def markdown(stages: dict[int, dict], args: argparse.Namespace) -> str:
     return "\n".join(rows)
 
 
+def summarize_recommended(runs: dict[str, list[dict]], *, tolerance: float) -> dict:
+    """Per tool as `summarize`, each Trainer's loss check against dsf, and dsf / the better Trainer
+    (of the medians, and its range over launches)."""
+    figures = summarize(runs)
+    dsf_loss = statistics.median(figures["dsf"]["final_loss"])
+    for tool in ("docs", "axolotl"):
+        gap = (statistics.median(figures[tool]["final_loss"]) - dsf_loss) / dsf_loss
+        figures[tool]["loss_vs_dsf"] = gap
+        figures[tool]["loss_agrees"] = abs(gap) <= tolerance
+    best = max(("docs", "axolotl"), key=lambda tool: figures[tool]["median_tokens_per_s"])
+    dsf, other = figures["dsf"]["runs_tokens_per_s"], figures[best]["runs_tokens_per_s"]
+    figures["best_trainer"] = best
+    figures["dsf_over_best"] = figures["dsf"]["median_tokens_per_s"] / figures[best]["median_tokens_per_s"]
+    figures["dsf_over_best_range"] = [min(dsf) / max(other), max(dsf) / min(other)]
+    figures["loss_tolerance"] = tolerance
+    return figures
+
+
+def run_recommended(args: argparse.Namespace, work: Path) -> dict:
+    """The "same job, each tool as its docs recommend" table: plan, JSONs, launches in turn."""
+    home = work / "recommended"
+    home.mkdir(parents=True, exist_ok=True)
+    job = run_overrides(args, stage=3, tokenizer_dir=work / "tokenizer", output_dir=home)
+    cluster = args.cluster
+    if cluster == "calibrate":  # this machine measured, as the README says to plan for it
+        cluster = str(home / "cluster.json")
+        subprocess.run([str(BIN / "dsf"), "calibrate", "--ranks", str(WORLD), "-o", cluster, "--force"],
+                       check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+    plan = subprocess.run([str(BIN / "dsf"), "plan", "--model", args.model, "--cluster", cluster, "--nodes", "1",
+                           "--gpus-per-node", str(WORLD), "--seq-len", str(args.seq_len),
+                           "--global-batch", str(args.global_batch), "--precision", "fp32", "--top", "3",
+                           "-o", str(home / "plan"), "--force"], check=True, cwd=REPO, capture_output=True, text=True)
+    (home / "plan.txt").write_text(plan.stdout)
+    planned = planned_run_yaml(home / "plan" / "run.yaml", job, home / "dsf_run.yaml")
+    job_json = dsf_ds_config(job)
+    for tool, preset in (("docs", HF_DOCS_ZERO3), ("axolotl", AXOLOTL_ZERO3)):
+        config = trainer_ds_config(preset, job_json, keep_offload=args.docs_offload and tool == "docs")
+        (home / f"{tool}.json").write_text(json.dumps(config, indent=1))
+    dsf_sets = ["train.compile=true", "train.chunked_loss=true"]
+    runs: dict[str, list[dict]] = {tool: [] for tool in TOOLS}
+    for index in range(args.repeats):
+        for tool in TOOLS:
+            out = home / f"{tool}{index}"
+            if tool == "dsf":
+                record = run_way("dsf", args, out=out, overrides=[f"output_dir={out}", *dsf_sets],
+                                 dsf_yaml=home / "dsf_run.yaml")
+            else:
+                record = run_way("trainer", args, out=out, overrides=job, ds_json=home / f"{tool}.json")
+            runs[tool].append(record)
+            print(f"recommended {tool} {index + 1}/{args.repeats}: {record['tokens_per_s']:,.0f} tokens/s",
+                  file=sys.stderr, flush=True)
+    figures = summarize_recommended(runs, tolerance=args.loss_tolerance)
+    t, par = planned["train"], planned["parallel"]
+    dp = WORLD // (par["tp"] * par["pp"] * par["cp"])
+    figures["dsf"]["plan"] = {"cluster": cluster, "micro_batch": t["micro_batch"],
+                              "grad_accum": t["grad_accum"] or args.global_batch // (t["micro_batch"] * dp),
+                              "parallel": par, "sets": dsf_sets,
+                              "best_line": next((line for line in plan.stdout.splitlines()
+                                                 if line.startswith("best:")), "")}
+    return figures
+
+
+def markdown_recommended(f: dict, args: argparse.Namespace) -> str:
+    plan = f["dsf"]["plan"]
+    par = plan["parallel"]
+    knobs = ", ".join(f"{k} {v}" for k, v in (par.get("zero_knobs") or {}).items() if v is not None)
+    configs = {"dsf": f"plan: ZeRO-{par['zero_stage']}, tp {par['tp']} pp {par['pp']} cp {par['cp']}, "
+                      f"offload {par['offload_optimizer']}/{par['offload_param']}"
+                      + (f", knobs: {knobs}" if knobs else "") + "; compile, chunked loss",
+               "docs": "docs' ZeRO-3, \"auto\"" + (", CPU offload" if args.docs_offload else ", offload dropped"),
+               "axolotl": "zero3.json as is, \"auto\""}
+    rows = ["| tool | config | ZeRO | micro x accum | tokens/s | spread | compile s | last-step loss | vs dsf "
+            "| launch s |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---|---:|"]
+    for tool, name in TOOLS.items():
+        t = f[tool]
+        e = t["engine"]
+        micro = f"{plan['micro_batch']}x{plan['grad_accum']}" if tool == "dsf" else \
+            f"{e['micro_batch']}x{e['grad_accum']}"
+        compile_s = "-" if t["median_compile_s"] is None else f"{t['median_compile_s']:.1f}"
+        check = "-" if tool == "dsf" else \
+            f"{100 * t['loss_vs_dsf']:+.2f}% " + ("ok" if t["loss_agrees"] else "**DIFFERS**")
+        rows.append(f"| {name.split(',')[0]} | {configs[tool]} | {e['zero_stage']} | {micro} "
+                    f"| {t['median_tokens_per_s']:,.0f} | {100 * t['spread']:.1f}% | {compile_s} "
+                    f"| {statistics.median(t['final_loss']):.5f} | {check} | {t['median_launch_s']:.1f} |")
+    low, high = f["dsf_over_best_range"]
+    rows += ["", f"dsf / the better Trainer ({TOOLS[f['best_trainer']]}): **{f['dsf_over_best']:.3f}** "
+             f"(launches: {low:.3f}-{high:.3f}; goal >= 1.2); losses within {100 * f['loss_tolerance']:g}% of dsf's: "
+             f"{'yes' if all(f[t]['loss_agrees'] for t in ('docs', 'axolotl')) else 'NO'}.",
+             f"{args.model}, world {WORLD}, {args.steps} steps of {args.global_batch} x {args.seq_len} tokens, fp32; "
+             f"timed steps {args.warmup_steps_excluded + 1}..{args.steps} (compile outside); {args.repeats} "
+             f"launch(es) of each tool, in turn; medians. dsf's plan on {plan['cluster']}: {plan['best_line']}"]
+    for tool in ("docs", "axolotl"):
+        zero = f[tool]["engine"]["zero_optimization"]
+        rows.append(f"{TOOLS[tool]}, the engine's zero_optimization (\"auto\" filled): "
+                    + ", ".join(f"{k}={v}" for k, v in zero.items()))
+    return "\n".join(rows)
+
+
 # --- entry point --------------------------------------------------------------------------------
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--stages", default="1,2,3", help="ZeRO stages, comma separated")
+    parser.add_argument("--table", choices=["stages", "recommended", "both"], default="both",
+                        help="stages: dsf / raw DeepSpeed / Trainer at the same JSON per ZeRO stage; recommended: "
+                             "dsf's plan vs the Trainer with transformers' and Axolotl's ZeRO-3 JSONs")
+    parser.add_argument("--stages", default="1,2,3", help="ZeRO stages of the stages table, comma separated")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup-steps-excluded", type=int, default=None,
                         help="steps of each launch left out of the timing (a multiple of --log-every; "
                              "default: one --log-every window)")
     parser.add_argument("--log-every", type=int, default=10, help="dsf's logging.every = the Trainer's logging_steps")
-    parser.add_argument("--repeats", type=int, default=3, help="launches of each way per stage, in turn A B C A B C")
-    parser.add_argument("--model", default="tiny-llama", help="a model preset (dsf presets)")
-    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3, help="launches of each way, in turn A B C A B C")
+    parser.add_argument("--model", default=None,
+                        help="a model preset (dsf presets); default small-llama (7M), tiny-llama for per-step overhead")
+    parser.add_argument("--seq-len", type=int, default=None, help="default 128 (64 with --smoke)")
     parser.add_argument("--global-batch", type=int, default=16)
-    parser.add_argument("--micro-batch", type=int, default=8, help="per rank; accumulation is derived")
+    parser.add_argument("--micro-batch", type=int, default=8,
+                        help="per rank, for all but dsf's plan (which chooses its own); accumulation is derived")
+    parser.add_argument("--cluster", default=None,
+                        help="what dsf plans for: 'calibrate' (default: `dsf calibrate --ranks 2` here, ~20 s), "
+                             "a preset (cpu-local) or a profile file")
+    parser.add_argument("--docs-offload", action="store_true",
+                        help="keep the CPU offload of the transformers docs' ZeRO-3 example (dropped by default)")
+    parser.add_argument("--loss-tolerance", type=float, default=0.01,
+                        help="relative gap of a Trainer's last-step loss to dsf's flagged as DIFFERS")
     parser.add_argument("--smoke", action="store_true",
-                        help="quick end-to-end check: --stages 1 --repeats 1 --steps 6 --log-every 2")
+                        help="quick end-to-end check: --stages 1 --repeats 1 --steps 6 --log-every 2, "
+                             "tiny-llama at seq 64 and the cpu-local preset unless given")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON, not tables")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench_compare", help="logs of every launch")
     parser.add_argument("--worker", choices=["raw", "trainer"], help=argparse.SUPPRESS)  # set by this file
@@ -433,6 +660,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.smoke:
         args.stages, args.repeats, args.steps, args.log_every = "1", 1, 6, 2
+    defaults = ("tiny-llama", 64, "cpu-local") if args.smoke else ("small-llama", 128, "calibrate")
+    args.model, args.seq_len, args.cluster = (given if given is not None else default for given, default in
+                                              zip((args.model, args.seq_len, args.cluster), defaults))
     if args.warmup_steps_excluded is None:
         args.warmup_steps_excluded = args.log_every
     if args.steps % args.log_every or args.warmup_steps_excluded % args.log_every \
@@ -440,6 +670,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--steps {args.steps} and --warmup-steps-excluded {args.warmup_steps_excluded} must be "
                      f"multiples of --log-every {args.log_every}, with 0 < excluded < steps")
     return args
+
+
+def run_stages(args: argparse.Namespace, work: Path) -> dict[int, dict]:
+    """The per-ZeRO-stage table: dsf, raw DeepSpeed and the Trainer at the same JSON, in turn."""
+    stages = {}
+    for stage in [int(s) for s in args.stages.split(",")]:
+        home = work / f"z{stage}"
+        home.mkdir(exist_ok=True)
+        ds_json = home / "ds_config.json"
+        ds_json.write_text(json.dumps(dsf_ds_config(
+            run_overrides(args, stage=stage, tokenizer_dir=work / "tokenizer", output_dir=work)), indent=2))
+        runs: dict[str, list[dict]] = {way: [] for way in WAYS}
+        for index in range(args.repeats):  # in turn, so drift in the machine hits every way alike
+            for way in WAYS:
+                out = home / f"{way}{index}"
+                overrides = run_overrides(args, stage=stage, tokenizer_dir=work / "tokenizer", output_dir=out)
+                runs[way].append(run_way(way, args, out=out, overrides=overrides, ds_json=ds_json))
+                print(f"ZeRO-{stage} {way} {index + 1}/{args.repeats}: {runs[way][-1]['tokens_per_s']:,.0f} tokens/s",
+                      file=sys.stderr, flush=True)
+        stages[stage] = summarize_stage(runs)
+    return stages
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -453,24 +704,16 @@ def main(argv: list[str] | None = None) -> None:
     work = args.out.resolve()
     work.mkdir(parents=True, exist_ok=True)
     save_tokenizer(work / "tokenizer")
-    stages = {}
-    for stage in [int(s) for s in args.stages.split(",")]:
-        (work / f"z{stage}").mkdir(exist_ok=True)
-        overrides = run_overrides(args, stage=stage, tokenizer_dir=work / "tokenizer", output_dir=work)
-        write_ds_config(overrides, work / f"z{stage}" / "ds_config.json")
-        runs: dict[str, list[dict]] = {way: [] for way in WAYS}
-        for index in range(args.repeats):  # in turn, so drift in the machine hits every way alike
-            for way in WAYS:
-                runs[way].append(run_way(way, args, stage=stage, work=work, index=index))
-                print(f"ZeRO-{stage} {way} {index + 1}/{args.repeats}: {runs[way][-1]['tokens_per_s']:,.0f} tokens/s",
-                      file=sys.stderr, flush=True)
-        stages[stage] = summarize(runs)
+    stages = run_stages(args, work) if args.table in ("stages", "both") else {}
+    recommended = run_recommended(args, work) if args.table in ("recommended", "both") else None
     if args.json:
         print(json.dumps({"settings": {k: v for k, v in vars(args).items() if k in (
             "model", "steps", "warmup_steps_excluded", "log_every", "repeats", "seq_len", "global_batch",
-            "micro_batch")} | {"world": WORLD}, "stages": stages}, indent=2))
+            "micro_batch", "cluster", "docs_offload", "loss_tolerance")} | {"world": WORLD},
+            "stages": stages, "recommended": recommended}, indent=2))
     else:
-        print(markdown(stages, args))
+        print("\n\n".join(([markdown(stages, args)] if stages else [])
+                           + ([markdown_recommended(recommended, args)] if recommended else [])))
 
 
 if __name__ == "__main__":

@@ -1,24 +1,38 @@
 """bench/gpu.sh (the prepared single-GPU benchmark) works end to end before a GPU is at hand:
-`--dry-run` trains tiny-llama 2 steps with ZeRO-2 and ZeRO-3 in bf16 on this machine's device
-and prints the tokens/s, TFLOP/s and MFU table against the bf16 matmul peak it measured."""
+`--dry-run` plans tiny-llama for one device of the measured-peak profile, trains the plan 2 steps
+compiled with the chunked loss, then the eager ZeRO-3 baseline, in bf16 on this machine's device,
+and prints compile seconds, tokens/s, TFLOP/s and MFU against the bf16 matmul peak it measured.
+About 60 s here with inductor's cache warm, ~100 s cold (the compile of the planned row)."""
 from __future__ import annotations
 
-import sys
+import json
 import re
 import subprocess
+import sys
+
+import yaml
 
 from tests.distributed.launcher import REPO, rank_env
+
+ROW = re.compile(r"^\| (planned|baseline) \| (\d) \| (\d+)x(\d+) \| ([\d.]+|-) \| ([\d,]+) \| ([\d.]+) \| ([\d.]+)% "
+                 r"\| \d+ \|$", re.M)
 
 
 def test_gpu_bench_dry_run(tmp_path):
     env = {**rank_env(), "OUT": str(tmp_path), "PYTHON": sys.executable}
     proc = subprocess.run(["bash", str(REPO / "bench" / "gpu.sh"), "--dry-run"], capture_output=True, text=True,
-                          timeout=300, cwd=REPO, env=env)
+                          timeout=400, cwd=REPO, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert re.search(r"measured bf16 matmul peak on \S+: [\d.]+ TFLOP/s", proc.stdout)
-    rows = {int(m.group(1)): m.groups()[1:] for m in
-            re.finditer(r"^\| (\d) \| ([\d,]+) \| ([\d.]+) \| ([\d.]+)% \| \d+ \|$", proc.stdout, re.M)}
-    assert sorted(rows) == [2, 3], proc.stdout
-    for tokens, tflops, mfu in rows.values():
+    rows = {m.group(1): m.groups()[1:] for m in ROW.finditer(proc.stdout)}
+    assert sorted(rows) == ["baseline", "planned"], proc.stdout
+    for stage, micro, accum, compile_s, tokens, tflops, mfu in rows.values():
         assert int(tokens.replace(",", "")) > 0 and 0 < float(mfu) < 100
-    assert (tmp_path / "peak.json").is_file() and (tmp_path / "zero3" / "metrics.jsonl").is_file()
+    planned = yaml.safe_load((tmp_path / "plan" / "run.yaml").read_text())
+    # The planned row trains what the plan wrote, compiled (its compile time shown apart); the baseline is eager ZeRO-3.
+    assert rows["planned"][0] == str(planned["parallel"]["zero_stage"])
+    assert rows["planned"][1] == str(planned["train"]["micro_batch"])
+    assert rows["planned"][3] != "-" and rows["baseline"][3] == "-"
+    assert rows["baseline"][0] == "3"
+    profile = json.loads((tmp_path / "peak.json").read_text())
+    assert set(profile["peak_flops"]) == {"bf16"} and (tmp_path / "planned" / "metrics.jsonl").is_file()

@@ -436,6 +436,16 @@ def apply_override(data: dict[str, Any], assignment: str) -> None:
         node = child
 
 
+def _field_path(loc: list[str]) -> list[str]:
+    """The leading parts of a pydantic error location that name fields (the rest tag union members)."""
+    model: Any = RunConfig
+    for index, part in enumerate(loc):
+        if not (isinstance(model, type) and issubclass(model, BaseModel) and part in model.model_fields):
+            return loc[:index] if index else loc
+        model = model.model_fields[part].annotation
+    return loc
+
+
 def _format_validation_error(err: ValidationError) -> UserError:
     """The first pydantic error as a one-line UserError with the dotted field and the fix."""
     first = err.errors()[0]
@@ -452,6 +462,11 @@ def _format_validation_error(err: ValidationError) -> UserError:
     if isinstance(raised, UserError):  # a rule that phrased itself (e.g. topology.composition_problem)
         return raised
     msg = first["msg"].removeprefix("Value error, ")
+    fields = _field_path(loc)
+    if len(fields) < len(loc):  # a union (`bool | Literal["auto"]`): pydantic tags each member's error
+        field = ".".join(fields)
+        msg = " or ".join(dict.fromkeys(e["msg"].split(",")[0].lower() for e in err.errors()
+                                        if [str(p) for p in e["loc"]][:len(fields)] == fields))
     if first["type"] == "value_error":  # our own validators say the rule and the fix
         return UserError(field, first.get("input"), msg)
     value = first.get("input")

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from dsframework import checkpoint as ckpt
+from dsframework.compiling import AUTO_PROBE_STEPS, auto_compile, compile_engine, compile_seconds
 from dsframework.config import RunConfig, dump_run_config
 from dsframework.data import (BlockSampler, eval_shard, load_texts, load_tokenizer, store_cache_dir, token_stores,
                               train_tokenizer)
@@ -36,6 +37,8 @@ from dsframework.parallel.pipeline import build_pipeline_module, stage_table
 from dsframework.parallel.topology import ParallelDims, build_grid, build_topology, check_model_layout
 from dsframework.models import build_model, count_parameters, resolve_model
 from dsframework.models.construct import build_for_layout
+from dsframework.models.loss import check_chunked_loss_layout, use_chunked_loss
+from dsframework.runtime_facts import loss_chunk_tokens, loss_is_chunked, padded_vocab
 from dsframework.models.tensor_parallel import TensorParallelCausalLM
 from dsframework.world import init_distributed, rank_zero_first
 
@@ -196,7 +199,8 @@ def step_batches(blocks: Any, sampler: BlockSampler, consumed: int) -> list:
 
 
 def micro_batch_loss(engine: Any, input_ids: Any, *, grid: Any = None, context: bool = False,
-                     tensor_group: Any = None, vocab_size: int = 0, gradient_scale: float = 1.0) -> tuple[Any, Any]:
+                     tensor_group: Any = None, vocab_size: int = 0, gradient_scale: float = 1.0,
+                     chunked: bool = False) -> tuple[Any, Any]:
     """(the loss to backpropagate, the micro-batch's mean loss detached) for whole sequences.
 
     With context parallelism each rank runs its slice of the sequences and backpropagates its
@@ -216,7 +220,7 @@ def micro_batch_loss(engine: Any, input_ids: Any, *, grid: Any = None, context: 
         from dsframework.parallel.context import SequenceShard, sequence_shard_loss
 
         return sequence_shard_loss(engine, SequenceShard.of(input_ids, grid), grid=grid, tensor_group=tensor_group,
-                                   vocab_size=vocab_size, gradient_scale=gradient_scale)
+                                   vocab_size=vocab_size, gradient_scale=gradient_scale, chunked=chunked)
     loss = engine(input_ids=input_ids, labels=input_ids).loss
     return loss, loss.detach()
 
@@ -321,6 +325,7 @@ class Session:
     consumed_samples: int = 0
     built: Any = None  # tp/pp: what this rank materialised and read (models.construct.Materialized)
     grid: Any = None  # tp or cp: the mpu deepspeed.initialize got (parallel.topology.build_grid)
+    loss_chunk_tokens: int | None = None  # the causal LM loss in chunks of this many tokens (models/loss.py)
 
     @property
     def loss_kw(self) -> dict[str, Any]:
@@ -331,7 +336,21 @@ class Session:
 
         return {"grid": self.grid, "context": True, "vocab_size": self.model_config.vocab_size,
                 "tensor_group": self.grid.get_slice_parallel_group() if self.dims.tp_enabled else None,
-                "gradient_scale": zero_gradient_scale(cp=self.dims.cp, zero_stage=self.dims.zero_stage)}
+                "gradient_scale": zero_gradient_scale(cp=self.dims.cp, zero_stage=self.dims.zero_stage),
+                "chunked": self.loss_chunk_tokens is not None}
+
+
+def loss_chunking(run: RunConfig, config: Any, dims: ParallelDims, micro_batch: int) -> int | None:
+    """Tokens per chunk of the causal LM loss (train.chunked_loss), or None for the whole logits.
+    The pipeline's last stage gets its logits from its head layer and keeps the plain loss."""
+    if dims.pp_enabled:  # (true is refused before the run starts: check_chunked_loss_layout)
+        return None
+    rows = padded_vocab(config.vocab_size, tp=dims.tp) // dims.tp  # this rank's vocab slice
+    tokens = micro_batch * run.data.seq_len // dims.cp
+    if not loss_is_chunked(run.train.chunked_loss, tokens=tokens, vocab_rows=rows,
+                           chunk_tokens=run.train.loss_chunk_tokens):
+        return None
+    return loss_chunk_tokens(rows, chunk_tokens=run.train.loss_chunk_tokens)
 
 
 def checked_layout(run: RunConfig, config: Any, *, world: int) -> ParallelDims:
@@ -350,6 +369,7 @@ def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False) ->
 
     # Everything a user can get wrong is checked before the first byte is written or deleted.
     manifest = check_output_dir(run, resume=resume, overwrite=overwrite)
+    check_chunked_loss_layout(run.train.chunked_loss, pp=run.parallel.pp)
     if run.train.precision == "fp16" and not get_accelerator().is_fp16_supported():
         raise UserError("train.precision", "fp16", f"is not supported on this device ({get_accelerator().device_name()})",
                         "use train.precision=bf16 or fp32")
@@ -433,12 +453,17 @@ def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False) ->
             from dsframework.parallel.context import use_ulysses_attention
 
             use_ulysses_attention(model, grid, micro_batch=batch.micro_batch, seq_len=run.data.seq_len, tp=dims.tp)
+    chunk_tokens = loss_chunking(run, config, dims, batch.micro_batch)
+    if chunk_tokens:
+        use_chunked_loss(model, chunk_tokens=chunk_tokens)
     # A PipelineModule brings its own grid (DeepSpeed refuses an mpu beside it).
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config,
         mpu=None if dims.pp_enabled else grid)
+    if run.train.compile is True:  # (auto decides after timing the first steps: _loop)
+        compile_engine(engine)
     session = Session(run, rank, dims, dp_rank, batch, engine, tokenizer, train_blocks, eval_blocks,
-                      num_parameters, config, built=construction, grid=grid)
+                      num_parameters, config, built=construction, grid=grid, loss_chunk_tokens=chunk_tokens)
     if resume:
         state = ckpt.load(engine, run.checkpoint_dir, tag=load_tag)
         session.step, session.consumed_samples = state["step"], state["consumed_samples"]
@@ -474,7 +499,9 @@ def _loop(run: RunConfig, session: Session, sinks: Any, *, resume: bool) -> dict
               f"x cp {dims.cp} x dp {dims.dp} | ZeRO-{run.parallel.zero_stage} | batch {batch.micro_batch} x {batch.grad_accum} x {dims.dp}"
               f" = {batch.global_batch} | {len(train_blocks):,} train / {len(eval_blocks):,} eval "
               f"blocks of {run.data.seq_len} tokens | peak {meter.peak_per_rank / 1e12:.3g} TFLOP/s per rank "
-              f"({meter.peak_source})", flush=True)
+              f"({meter.peak_source}) | compile {str(run.train.compile).lower()} | loss "
+              + (f"in chunks of {session.loss_chunk_tokens} tokens" if session.loss_chunk_tokens else "whole logits"),
+              flush=True)
 
         print("dsf: data " + describe_store(train_blocks) + f" | store {train_blocks.directory}", flush=True)
 
@@ -490,8 +517,12 @@ def _loop(run: RunConfig, session: Session, sinks: Any, *, resume: bool) -> dict
         sinks.log(last, step=0)
     bar = tqdm(total=run.train.steps, initial=step, disable=rank != 0 or not run.logging.progress,
                dynamic_ncols=True, desc="train")
-    window_start, window_steps = time.perf_counter(), 0
+    # Each logging window's tokens/s is over its training time: compile seconds are taken out
+    # (reported as compile_s), and so are the evaluation and checkpoints after its last step.
+    window_start, window_steps, window_compile = time.perf_counter(), 0, compile_seconds()
     stop = min(run.train.steps, run.train.stop_after or run.train.steps)
+    auto = run.train.compile == "auto" and not dims.pp_enabled  # decided after AUTO_PROBE_STEPS eager steps
+    session_steps, probe_start, compiled_note = 0, 0.0, run.train.compile is True
     stop_request = StopRequest()
     nonfinite = NonFiniteWatch(enabled=run.train.precision != "fp16", device=engine.device)
 
@@ -508,19 +539,38 @@ def _loop(run: RunConfig, session: Session, sinks: Any, *, resume: bool) -> dict
         step_loss = _train_step(engine, step_batches(train_blocks, sampler, consumed),
                                 pipeline=dims.pp_enabled, **loss_kw)
         step, consumed, window_steps = step + 1, consumed + batch.global_batch, window_steps + 1
+        session_steps += 1
+        if auto and session_steps == 1:
+            probe_start = time.perf_counter()
+        elif auto and session_steps == AUTO_PROBE_STEPS:
+            auto = False
+            step_seconds = mean_over_ranks((time.perf_counter() - probe_start) / (AUTO_PROBE_STEPS - 1))
+            verdict, why = auto_compile(step_seconds=step_seconds, steps_left=stop - step)
+            if rank == 0:
+                print(f"dsf: train.compile=auto: {why}", flush=True)
+            if verdict:
+                compile_engine(engine)
+                compiled_note = True
         nonfinite.update(step, step_loss)
         breakdown.add_step()
         bar.update(1)
         done = step == stop
-        if step % run.logging.every == 0 or done:
+        logged = step % run.logging.every == 0 or done
+        if logged:
             check_finite()
             loss_value = mean_over_ranks(step_loss.item())
-            elapsed = time.perf_counter() - window_start
+            compiling = compile_seconds() - window_compile
+            elapsed = time.perf_counter() - window_start - compiling
             last = {"step": step, "loss": loss_value, "lr": engine.get_lr()[0],
                     "tokens_per_s": tokens_per_step * window_steps / elapsed}
             last.update(meter.report(tokens_per_s=last["tokens_per_s"]))
             last.update(breakdown.read())
-            window_start, window_steps = time.perf_counter(), 0
+            if compiling > 0:
+                last["compile_s"] = compiling
+            if compiled_note and rank == 0:
+                print(f"dsf: compiled the model in {compile_seconds():.1f} s so far (kept out of tokens/s; "
+                      f"kernels cached in {os.environ.get('TORCHINDUCTOR_CACHE_DIR')})", flush=True)
+                compiled_note = False
             if run.logging.eval_every and (step % run.logging.eval_every == 0 or done):
                 last["eval_loss"] = evaluate()
             if run.train.precision == "fp16":
@@ -536,6 +586,8 @@ def _loop(run: RunConfig, session: Session, sinks: Any, *, resume: bool) -> dict
                 done and run.checkpoint.save_final) or stopped_early:
             check_finite()  # a diverged model is never saved over the last good one
             ckpt.save(engine, run.checkpoint_dir, step=step, consumed_samples=consumed, layout=layout_of(run, dims))
+        if logged:  # the next window starts after this step's evaluation and checkpoint
+            window_start, window_steps, window_compile = time.perf_counter(), 0, compile_seconds()
         if preempted and not done:  # (on the last step the run is simply finished)
             stop_request.close()
             bar.close()

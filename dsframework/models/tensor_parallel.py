@@ -102,10 +102,26 @@ class TensorParallelCausalLM(nn.Module):
         super().__init__()
         self.model, self.group = model, group
         self.config = model.config
+        self.loss_chunk_tokens: int | None = None  # models/loss.py use_chunked_loss: the loss in chunks
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, **kwargs: Any):
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                shift_labels: torch.Tensor | None = None, **kwargs: Any):
         hidden = self.model.base_model(input_ids=input_ids, **{"use_cache": False, **kwargs}).last_hidden_state
+        if self.loss_chunk_tokens and (labels is not None or shift_labels is not None):
+            from functools import partial
+
+            from dsframework.models.loss import chunked_causal_lm_loss
+
+            token_loss = partial(vocab_parallel_cross_entropy, group=self.group, vocab_size=self.config.vocab_size)
+            return TensorParallelOutput(loss=chunked_causal_lm_loss(
+                self.model.lm_head, hidden, labels, shifted=shift_labels, chunk_tokens=self.loss_chunk_tokens,
+                token_loss=token_loss), logits=None)
         logits = self.model.lm_head(hidden)
+        if shift_labels is not None:  # (a context-parallel shard's labels, already shifted)
+            per_token = vocab_parallel_cross_entropy(logits, shift_labels, group=self.group,
+                                                     vocab_size=self.config.vocab_size)
+            return TensorParallelOutput(loss=per_token.sum() / (shift_labels != -100).sum().clamp(min=1),
+                                        logits=logits)
         loss = None
         if labels is not None:
             loss = vocab_parallel_causal_lm_loss(logits, labels, group=self.group,

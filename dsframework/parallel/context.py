@@ -189,21 +189,31 @@ def zero_gradient_scale(*, cp: int, zero_stage: int) -> float:
 
 
 def sequence_shard_loss(engine: Any, shard: SequenceShard, *, grid: Any, tensor_group: Any = None,
-                        vocab_size: int, gradient_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                        vocab_size: int, gradient_scale: float = 1.0,
+                        chunked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(this rank's share of the micro-batch loss, to backpropagate, times `gradient_scale`
     (`zero_gradient_scale`); the micro-batch's mean loss, detached, the same on every rank of the
-    context group)."""
-    output = engine(input_ids=shard.input_ids, position_ids=shard.position_ids)
-    logits = output.logits
-    if tensor_group is not None:  # vocab-parallel logits: the full vocabulary is never gathered
-        from dsframework.parallel.tensor import vocab_parallel_cross_entropy
-
-        token_losses = vocab_parallel_cross_entropy(logits, shard.labels, group=tensor_group, vocab_size=vocab_size)
-        total = token_losses.sum()
+    context group). `chunked`: the model computes its loss in chunks (models/loss.py), handed
+    the shard's labels as they are (already shifted: its last token predicts the next shard's first)."""
+    if chunked:  # the mean over this shard's labelled tokens, back to their sum
+        local = (shard.labels != -100).sum()
+        total = engine(input_ids=shard.input_ids, position_ids=shard.position_ids,
+                       shift_labels=shard.labels).loss * local.clamp(min=1)
     else:
-        total = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), shard.labels.flatten(),
-                                                  ignore_index=-100, reduction="sum")
+        total = _shard_loss_sum(engine(input_ids=shard.input_ids, position_ids=shard.position_ids).logits,
+                                shard, tensor_group=tensor_group, vocab_size=vocab_size)
     share = total / shard.predicted
     mean = share.detach().clone()
     dist.all_reduce(mean, group=grid.get_sequence_parallel_group())
     return share * gradient_scale if gradient_scale != 1.0 else share, mean
+
+
+def _shard_loss_sum(logits: torch.Tensor, shard: SequenceShard, *, tensor_group: Any, vocab_size: int) -> torch.Tensor:
+    """The summed loss of the shard's labelled tokens from its whole logits."""
+    if tensor_group is not None:  # vocab-parallel logits: the full vocabulary is never gathered
+        from dsframework.parallel.tensor import vocab_parallel_cross_entropy
+
+        token_losses = vocab_parallel_cross_entropy(logits, shard.labels, group=tensor_group, vocab_size=vocab_size)
+        return token_losses.sum()
+    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), shard.labels.flatten(),
+                                             ignore_index=-100, reduction="sum")

@@ -275,6 +275,8 @@ CASES = [
                expect=("--set", "train.lr"), files=PRIOR_RUN),
     train_case("train-set-zero-stage-5", OUT, *sets("parallel.zero_stage=5"),
                expect=("parallel.zero_stage", "5"), files=PRIOR_RUN),
+    train_case("train-set-compile-not-a-choice", OUT, *sets("train.compile=sometimes"),
+               expect=("train.compile", "sometimes"), files=PRIOR_RUN),
     train_case("train-unknown-flag", OUT, "--resum",
                expect=("--resum",), files=PRIOR_RUN),
     # --- dsf train: the output directory ----------------------------------------------------------
@@ -567,6 +569,10 @@ LAYOUT_ERRORS = {  # (world, settings, the one line)
     "hpz-below-zero-3": (2, ("parallel.zero_stage=2", "parallel.zero_hpz=2"),
                          "parallel.zero_hpz=2: needs zero_stage=3 (hpZ partitions ZeRO-3's weights), got zero_stage=2; "
                          "set parallel.zero_stage=3 or parallel.zero_hpz=1"),
+    "chunked-loss-with-pp": (2, ("parallel.zero_stage=1", "parallel.pp=2", "train.chunked_loss=true"),
+                             "train.chunked_loss=True: is not offered with parallel.pp=2: the pipeline's last stage "
+                             "gets its logits from its head layer (a LayerSpec), not from a loss that calls the head; "
+                             "set train.chunked_loss=auto (whole logits with pp) or false, or use parallel.tp"),
     "cp-with-pp": (4, ("parallel.zero_stage=1", "parallel.pp=2", "parallel.cp=2"),
                    "parallel.cp=2: does not compose with parallel.pp=2: DeepSpeed's Ulysses runs in its plain engine, "
                    "not the pipeline engine; supported: tp x pp x dp with ZeRO 0-1; tp x cp x dp with ZeRO 0-3; "

@@ -1,0 +1,130 @@
+"""The causal LM loss over chunks of tokens: the fp32 logits of a whole micro-batch never exist.
+
+    from dsframework.models.loss import chunked_causal_lm_loss, use_chunked_loss
+    loss = chunked_causal_lm_loss(model.lm_head, hidden, labels, chunk_tokens=512)
+    # == model(input_ids, labels=labels).loss (transformers' loss: token t predicts label t+1,
+    #    mean over labels != -100), within fp32 rounding; gradients too
+    use_chunked_loss(model, chunk_tokens=512)   # from now on model(input_ids, labels=...).loss is chunked
+
+How: the final hidden states are cut into chunks of `chunk_tokens` tokens (batch and sequence
+flattened). Each chunk runs the head and the per-token loss under `torch.utils.checkpoint`
+(non-reentrant), which keeps only the chunk's hidden states and labels for backward: in the
+forward each chunk's logits are freed once its loss is summed, and in the backward each chunk's
+logits are recomputed, differentiated and freed before the next. One chunk's fp32 logits and
+their gradient exist at a time (chunk_tokens x vocab x 8 bytes), instead of the micro-batch's
+logits, their fp32 copy and its gradient. The price is one more head matmul forward per token
+(the recompute): 2 h V flops per token on top of the 6 h V the head costs.
+
+The head is called as a module, once per chunk: ZeRO-3 gathers its weight through its own hooks
+(and prefetches it for the next chunk), a tensor-parallel head emits its vocab slice into
+`token_loss` (parallel/tensor.py's vocab_parallel_cross_entropy), and all chunks' gradients reach
+the weight in one accumulation (autograd sums a leaf's gradients before its hook runs), so
+DeepSpeed reduces it once.
+
+Why not DeepSpeed's `TiledFusedLogitsLoss` (runtime/sequence_parallel/ulysses_sp.py): it runs
+each chunk's backward inside the forward with an incoming gradient fixed at 1 (or 1 / shards),
+and scales only the hidden states' gradient by the gradient that really arrives. The head's
+weight gradient then ignores every factor applied after the loss: DeepSpeed's own
+`engine.backward` divides the loss by gradient_accumulation_steps and fp16 multiplies it by the
+loss scale, so with grad_accum > 1 the head's gradient comes out grad_accum times too large. The
+recompute costs a little compute and is right under every factor.
+"""
+from __future__ import annotations
+
+import types
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+IGNORE_INDEX = -100  # transformers' "no loss here"
+
+TokenLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, labels) -> fp32 loss per token
+
+
+def plain_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross entropy per token in fp32 (transformers upcasts the logits the same way); 0 where
+    the label is -100."""
+    return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="none")
+
+
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """The label each position predicts: the next token's, -100 at the end (as transformers does)."""
+    return F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def chunked_loss_sum(head: Any, hidden: torch.Tensor, targets: torch.Tensor, *, chunk_tokens: int,
+                     token_loss: TokenLoss = plain_token_loss) -> torch.Tensor:
+    """Sum over tokens of token_loss(head(hidden), targets), `chunk_tokens` tokens at a time.
+    `hidden` [..., h] and `targets` [...] (already shifted) agree on every dimension but the last."""
+    flat_hidden, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+
+    def chunk_sum(chunk_hidden: torch.Tensor, chunk_targets: torch.Tensor) -> torch.Tensor:
+        return token_loss(head(chunk_hidden), chunk_targets).sum()
+
+    total = flat_hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, flat_targets.numel(), chunk_tokens):
+        part = slice(start, start + chunk_tokens)
+        if torch.is_grad_enabled():
+            total = total + checkpoint(chunk_sum, flat_hidden[part], flat_targets[part], use_reentrant=False)
+        else:  # evaluation: nothing is kept for a backward anyway
+            total = total + chunk_sum(flat_hidden[part], flat_targets[part])
+    return total
+
+
+def chunked_causal_lm_loss(head: Any, hidden: torch.Tensor, labels: torch.Tensor | None = None, *, chunk_tokens: int,
+                           token_loss: TokenLoss = plain_token_loss,
+                           shifted: torch.Tensor | None = None) -> torch.Tensor:
+    """transformers' causal LM loss (the mean over labels != -100 of token t predicting label t+1)
+    without the whole logits; `shifted` instead of `labels` gives the targets already shifted
+    (a context-parallel shard's, whose last token predicts the next shard's first)."""
+    targets = shift_labels(labels) if shifted is None else shifted
+    count = (targets != IGNORE_INDEX).sum().clamp(min=1)
+    return chunked_loss_sum(head, hidden, targets.to(hidden.device), chunk_tokens=chunk_tokens,
+                            token_loss=token_loss) / count.to(hidden.device)
+
+
+def check_chunked_loss_layout(setting: bool | str, *, pp: int) -> None:
+    """train.chunked_loss=true with a pipeline is refused before the run starts (auto stays plain there)."""
+    if setting is True and pp > 1:
+        from dsframework.errors import UserError
+
+        raise UserError("train.chunked_loss", True, f"is not offered with parallel.pp={pp}: the pipeline's last "
+                        "stage gets its logits from its head layer (a LayerSpec), not from a loss that calls the "
+                        "head", "set train.chunked_loss=auto (whole logits with pp) or false, or use parallel.tp")
+
+
+def causal_lm_of(model: Any) -> Any:
+    """The transformers causal LM inside `model` (a peft model's base model; else `model`)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def use_chunked_loss(model: Any, *, chunk_tokens: int) -> Any:
+    """Make `model(input_ids, labels=...)` (or `shift_labels=...`) compute its loss in chunks;
+    returns `model`. A dsf TensorParallelCausalLM chunks its vocab-parallel loss; a transformers
+    causal LM (or the one inside a peft model) gets a forward that runs its decoder
+    (`base_model`) and `chunked_causal_lm_loss` over its output embeddings: the state dict, the
+    hooks and every other call stay as they were. Without labels the model's own forward runs."""
+    from dsframework.models.tensor_parallel import TensorParallelCausalLM
+
+    if isinstance(model, TensorParallelCausalLM):
+        model.loss_chunk_tokens = chunk_tokens
+        return model
+    lm = causal_lm_of(model)
+    own_forward = lm.forward
+
+    def forward(self: Any, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                shift_labels: torch.Tensor | None = None, **kwargs: Any) -> Any:
+        if labels is None and shift_labels is None:
+            return own_forward(input_ids=input_ids, **kwargs)
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        kwargs.pop("logits_to_keep", None)
+        hidden = self.base_model(input_ids=input_ids, **{"use_cache": False, **kwargs}).last_hidden_state
+        loss = chunked_causal_lm_loss(self.get_output_embeddings(), hidden, labels, shifted=shift_labels,
+                                      chunk_tokens=chunk_tokens)
+        return CausalLMOutputWithPast(loss=loss)
+
+    lm.forward = types.MethodType(forward, lm)
+    return model

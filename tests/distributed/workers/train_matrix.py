@@ -1,0 +1,34 @@
+"""Worker (run under the deepspeed launcher): several `dsf train` runs one after the other in one
+process group, each with the torch.compile backend it names (tests/distributed/test_compile.py).
+
+    deepspeed --num_gpus 2 train_matrix.py OUT_ROOT 'z1|eager|parallel.zero_stage=1' \
+        'z1_compiled|aot_eager|parallel.zero_stage=1;train.compile=true' ...
+
+Each spec is NAME|BACKEND|OVERRIDES (`;`-separated, on top of the tests' BASE_OVERRIDES), trained
+into OUT_ROOT/NAME with `dsframework.engine.train`, as `dsf train` does. BACKEND patches
+`dsframework.compiling.BACKEND` (inductor in production): `aot_eager` traces the same dynamo and
+AOT autograd graphs through DeepSpeed's hooks without generating kernels, which keeps a matrix of
+layouts cheap; `inductor` is the real thing. One launch saves each run its own start (~15 s).
+"""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repo: tests.distributed.launcher
+
+from dsframework import compiling
+from dsframework.config import load_run_config
+from dsframework.engine import train
+from tests.distributed.launcher import TINY_YAML, run_overrides
+
+
+def main(root: str, specs: list[str]) -> None:
+    for spec in specs:
+        name, backend, overrides = spec.split("|")
+        compiling.BACKEND = backend if backend != "eager" else compiling.BACKEND
+        run = load_run_config(TINY_YAML, run_overrides(Path(root) / name, [o for o in overrides.split(";") if o]))
+        train(run)
+
+
+if __name__ == "__main__":
+    args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
+    main(args[0], args[1:])

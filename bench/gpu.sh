@@ -3,6 +3,7 @@
 #
 #   bash bench/gpu.sh              # llama-1b (1.24B, vocab 128256), bf16: the plan compiled, then a ZeRO-3 baseline
 #   bash bench/gpu.sh --dry-run    # tiny-llama, 2 steps, on whatever device is here (the test suite's check)
+#   COMPILE=true bash bench/gpu.sh --dry-run   # the dry run compiling the planned row too (+40-80 s on a CPU)
 #   STEPS=40 SEQ_LEN=2048 GLOBAL=16 bash bench/gpu.sh
 #
 # Installs nothing and reaches no network: it uses the checkout's .venv (launch/setup_env.sh) or
@@ -25,7 +26,9 @@
 # per GPU and MFU over the steps after the first logging window (start-up, compilation and
 # warm-up excluded); the goal on an H200 is 50% MFU for the planned row. Expect ~6-8 minutes on an
 # H100/H200: two ~1 min trainings, model init, and the planned row's first compile (~1-3 min;
-# inductor's cache makes a second run quicker). The dry run compiles tiny-llama on the CPU.
+# inductor's cache makes a second run quicker). The dry run trains the planned row eager unless
+# COMPILE=true: compiling tiny-llama on a CPU costs the suite 40-80 s, and compiled training is
+# tests/distributed/test_compile.py's to check (inductor, ZeRO-3, the chunked loss).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -39,9 +42,11 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_
 
 if [ "$DRY" = 1 ]; then
   MODEL=tiny-llama; STEPS=2; SEQ_LEN=64; MICRO=2; GLOBAL=4; EVERY=1; EXAMPLES=2000; VOCAB=; SIZE=1024
+  COMPILE=${COMPILE:-false}
 else
   MODEL=${MODEL:-llama-1b}; STEPS=${STEPS:-30}; SEQ_LEN=${SEQ_LEN:-2048}; MICRO=${MICRO:-4}
   GLOBAL=${GLOBAL:-8}; EVERY=${EVERY:-10}; EXAMPLES=${EXAMPLES:-60000}; VOCAB=${VOCAB:-128256}; SIZE=8192
+  COMPILE=${COMPILE:-true}
 fi
 
 echo "# dsf GPU bench: $MODEL, bf16, seq $SEQ_LEN, global batch $GLOBAL, $STEPS steps; out $OUT"
@@ -83,7 +88,7 @@ train() {  # NAME YAML SETS...: one training, its log in $OUT/NAME.log
     > "$OUT/$name.log" 2>&1 \
     || { echo "$name failed; the end of its log ($OUT/$name.log):"; tail -20 "$OUT/$name.log"; exit 1; }
 }
-train planned "$OUT/plan/run.yaml" --set train.compile=true --set train.chunked_loss=true
+train planned "$OUT/plan/run.yaml" --set "train.compile=$COMPILE" --set train.chunked_loss=true
 train baseline launch/examples/tiny.yaml --set parallel.zero_stage=3 --set "train.micro_batch=$MICRO" \
   --set train.grad_accum=null --set train.compile=false --set train.chunked_loss=false
 

@@ -47,12 +47,18 @@ def inductor_cache_dir() -> Path:
     return store_cache_dir().parent / "dsframework-inductor"
 
 
+def use_inductor_cache() -> Path:
+    """Point inductor (and triton) at `inductor_cache_dir` unless the user chose a directory. Done
+    before DeepSpeed starts: its ZeRO optimizers import inductor, which then fixes its own default
+    (/tmp/torchinductor_<user>) in the environment."""
+    cache = Path(os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir())))
+    os.environ.setdefault("TRITON_CACHE_DIR", str(cache / "triton"))
+    return cache
+
+
 def compile_engine(engine: Any) -> None:
-    """`engine.compile()` with inductor, its kernels cached in `inductor_cache_dir` (rank 0
-    creates it; every rank of the node shares it)."""
-    cache = os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir()))
-    os.environ.setdefault("TRITON_CACHE_DIR", str(Path(cache) / "triton"))
-    Path(cache).mkdir(parents=True, exist_ok=True)
+    """`engine.compile()` with inductor; the first forward and backward compile (lazily)."""
+    use_inductor_cache().mkdir(parents=True, exist_ok=True)
     engine.compile(backend=BACKEND)
 
 

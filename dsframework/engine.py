@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from dsframework import checkpoint as ckpt
-from dsframework.compiling import AUTO_PROBE_STEPS, auto_compile, compile_engine, compile_seconds
+from dsframework.compiling import AUTO_PROBE_STEPS, auto_compile, compile_engine, compile_seconds, use_inductor_cache
 from dsframework.config import RunConfig, dump_run_config
 from dsframework.data import (BlockSampler, eval_shard, load_texts, load_tokenizer, store_cache_dir, token_stores,
                               train_tokenizer)
@@ -370,6 +370,8 @@ def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False) ->
     # Everything a user can get wrong is checked before the first byte is written or deleted.
     manifest = check_output_dir(run, resume=resume, overwrite=overwrite)
     check_chunked_loss_layout(run.train.chunked_loss, pp=run.parallel.pp)
+    if run.train.compile is not False:
+        use_inductor_cache()
     if run.train.precision == "fp16" and not get_accelerator().is_fp16_supported():
         raise UserError("train.precision", "fp16", f"is not supported on this device ({get_accelerator().device_name()})",
                         "use train.precision=bf16 or fp32")

@@ -26,7 +26,7 @@ from dsframework.runtime_facts import LOSS_CHUNK_LOGITS, loss_chunk_tokens, loss
 VOCAB = 32000
 
 
-def llama(vocab: int = VOCAB) -> LlamaForCausalLM:
+def llama(vocab: int = 5000) -> LlamaForCausalLM:
     torch.manual_seed(0)
     return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128))
@@ -72,6 +72,27 @@ def test_same_loss_and_gradients_as_the_whole_logits(build, chunk, supervised):
         torch.testing.assert_close(chunked(input_ids=ids, labels=labels).loss, want_loss, rtol=1e-5, atol=1e-5)
 
 
+def test_a_lora_model_chunks_its_base_models_loss():
+    """peft's wrapper calls the causal LM inside it, whose forward use_chunked_loss replaced: the
+    adapters' gradients (all that trains) are the plain loss's."""
+    from dsframework.config import LoraSpec
+    from dsframework.models.lora import apply_lora
+
+    plain = apply_lora(llama(), LoraSpec(r=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj"]), seed=3)
+    plain.base_model.model.lm_head.weight.data.normal_()  # (zero-initialised B leaves no gradient worth comparing)
+    for name, param in plain.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_(std=0.1)
+    chunked = use_chunked_loss(copy.deepcopy(plain), chunk_tokens=50)
+    ids, labels = batch(5000, supervised=True)
+    want_loss, want = loss_and_grads(plain, ids, labels)
+    got_loss, got = loss_and_grads(chunked, ids, labels)
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-5)
+    assert sorted(got) == sorted(want) and all("lora_" in name for name in want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
 def test_the_forward_without_labels_is_the_models_own():
     plain = llama(vocab=500)
     chunked = use_chunked_loss(copy.deepcopy(plain), chunk_tokens=16)
@@ -105,7 +126,7 @@ def saved_tensor_elements(model, ids, labels) -> list[int]:
 
 
 def test_no_logits_sized_tensor_is_saved_for_backward():
-    plain = llama()
+    plain = llama(VOCAB)
     chunked = use_chunked_loss(copy.deepcopy(plain), chunk_tokens=32)
     ids, labels = batch(VOCAB, supervised=False)
     logits = ids.numel() * VOCAB
@@ -169,3 +190,30 @@ def test_auto_compile_compiles_when_the_steps_left_pay_for_it():
     assert not auto_compile(step_seconds=0.2, steps_left=int(breakeven) - 1, warm=False)[0]
     assert auto_compile(step_seconds=0.2, steps_left=int(breakeven) + 1, warm=False)[0]
     assert auto_compile(step_seconds=0.2, steps_left=int(WARM_COMPILE_S / (0.2 * EXPECTED_GAIN)) + 1, warm=True)[0]
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.25])
+def test_why_not_deepspeeds_tiled_loss(scale):
+    """models/loss.py's reason not to use DeepSpeed's TiledFusedLogitsLoss: with the loss scaled
+    after it (DeepSpeed's engine.backward divides by gradient_accumulation_steps), the head's
+    weight gradient comes out 1 / scale times too large, while ours stays right. (Should DeepSpeed
+    fix it, this fails, and the library's version can replace ours.)"""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 100, bias=False)
+    hidden = torch.randn(2, 12, 16)
+    targets = torch.randint(0, 100, (2, 12))
+
+    def head_grad(loss_of) -> torch.Tensor:
+        head.zero_grad()
+        (loss_of() * scale).backward()
+        return head.weight.grad.clone()
+
+    want = head_grad(lambda: torch.nn.functional.cross_entropy(head(hidden).flatten(0, 1), targets.flatten()))
+    ours = head_grad(lambda: chunked_causal_lm_loss(head, hidden, shifted=targets, chunk_tokens=6))
+    tiled = head_grad(lambda: TiledFusedLogitsLoss.apply(
+        lambda self, x, y: torch.nn.functional.cross_entropy(self(x), y), head, hidden.requires_grad_(), targets,
+        None, 4, [head.weight], "mean"))
+    torch.testing.assert_close(ours, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(tiled, want / scale, rtol=1e-5, atol=1e-6)

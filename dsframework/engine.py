@@ -370,8 +370,7 @@ def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False) ->
     # Everything a user can get wrong is checked before the first byte is written or deleted.
     manifest = check_output_dir(run, resume=resume, overwrite=overwrite)
     check_chunked_loss_layout(run.train.chunked_loss, pp=run.parallel.pp)
-    if run.train.compile is not False:
-        use_inductor_cache()
+    use_inductor_cache()  # (before DeepSpeed imports inductor; train.compile=auto may compile later)
     if run.train.precision == "fp16" and not get_accelerator().is_fp16_supported():
         raise UserError("train.precision", "fp16", f"is not supported on this device ({get_accelerator().device_name()})",
                         "use train.precision=bf16 or fp32")

@@ -8,7 +8,7 @@
     .venv/bin/python bench/compare.py --json               # the same figures for machines
 
 The job (what is trained) is the same in every launch: `--model` (default small-llama: 4 layers,
-hidden 256, 2.9M parameters with the task's 512-token vocabulary (7.1M at the preset's 8192), where
+hidden 256, 2.9M parameters with the counting task's 15-token vocabulary (7.1M at the preset's 8192), where
 per-step overhead no longer dominates; tiny-llama shows that overhead), the
 counting task's packed blocks (dsframework.data, tokenizer trained once here), `--seq-len`,
 `--global-batch`, `--steps`, fp32, AdamW with the same lr schedule and clipping, the same weights

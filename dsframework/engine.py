@@ -522,7 +522,7 @@ def _loop(run: RunConfig, session: Session, sinks: Any, *, resume: bool) -> dict
     # (reported as compile_s), and so are the evaluation and checkpoints after its last step.
     window_start, window_steps, window_compile = time.perf_counter(), 0, compile_seconds()
     stop = min(run.train.steps, run.train.stop_after or run.train.steps)
-    auto = run.train.compile == "auto" and not dims.pp_enabled  # decided after AUTO_PROBE_STEPS eager steps
+    auto = run.train.compile == "auto"  # decided after AUTO_PROBE_STEPS eager steps
     session_steps, probe_start, compiled_note = 0, 0.0, run.train.compile is True
     stop_request = StopRequest()
     nonfinite = NonFiniteWatch(enabled=run.train.precision != "fp16", device=engine.device)

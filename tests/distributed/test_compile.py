@@ -12,6 +12,7 @@ and the losses agree within 1e-4 at every step:
 | tp 2           | aot_eager     | chunked (vocab-parallel) |
 | pp 2           | aot_eager     | plain (a pipeline keeps the whole logits) |
 | cp 2           | aot_eager     | chunked (each shard's labels) |
+| ZeRO-2, auto   | aot_eager     | plain; train.compile=auto compiling after its 4 timed eager steps |
 
 aot_eager runs the graphs dynamo and AOT autograd trace through DeepSpeed's hooks (where the
 layouts differ) without generating kernels; the ZeRO-3 run uses inductor itself, as production
@@ -19,6 +20,8 @@ does, and reports its compile time out of tokens/s. The chunked loss's own equal
 gradients (1e-5) is tests/unit/test_chunked_loss.py.
 """
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -49,6 +52,8 @@ def matrix(tmp_path_factory):
         specs.append(f"{name}|eager|{';'.join(overrides + ['train.compile=false', 'train.chunked_loss=false'])}")
         backend, extra = COMPILED[name]
         specs.append(f"{name}_compiled|{backend}|{';'.join(overrides + ['train.compile=true'] + extra)}")
+        if name == "z2":  # (before cp, whose Ulysses attention stays registered in this process)
+            specs.append("z2_auto|aot_eager|" + ";".join(overrides + ["train.compile=auto"]))
     proc = launch([str(REPO / "tests" / "distributed" / "workers" / "train_matrix.py"), str(root), *specs],
                   num_ranks=2, timeout=900)
     return root, proc.stdout
@@ -78,3 +83,17 @@ def test_compile_time_is_reported_and_kept_out_of_tokens_per_s(matrix):
     assert records[0]["tokens_per_s"] > 0
     assert "compile true | loss in chunks of 50 tokens" in stdout
     assert "dsf: compiled the model in" in stdout
+
+
+def test_auto_compiles_mid_run_when_it_pays(matrix):
+    """train.compile=auto times steps 2-4 eager, then (the worker expecting no compile time)
+    compiles: the losses stay the eager run's and the compile seconds land in a later window."""
+    root, stdout = matrix
+    assert_close(losses(root / "z2_auto"), losses(root / "z2"), rtol=1e-4, what="z2: auto-compiled vs eager")
+    assert re.search(r"dsf: train.compile=auto: 4 steps left x [\d.e-]+ s x 14% saved = [\d.e-]+ s > 0 s to "
+                     r"compile \((warm|cold) cache\): compiling", stdout), stdout[-3000:]
+    # Compile seconds, if any, come after the decision (z2_compiled's graphs, already traced in this
+    # process, may serve this model: dynamo takes parameters as inputs).
+    records = [m for m in read_metrics(root / "z2_auto") if "loss" in m]
+    assert all(m["step"] >= 5 for m in records if "compile_s" in m), records
+    assert stdout.count("dsf: compiled the model in") == len(COMPILED) + 1, stdout[-3000:]  # every true run, and auto

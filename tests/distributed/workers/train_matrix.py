@@ -8,7 +8,8 @@ Each spec is NAME|BACKEND|OVERRIDES (`;`-separated, on top of the tests' BASE_OV
 into OUT_ROOT/NAME with `dsframework.engine.train`, as `dsf train` does. BACKEND patches
 `dsframework.compiling.BACKEND` (inductor in production): `aot_eager` traces the same dynamo and
 AOT autograd graphs through DeepSpeed's hooks without generating kernels, which keeps a matrix of
-layouts cheap; `inductor` is the real thing. One launch saves each run its own start (~15 s).
+layouts cheap; `inductor` is the real thing. A NAME ending in `_auto` expects no compile time, so
+that train.compile=auto compiles mid-run. One launch saves each run its own start (~15 s).
 """
 import sys
 from pathlib import Path
@@ -25,6 +26,7 @@ def main(root: str, specs: list[str]) -> None:
     for spec in specs:
         name, backend, overrides = spec.split("|")
         compiling.BACKEND = backend if backend != "eager" else compiling.BACKEND
+        compiling.COLD_COMPILE_S = compiling.WARM_COMPILE_S = 0.0 if name.endswith("_auto") else 90.0
         run = load_run_config(TINY_YAML, run_overrides(Path(root) / name, [o for o in overrides.split(";") if o]))
         train(run)
 

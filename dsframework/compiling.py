@@ -20,8 +20,12 @@ of steps 2..AUTO_PROBE_STEPS, after the first step's warm-up), then compiles whe
 
 EXPECTED_GAIN is the share of a step compilation saved where it was measured (1.16x on a
 small-llama step on a CPU here, as torchtitan reports for Llama 3 8B on H100: 1 - 1/1.16 = 0.14);
-the expected compile time is COLD_COMPILE_S, or WARM_COMPILE_S when the cache already holds
-kernels. A short run (a test, a quick look) stays eager; a long one compiles.
+COMPILE_S is the compile time expected, on the safe side: a cold cache (a cached graph loads in
+seconds, but whether this run's graphs are cached shows only once they compile). A short run (a
+test, a quick look) stays eager; a long one compiles. A SIGTERM that arrives while the model
+compiles is honoured when that step ends: with a cold cache that can take longer than a
+scheduler's grace period (SLURM's KillWait), so a job preempted in its first minutes may find no
+checkpoint to save; train.compile=false avoids it.
 """
 from __future__ import annotations
 
@@ -32,8 +36,7 @@ from typing import Any
 
 BACKEND = "inductor"  # torch.compile's backend (tests/distributed/workers may patch it)
 EXPECTED_GAIN = 0.14  # share of a step's time compiling saves (1 - 1 / 1.16)
-COLD_COMPILE_S = 90.0  # a small Llama's forward + backward graphs, compiled from nothing (CPU: 35-60 s)
-WARM_COMPILE_S = 10.0  # the same, loaded from the cache
+COMPILE_S = 90.0  # a small Llama's forward + backward graphs, compiled from nothing (CPU: 35-60 s)
 AUTO_PROBE_STEPS = 4  # `auto` decides after this step: steps 2..4 timed eager
 # Dynamo's timers (torch._dynamo.utils.compilation_time_metrics): the forward graph's compile and
 # the backward graph's, which AOT autograd compiles lazily at the first backward.
@@ -71,19 +74,11 @@ def compile_seconds() -> float:
     return float(sum(sum(compilation_time_metrics.get(name, ())) for name in _COMPILE_TIMERS))
 
 
-def cache_is_warm() -> bool:
-    """Whether the kernel cache holds anything (a run compiled before on this machine)."""
-    cache = Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir()))
-    return cache.is_dir() and any(cache.iterdir())
-
-
-def auto_compile(*, step_seconds: float, steps_left: int, warm: bool | None = None) -> tuple[bool, str]:
+def auto_compile(*, step_seconds: float, steps_left: int) -> tuple[bool, str]:
     """train.compile=auto: (compile?, the reason in one line) for a run with `steps_left` steps
     whose eager steps take `step_seconds` (see the module docstring)."""
-    warm = cache_is_warm() if warm is None else warm
-    expected = WARM_COMPILE_S if warm else COLD_COMPILE_S
     saved = steps_left * step_seconds * EXPECTED_GAIN
-    verdict = saved > expected
+    verdict = saved > COMPILE_S
     return verdict, (f"{steps_left} steps left x {step_seconds:.3g} s x {EXPECTED_GAIN:.0%} saved = {saved:.3g} s "
-                     f"{'>' if verdict else '<='} {expected:.0f} s to compile ({'warm' if warm else 'cold'} cache): "
+                     f"{'>' if verdict else '<='} {COMPILE_S:.0f} s to compile: "
                      + ("compiling" if verdict else "staying eager"))

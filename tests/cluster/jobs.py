@@ -19,6 +19,8 @@ from tests.distributed.launcher import BIN, TINY_YAML, rank_env, run_overrides
 # (train.stop_after) so that every run here - the launchers', the preempted one, the resumed one -
 # is a prefix of the one single-node reference run (REFERENCE_STEPS steps of the same schedule).
 STEPS, REFERENCE_STEPS = 5, 8
+# (run_overrides' BASE_OVERRIDES keep them eager: the preempted job trains "until stopped", which
+# train.compile=auto would compile at step 4, and a SIGTERM waits for the compiled step.)
 OVERRIDES = ["train.steps=100000", "train.warmup_steps=2", f"train.stop_after={STEPS}"]
 UNTIL_STOPPED = ["train.stop_after=null"]  # trains until killed or preempted
 RANKS_PER_NODE = 2

@@ -23,6 +23,9 @@ BASE_OVERRIDES = [
     "train.weight_decay=0.1", "train.grad_clip=1.0", "train.precision=fp32",
     "logging.every=1", "logging.eval_every=0", "logging.progress=false",
     "checkpoint.every=0", "checkpoint.save_final=false",
+    # Eager: runs of "100000 steps" cut short (faults, preemption) would otherwise compile at step 4
+    # (train.compile=auto); compiled training is test_compile.py's.
+    "train.compile=false",
 ]
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from dsframework.compiling import COLD_COMPILE_S, EXPECTED_GAIN, WARM_COMPILE_S, auto_compile
+from dsframework.compiling import COMPILE_S, EXPECTED_GAIN, auto_compile
 from dsframework.errors import UserError
 from dsframework.models.loss import check_chunked_loss_layout, chunked_causal_lm_loss, use_chunked_loss
 from dsframework.runtime_facts import LOSS_CHUNK_LOGITS, loss_chunk_tokens, loss_is_chunked
@@ -183,13 +183,12 @@ def test_chunked_loss_is_refused_with_a_pipeline():
 
 
 def test_auto_compile_compiles_when_the_steps_left_pay_for_it():
-    long_run, why = auto_compile(step_seconds=0.2, steps_left=5000, warm=False)
-    assert long_run and why.endswith("compiling") and f"{COLD_COMPILE_S:.0f} s to compile" in why
-    assert not auto_compile(step_seconds=0.05, steps_left=200, warm=False)[0]  # a test-sized run
-    breakeven = COLD_COMPILE_S / (0.2 * EXPECTED_GAIN)
-    assert not auto_compile(step_seconds=0.2, steps_left=int(breakeven) - 1, warm=False)[0]
-    assert auto_compile(step_seconds=0.2, steps_left=int(breakeven) + 1, warm=False)[0]
-    assert auto_compile(step_seconds=0.2, steps_left=int(WARM_COMPILE_S / (0.2 * EXPECTED_GAIN)) + 1, warm=True)[0]
+    long_run, why = auto_compile(step_seconds=0.2, steps_left=5000)
+    assert long_run and why.endswith("compiling") and f"{COMPILE_S:.0f} s to compile" in why
+    assert not auto_compile(step_seconds=0.05, steps_left=200)[0]  # a test-sized run
+    breakeven = COMPILE_S / (0.2 * EXPECTED_GAIN)
+    assert not auto_compile(step_seconds=0.2, steps_left=int(breakeven) - 1)[0]
+    assert auto_compile(step_seconds=0.2, steps_left=int(breakeven) + 1)[0]
 
 
 @pytest.mark.parametrize("scale", [1.0, 0.25])

@@ -437,12 +437,17 @@ def apply_override(data: dict[str, Any], assignment: str) -> None:
 
 
 def _field_path(loc: list[str]) -> list[str]:
-    """The leading parts of a pydantic error location that name fields (the rest tag union members)."""
-    model: Any = RunConfig
+    """The leading parts of a pydantic error location that name fields (the rest tag union members,
+    e.g. train.compile's `bool` and `literal['auto']`); an optional section (`X | None`) is its model's."""
+    from typing import get_args
+
+    annotation: Any = RunConfig
     for index, part in enumerate(loc):
-        if not (isinstance(model, type) and issubclass(model, BaseModel) and part in model.model_fields):
+        models = [m for m in (get_args(annotation) or (annotation,)) if isinstance(m, type) and issubclass(m, BaseModel)]
+        owner = next((m for m in models if part in m.model_fields), None)
+        if owner is None:
             return loc[:index] if index else loc
-        model = model.model_fields[part].annotation
+        annotation = owner.model_fields[part].annotation
     return loc
 
 
@@ -463,7 +468,7 @@ def _format_validation_error(err: ValidationError) -> UserError:
         return raised
     msg = first["msg"].removeprefix("Value error, ")
     fields = _field_path(loc)
-    if len(fields) < len(loc):  # a union (`bool | Literal["auto"]`): pydantic tags each member's error
+    if len(fields) < len(loc) and first["type"] != "value_error":  # a union (`bool | Literal["auto"]`): pydantic tags each member's error
         field = ".".join(fields)
         msg = " or ".join(dict.fromkeys(e["msg"].split(",")[0].lower() for e in err.errors()
                                         if [str(p) for p in e["loc"]][:len(fields)] == fields))

@@ -481,6 +481,7 @@ def _model_states(shape: StageShape, layout: Layout, job: Job, train: Trained) -
     return states
 
 
+@lru_cache(maxsize=4096)  # (asked for by every layout the search costs)
 def layer_gathered(desc: ModelDesc, *, tp: int, threshold: int) -> int:
     """Elements of one decoder layer (on one tensor rank) ZeRO-3 all-gathers: its tensors above the
     persistence `threshold` (the persistent ones are never gathered)."""

@@ -23,11 +23,10 @@ Checked against measured tokens/s of every layout on CPU ranks by bench/plan_vs_
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from dsframework.planner.cluster import Cluster
-import math
-
 from dsframework.planner.memory import Job, Layout, layer_gathered, stage_shapes, ulysses_kv_heads
 from dsframework.planner.model import ModelDesc
 from dsframework.runtime_facts import STAGE0_ALLREDUCE_BUCKET

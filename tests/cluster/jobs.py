@@ -18,7 +18,7 @@ from tests.distributed.launcher import BIN, TINY_YAML, rank_env, run_overrides
 # 4 ranks = 2 nodes x 2 slots; 5 short steps of the tiny model, cut from a long schedule
 # (train.stop_after) so that every run here - the launchers', the preempted one, the resumed one -
 # is a prefix of the one single-node reference run (REFERENCE_STEPS steps of the same schedule).
-STEPS, REFERENCE_STEPS = 5, 8
+STEPS, REFERENCE_STEPS = 5, 16  # (16: a SIGTERM sent once step 1 is logged lands well before the end)
 # (run_overrides' BASE_OVERRIDES keep them eager: the preempted job trains "until stopped", which
 # train.compile=auto would compile at step 4, and a SIGTERM waits for the compiled step.)
 OVERRIDES = ["train.steps=100000", "train.warmup_steps=2", f"train.stop_after={STEPS}"]

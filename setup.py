@@ -32,5 +32,5 @@ setup(
         "tqdm",
     ],
     extras_require={"metrics": METRICS, "dev": ["pytest>=8", "pytest-timeout", "hypothesis", *METRICS]},
-    entry_points={"console_scripts": ["dsf=dsframework.cli:main"]},
+    entry_points={"console_scripts": ["dsf=dsframework.commands.cli:main"]},
 )

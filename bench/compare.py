@@ -282,7 +282,7 @@ def rank_inputs(overrides: list[str], ds_config: dict):
     from dsframework.config import load_run_config
     from dsframework.data import load_texts, load_tokenizer, store_cache_dir, token_stores
     from dsframework.dsconfig import resolve_batch
-    from dsframework.models import build_model, resolve_model
+    from dsframework.models.build import build_model, resolve_model
 
     datasets.disable_progress_bars()  # as dsf does
     run = load_run_config(TINY_YAML, overrides)
@@ -698,7 +698,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         worker = {"raw": raw_worker, "trainer": trainer_worker}[args.worker]
         worker(args.overrides, args.ds_config, args.record, excluded=args.warmup_steps_excluded)
-        from dsframework.supervise import exit_process
+        from dsframework.launching.supervise import exit_process
 
         exit_process(0)  # as dsf train ends: torch's teardown can abort a finished rank (see its docstring)
     work = args.out.resolve()

@@ -26,7 +26,7 @@ tokenizer alone on the same cores, and what the data costs each of 2 training ra
    with TOKENIZERS_PARALLELISM=true, its threads on all cores, ids counted and dropped. Ratio:
    preparation / tokenizer alone. For reference, transformers' `tokenizer(texts)` (the call the
    store makes in each process) in the same process, over the first 32 MiB of text.
-4. Each training rank's memory due to the data: `dsf train` (dsframework.engine.train, run by
+4. Each training rank's memory due to the data: `dsf train` (dsframework.train.engine.train, run by
    this file's worker) on 2 CPU ranks (deepspeed's launcher), tiny-llama, --steps steps of
    16 x seq_len, model.tokenizer = the tokenizer the preparation saved (so rank 0 reuses the
    cached store: the run measures training ranks, not preparation). Once on the big corpus, once
@@ -384,9 +384,9 @@ def read_probe(record: Path, store: Path, rows: int) -> None:
 
 def worker(out: Path, overrides: list[str]) -> None:
     """(one per rank) dsf train's engine.train; writes out/rank<r>.json with VmHWM after prepare and at the end."""
-    from dsframework import engine
+    from dsframework.train import engine
     from dsframework.config import load_run_config
-    from dsframework.world import shutdown_distributed
+    from dsframework.train.world import shutdown_distributed
 
     run = load_run_config(TINY_YAML, overrides)
     cache = Path(os.environ["HF_DATASETS_CACHE"]).resolve()

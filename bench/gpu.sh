@@ -54,7 +54,7 @@ echo "# dsf GPU bench: $MODEL, bf16, seq $SEQ_LEN, global batch $GLOBAL, $STEPS 
 import json, os, sys
 from dataclasses import replace
 import torch
-from dsframework.calibrate import matmul_flops
+from dsframework.train.calibrate import matmul_flops
 from dsframework.planner.cluster import Cluster, cluster_preset, local_gpu_preset
 path, size = sys.argv[1], int(sys.argv[2])
 peak = matmul_flops("bf16", size=size)
@@ -69,7 +69,7 @@ json.dump(profile.to_dict(), open(path, "w"), indent=1)
 print(f"# measured bf16 matmul peak on {name}: {peak / 1e12:.1f} TFLOP/s ({size}^3)")
 EOF
 
-"$PY" -m dsframework.cli plan --model "$MODEL" --cluster "$OUT/peak.json" --nodes 1 --gpus-per-node 1 \
+"$PY" -m dsframework.commands.cli plan --model "$MODEL" --cluster "$OUT/peak.json" --nodes 1 --gpus-per-node 1 \
   --seq-len "$SEQ_LEN" --global-batch "$GLOBAL" --precision bf16 --top 3 -o "$OUT/plan" --force > "$OUT/plan.txt" 2>&1 \
   || { echo "dsf plan failed; its output ($OUT/plan.txt):"; tail -20 "$OUT/plan.txt"; exit 1; }
 grep '^best:' "$OUT/plan.txt" | sed 's/^/# plan: /'
@@ -84,7 +84,7 @@ JOB=(--set "model.name=$MODEL" --set train.precision=bf16 --set data.dataset=cou
 
 train() {  # NAME YAML SETS...: one training, its log in $OUT/NAME.log
   local name=$1 yaml=$2; shift 2
-  "$PY" -m dsframework.cli train "$yaml" "${JOB[@]}" "$@" --set "output_dir=$OUT/$name" --overwrite \
+  "$PY" -m dsframework.commands.cli train "$yaml" "${JOB[@]}" "$@" --set "output_dir=$OUT/$name" --overwrite \
     > "$OUT/$name.log" 2>&1 \
     || { echo "$name failed; the end of its log ($OUT/$name.log):"; tail -20 "$OUT/$name.log"; exit 1; }
 }

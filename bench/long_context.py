@@ -37,7 +37,7 @@ VOCAB = 512
 def planner_longest(cp: int, budget: float, grain: int, limit: int) -> int:
     """The longest multiple of `grain` (<= limit) whose predicted activations fit `budget`."""
     from dsframework.config import ModelSpec
-    from dsframework.models import resolve_model
+    from dsframework.models.build import resolve_model
     from dsframework.planner.memory import Job, Layout, memory_per_rank
     from dsframework.planner.model import describe_model
 
@@ -80,12 +80,13 @@ def worker(out: Path, cp: int, budget: float, grain: int, limit: int) -> None:
 
     from dsframework.config import ModelSpec, build_run_config
     from dsframework.dsconfig import build_ds_config
-    from dsframework.engine import micro_batch_loss
-    from dsframework.models import build_model, resolve_model
+    from dsframework.train.engine import micro_batch_loss
+    from dsframework.models.build import build_model, resolve_model
     from dsframework.parallel.context import use_ulysses_attention, zero_gradient_scale
-    from dsframework.parallel.topology import ParallelDims, build_grid
-    from dsframework.supervise import exit_process
-    from dsframework.world import init_distributed, shutdown_distributed
+    from dsframework.layout import ParallelDims
+    from dsframework.parallel.topology import build_grid
+    from dsframework.launching.supervise import exit_process
+    from dsframework.train.world import init_distributed, shutdown_distributed
     from tests.saved_tensors import saved_bytes
 
     rank, world = init_distributed()

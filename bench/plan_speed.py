@@ -14,7 +14,7 @@ import time
 from transformers import LlamaConfig
 
 from dsframework.config import ModelSpec
-from dsframework.models import resolve_model
+from dsframework.models.build import resolve_model
 from dsframework.planner.cluster import cluster_preset
 from dsframework.planner.memory import Job, stage_shapes
 from dsframework.planner.model import describe_model

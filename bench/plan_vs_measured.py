@@ -104,9 +104,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
 
-    from dsframework.calibrate import calibrate
+    from dsframework.train.calibrate import calibrate
     from dsframework.config import ModelSpec
-    from dsframework.models import resolve_model
+    from dsframework.models.build import resolve_model
     from dsframework.planner.cluster import Cluster
     from dsframework.planner.memory import Job
     from dsframework.planner.model import describe_model

@@ -22,7 +22,7 @@ memory as the planner predicts it, as measured, and what a dense build would hav
    baseline of that rank; plus 0.6 GiB for the launcher processes and this script. (Without the
    headroom, 85% picked 680M parameters, whose ranks had grown up to 11% past their prediction by
    the second step, when, with a test suite running beside them, the OOM killer took one.)
-3. Train it: `dsf train` (dsframework.engine.train, called by the worker with the run config
+3. Train it: `dsf train` (dsframework.train.engine.train, called by the worker with the run config
    `dsf train launch/examples/tiny.yaml --set ...` would read) on `deepspeed --num_gpus 4`, 3 steps
    of 8 x 64 tokens (micro-batch 2, 4 micro-batches through the 2-stage pipeline), fp32. The worker
    reads each rank's VmHWM before construction, right after it (`build_for_layout`: meta model,
@@ -211,16 +211,16 @@ def vm_hwm() -> int:
 
 
 def worker(out: Path, overrides: list[str]) -> None:
-    """`dsf train` (dsframework.engine.train) with VmHWM read around construction and prepare;
+    """`dsf train` (dsframework.train.engine.train) with VmHWM read around construction and prepare;
     writes out/rank<r>.json."""
     from dsframework.config import load_run_config
 
     run = load_run_config(TINY_YAML, overrides)
     import torch
 
-    from dsframework import engine
+    from dsframework.train import engine
     from dsframework.parallel.topology import build_topology
-    from dsframework.world import shutdown_distributed
+    from dsframework.train.world import shutdown_distributed
 
     torch.set_num_threads(1)
     marks: dict = {}
@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.worker:
         worker(args.worker, args.overrides)
-        from dsframework.supervise import exit_process
+        from dsframework.launching.supervise import exit_process
 
         exit_process(0)  # as dsf train ends: torch's teardown can abort a finished rank (see its docstring)
     budget = args.ram_share * meminfo("MemTotal")

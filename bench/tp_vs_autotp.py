@@ -132,8 +132,8 @@ def autotp_worker(overrides: list[str], out: Path) -> None:
     from dsframework.config import load_run_config
     from dsframework.data import BlockSampler, load_texts, load_tokenizer, store_cache_dir, token_stores
     from dsframework.dsconfig import build_ds_config, resolve_batch
-    from dsframework.world import init_distributed, shutdown_distributed
-    from dsframework.models import build_model, resolve_model
+    from dsframework.train.world import init_distributed, shutdown_distributed
+    from dsframework.models.build import build_model, resolve_model
 
     run = load_run_config(TINY_YAML, overrides)
     rank, world = init_distributed()  # pins the JIT build tools, unlinks DeepSpeed's /dev/shm buffers
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.worker == "autotp":
         autotp_worker(args.overrides, args.out)
-        from dsframework.supervise import exit_process
+        from dsframework.launching.supervise import exit_process
 
         exit_process(0)  # as dsf train ends: torch's teardown can abort a finished rank (see its docstring)
     with tempfile.TemporaryDirectory(prefix="tp_vs_autotp_") as tmp:

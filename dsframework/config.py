@@ -11,6 +11,7 @@ are checked later, in `dsconfig.resolve_batch`.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import re
 from pathlib import Path
 from types import UnionType
@@ -20,7 +21,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from dsframework.errors import UserError, did_you_mean
-from dsframework.parallel.topology import composition_problem
+from dsframework.layout import composition_problem
 
 
 class _Spec(BaseModel):
@@ -242,8 +243,6 @@ class CheckpointSpec(_Spec):
 
 def _directory_field(field: str, value: str | None, *, package: str | None, example: str) -> str | None:
     """A metric sink's directory: not an existing regular file, and its library (`package`) installed."""
-    import importlib.util
-
     if value is None:
         return None
     if not value.strip():
@@ -318,8 +317,6 @@ class LoggingSpec(_Spec):
 
     @model_validator(mode="after")
     def _wandb_installed(self) -> "LoggingSpec":
-        import importlib.util
-
         if self.wandb is not None and importlib.util.find_spec("wandb") is None:
             raise UserError("logging.wandb", None, "needs the wandb package, which is not installed",
                             "pip install wandb (or pip install dsframework[metrics]), or remove logging.wandb")
@@ -439,8 +436,6 @@ def apply_override(data: dict[str, Any], assignment: str) -> None:
 def _field_path(loc: list[str]) -> list[str]:
     """The leading parts of a pydantic error location that name fields (the rest tag union members,
     e.g. train.compile's `bool` and `literal['auto']`); an optional section (`X | None`) is its model's."""
-    from typing import get_args
-
     annotation: Any = RunConfig
     for index, part in enumerate(loc):
         models = [m for m in (get_args(annotation) or (annotation,)) if isinstance(m, type) and issubclass(m, BaseModel)]

@@ -14,15 +14,20 @@ import contextlib
 import json
 import logging
 import os
-import socket
 import sys
 from dataclasses import dataclass
 from typing import Any, Iterator
 
 from dsframework.config import ParallelSpec, TrainSpec
 from dsframework.errors import UserError, raised_in
-from dsframework.runtime_facts import (ZERO3_PERSISTENCE_THRESHOLD, ZERO3_PREFETCH_BUCKET, ZERO_ALLGATHER_BUCKET,
-                                       ZERO_REDUCE_BUCKET)
+from dsframework.jit import pin_build_tools, release_shm_buffers
+from dsframework.ports import free_port
+from dsframework.runtime_facts import (
+    ZERO3_PERSISTENCE_THRESHOLD,
+    ZERO3_PREFETCH_BUCKET,
+    ZERO_ALLGATHER_BUCKET,
+    ZERO_REDUCE_BUCKET,
+)
 
 # Large enough that DeepSpeed never prints its own per-step line; dsf logs progress itself.
 _STEPS_PER_PRINT = 1_000_000_000
@@ -187,23 +192,15 @@ class _DataParallelOnly:
         return self._dp_size
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _ensure_comm() -> None:
     """DeepSpeedConfig reads the rank from deepspeed.comm; give it a one-process group if none."""
     import deepspeed.comm as dist
-
-    from dsframework.jit import pin_build_tools, release_shm_buffers
 
     if dist.is_initialized():
         return
     pin_build_tools()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     dist.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False,
                           rank=0, world_size=1)
     release_shm_buffers()

@@ -13,6 +13,7 @@ level), a glob (`'src/**/*.py'`: with format text, any extension is read as text
 from __future__ import annotations
 
 import glob
+import sysconfig
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +45,6 @@ STDLIB = "{stdlib}"  # in data.dataset: this interpreter's standard library (a c
 def dataset_path(spec: DataSpec) -> str:
     """data.dataset with `~` and `{stdlib}` expanded: `{stdlib}/**/*.py` is every module of the Python
     standard library of the machine the run is on (sysconfig), e.g. launch/examples/python-stdlib.yaml."""
-    import sysconfig
-
     return str(Path(spec.dataset.replace(STDLIB, sysconfig.get_paths()["stdlib"])).expanduser())
 
 

@@ -38,6 +38,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from dsframework.config import DataSpec
+from dsframework.data.examples import tokenize_examples
 from dsframework.errors import UserError
 
 STORE_VERSION = 2  # bump when what a store holds for the same inputs changes
@@ -289,8 +290,6 @@ def build_store(rows: Any, tokenizer: Any, spec: DataSpec, out: Path) -> dict[st
                         "provide at least 2 (one for eval)")
     dtype, num_proc = id_dtype(len(tokenizer)), default_num_proc(rows, spec)
     if spec.format != "text":  # examples are checked (and errors name their row) in the user's order
-        from dsframework.data.examples import tokenize_examples
-
         canonical = {"messages_field": "messages", "prompt_field": "prompt", "completion_field": "completion"}
         rows = tokenize_examples(rows, tokenizer, spec.model_copy(update=canonical), num_proc=num_proc)  # load_texts' names
         if len(rows) < 2:

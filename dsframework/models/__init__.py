@@ -1,10 +1,6 @@
-"""Model presets, resolution of `model.name`, and construction (ZeRO-3 aware).
+"""The model side: transformers models built, sharded and cut for a layout.
 
-    from dsframework.models import PRESETS, resolve_model, build_model
+    from dsframework.models.build import build_model, resolve_model    # model.name -> config -> model
+    from dsframework.models.presets import PRESETS                     # built-in configs
+    from dsframework.models.hf import causal_lm_class, count_parameters
 """
-from dsframework.models.build import (ModelSource, build_model, causal_lm_class, count_parameters,
-                                      init_weights_deterministically, resolve_model)
-from dsframework.models.presets import PRESETS
-
-__all__ = ["PRESETS", "ModelSource", "build_model", "causal_lm_class", "count_parameters",
-           "init_weights_deterministically", "resolve_model"]

@@ -12,6 +12,7 @@ ZeRO-3 no rank ever holds more than one module's parameters in full.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import zlib
 from dataclasses import dataclass
@@ -20,6 +21,9 @@ from typing import Any
 
 from dsframework.config import ModelSpec
 from dsframework.errors import UserError, did_you_mean
+from dsframework.models.construct import check_pretrained_files
+from dsframework.models.hf import causal_lm_class, check_causal_lm, count_parameters, skip_transformers_init
+from dsframework.models.lora import check_lora_targets
 from dsframework.models.presets import PRESETS
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -97,8 +101,6 @@ _LEGACY_CONFIG_KWARGS = {"rope_theta", "rope_scaling"}
 
 def _check_override_names(fields: dict[str, Any], overrides: dict[str, Any]) -> None:
     """Every override must be a field of the config class (as attribute or constructor argument)."""
-    import inspect
-
     from transformers import CONFIG_MAPPING
 
     config_cls = CONFIG_MAPPING[fields["model_type"]]
@@ -151,31 +153,12 @@ def resolve_model(spec: ModelSpec) -> ModelSource:
     if spec.overrides:
         _check_override_names(fields, spec.overrides)
         config = _build_with_overrides(fields, spec.overrides, origin=name)
-    _check_causal_lm(config, name)
+    check_causal_lm(config, name)
     if spec.lora is not None:  # a target_modules entry naming no layer: one line, before anything is written
-        from dsframework.models.lora import check_lora_targets
-
         check_lora_targets(config, spec.lora)
     if pretrained_dir is not None:
-        from dsframework.models.construct import check_pretrained_files
-
         check_pretrained_files(pretrained_dir, config)
     return ModelSource(config, pretrained_dir, vocab_overridden="vocab_size" in spec.overrides)
-
-
-def causal_lm_class(config: Any) -> type:
-    """The AutoModelForCausalLM class for a config, imported now (not lazily inside zero.Init)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
-
-
-def _check_causal_lm(config: Any, name: str) -> None:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
-        raise UserError("model.name", name, f"architecture {config.model_type!r} has no causal LM head",
-                        "use a decoder model (llama, mistral, qwen2, gpt2, ...)")
 
 
 def _gathered(params: list, *, modifier_rank: int | None = 0):
@@ -226,30 +209,7 @@ def build_model(source: ModelSource, config: Any, *, seed: int,
         import deepspeed
 
         partitioned = deepspeed.zero.Init(config_dict_or_path=zero3_ds_config)
-    with partitioned, _skip_transformers_init():
+    with partitioned, skip_transformers_init():
         model = cls._from_config(config, dtype=torch.float32)
     init_weights_deterministically(model, seed)
     return model
-
-
-@contextlib.contextmanager
-def _skip_transformers_init():
-    """Skip transformers' own init at construction (post_init); tying still happens.
-
-    Under zero.Init each module's parameters are already partitioned (empty) when post_init runs,
-    which transformers' init cannot handle (it indexes padding rows); and every weight is set
-    afterwards by `init_weights_deterministically` anyway.
-    """
-    from transformers import PreTrainedModel
-
-    original = PreTrainedModel.initialize_weights
-    PreTrainedModel.initialize_weights = lambda self: None
-    try:
-        yield
-    finally:
-        PreTrainedModel.initialize_weights = original
-
-
-def count_parameters(model: Any) -> int:
-    """Parameters of a model, counted whole also when ZeRO-3 has partitioned them."""
-    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())

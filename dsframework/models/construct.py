@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import ctypes
+import ctypes.util
 import gc
 import json
 import zlib
@@ -38,6 +40,9 @@ import torch
 from torch import nn
 
 from dsframework.errors import UserError
+from dsframework.models.hf import causal_lm_class, count_parameters, skip_transformers_init
+from dsframework.models.tensor_parallel import shard_model
+from dsframework.parallel.pipeline import stage_module_paths
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_FILE = "model.safetensors"
@@ -70,10 +75,8 @@ def empty_model(config: Any) -> nn.Module:
     """The causal LM of `config` with its parameters on the meta device, buffers real, fp32."""
     from transformers.initialization import no_init_weights
 
-    from dsframework.models.build import _skip_transformers_init, causal_lm_class
-
     # no_init_weights: torch's own init never touches the pages of a parameter about to go to meta.
-    with parameters_on_meta(), no_init_weights(), _skip_transformers_init():
+    with parameters_on_meta(), no_init_weights(), skip_transformers_init():
         model = causal_lm_class(config)._from_config(config, dtype=torch.float32)
     model.tie_weights()  # no_init_weights skips init_weights, where transformers ties
     return model
@@ -268,9 +271,6 @@ def tied_aliases(model: nn.Module) -> dict[str, list[str]]:
 
 def _malloc_trim() -> Callable[[], Any]:
     """glibc's malloc_trim(0), or a no-op where there is none."""
-    import ctypes
-    import ctypes.util
-
     try:
         trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
     except (OSError, AttributeError):
@@ -378,9 +378,6 @@ def build_for_layout(source: Any, config: Any, *, seed: int, tp_group: Any = Non
     init; with `zero3_ds_config`, each module's shards are partitioned over the data-parallel group of
     `mpu` (the grid deepspeed.initialize gets; None: the world) as they are
     made (zero.Init), so a rank never holds more than one module's tensor shard in full."""
-    from dsframework.models.build import count_parameters
-    from dsframework.models.tensor_parallel import shard_model
-
     model = empty_model(config)
     num_parameters = count_parameters(model)
     templates = dense_templates(model)
@@ -388,8 +385,6 @@ def build_for_layout(source: Any, config: Any, *, seed: int, tp_group: Any = Non
         shard_model(model, group=tp_group)
     owned = None
     if pipeline is not None:
-        from dsframework.parallel.pipeline import stage_module_paths
-
         num_stages, stage = pipeline
         owned = stage_module_paths(model, num_stages=num_stages, stage=stage, partition_method=partition_method)
     if source.pretrained_dir is not None:

@@ -17,11 +17,14 @@ holds the adapters, and checkpoints save only them (checkpoint.py); the base is 
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 from dsframework.config import LoraSpec
 from dsframework.errors import UserError, did_you_mean
+from dsframework.models.hf import causal_lm_class
+from dsframework.runtime_facts import ZERO3_PERSISTENCE_THRESHOLD
 
 
 def adaptable_layers(model: Any) -> dict[str, str]:
@@ -67,8 +70,6 @@ def check_lora_targets(config: Any, spec: LoraSpec) -> None:
     resolved, before a rank writes anything or joins the process group."""
     import torch
 
-    from dsframework.models.build import causal_lm_class
-
     if isinstance(spec.target_modules, str):
         return
     with torch.device("meta"):
@@ -87,8 +88,6 @@ def lora_config(spec: LoraSpec) -> Any:
 
 def apply_lora(model: Any, spec: LoraSpec, *, seed: int) -> Any:
     """`model` wrapped by peft with LoRA adapters (initialised from `seed`); only they require grad."""
-    import warnings
-
     import torch
     from peft import get_peft_model
 
@@ -127,13 +126,8 @@ class LoraCount:
 def count_lora_parameters(config: Any, spec: LoraSpec) -> LoraCount:
     """The adapters `spec` adds to a model of `config`, counted on a weightless (meta) model with
     peft's own LoRA (the same layers `apply_lora` adapts): cheap even for 70B (about a second)."""
-    import warnings
-
     import torch
     from peft import get_peft_model
-
-    from dsframework.models.build import causal_lm_class
-    from dsframework.runtime_facts import ZERO3_PERSISTENCE_THRESHOLD
 
     with torch.device("meta"):  # the adapters are made on meta too (real ones would cost seconds at 70B)
         model = causal_lm_class(config)(config)

@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from dsframework.errors import UserError
+
 IGNORE_INDEX = -100  # transformers' "no loss here"
 
 TokenLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, labels) -> fp32 loss per token
@@ -88,8 +90,6 @@ def chunked_causal_lm_loss(head: Any, hidden: torch.Tensor, labels: torch.Tensor
 def check_chunked_loss_layout(setting: bool | str, *, pp: int) -> None:
     """train.chunked_loss=true with a pipeline is refused before the run starts (auto stays plain there)."""
     if setting is True and pp > 1:
-        from dsframework.errors import UserError
-
         raise UserError("train.chunked_loss", True, f"is not offered with parallel.pp={pp}: the pipeline's last "
                         "stage gets its logits from its head layer (a LayerSpec), not from a loss that calls the "
                         "head", "set train.chunked_loss=auto (whole logits with pp) or false, or use parallel.tp")
@@ -106,9 +106,7 @@ def use_chunked_loss(model: Any, *, chunk_tokens: int) -> Any:
     causal LM (or the one inside a peft model) gets a forward that runs its decoder
     (`base_model`) and `chunked_causal_lm_loss` over its output embeddings: the state dict, the
     hooks and every other call stay as they were. Without labels the model's own forward runs."""
-    from dsframework.models.tensor_parallel import TensorParallelCausalLM
-
-    if isinstance(model, TensorParallelCausalLM):
+    if hasattr(model, "loss_chunk_tokens"):  # a dsf TensorParallelCausalLM: it chunks its own loss
         model.loss_chunk_tokens = chunk_tokens
         return model
     lm = causal_lm_of(model)

@@ -17,6 +17,7 @@ gathers the full logits: the head emits this rank's vocab slice into `vocab_para
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -24,11 +25,19 @@ from torch import nn
 
 from dsframework.errors import UserError, divide
 from dsframework.models.families import SUPPORTED, family_of
-from dsframework.parallel.tensor import (ColumnParallelLinear, LayoutOnlyGroup, RowParallelLinear,
-                                         VocabParallelEmbedding,
-                                         VocabParallelLMHead, shard_index, tensor_parallel_rank,
-                                         tensor_parallel_size, vocab_parallel_cross_entropy)
-
+from dsframework.models.hf import causal_lm_class
+from dsframework.models.loss import chunked_causal_lm_loss
+from dsframework.parallel.tensor import (
+    ColumnParallelLinear,
+    LayoutOnlyGroup,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    VocabParallelLMHead,
+    shard_index,
+    tensor_parallel_rank,
+    tensor_parallel_size,
+    vocab_parallel_cross_entropy,
+)
 
 
 def _llama_plan(model: Any, group: Any) -> None:
@@ -108,10 +117,6 @@ class TensorParallelCausalLM(nn.Module):
                 shift_labels: torch.Tensor | None = None, **kwargs: Any):
         hidden = self.model.base_model(input_ids=input_ids, **{"use_cache": False, **kwargs}).last_hidden_state
         if self.loss_chunk_tokens and (labels is not None or shift_labels is not None):
-            from functools import partial
-
-            from dsframework.models.loss import chunked_causal_lm_loss
-
             token_loss = partial(vocab_parallel_cross_entropy, group=self.group, vocab_size=self.config.vocab_size)
             return TensorParallelOutput(loss=chunked_causal_lm_loss(
                 self.model.lm_head, hidden, labels, shifted=shift_labels, chunk_tokens=self.loss_chunk_tokens,
@@ -154,8 +159,6 @@ def shard_layouts(config: Any, tp: int) -> list[dict[str, tuple[int, torch.Tenso
     """Per tensor rank, {transformers parameter name: (partition dim, dense index, transposed)}
     of every sharded parameter, found by running the plan on a weightless (meta) model; names
     missing from a rank's dict are replicated. transposed: the dense tensor is stored [in, out]."""
-    from dsframework.models import causal_lm_class
-
     layouts = []
     for rank in range(tp):
         with torch.device("meta"):
@@ -170,8 +173,6 @@ def shard_layouts(config: Any, tp: int) -> list[dict[str, tuple[int, torch.Tenso
 
 def _tied_copies(config: Any) -> set[str]:
     """Parameter names that are a second name of another parameter (tied weights)."""
-    from dsframework.models import causal_lm_class
-
     with torch.device("meta"):
         model = causal_lm_class(config)(config)
     unique = {name for name, _ in model.named_parameters()}

@@ -31,6 +31,8 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.runtime.pipe.topology import PipelineParallelGrid
 
+from dsframework.parallel.tensor import vocab_parallel_cross_entropy
+
 
 class ContextParallelGrid(PipelineParallelGrid):
     """DeepSpeed's grid over a topology with axes (pipe, data, seq, model), plus the two groups
@@ -211,8 +213,6 @@ def sequence_shard_loss(engine: Any, shard: SequenceShard, *, grid: Any, tensor_
 def _shard_loss_sum(logits: torch.Tensor, shard: SequenceShard, *, tensor_group: Any, vocab_size: int) -> torch.Tensor:
     """The summed loss of the shard's labelled tokens from its whole logits."""
     if tensor_group is not None:  # vocab-parallel logits: the full vocabulary is never gathered
-        from dsframework.parallel.tensor import vocab_parallel_cross_entropy
-
         token_losses = vocab_parallel_cross_entropy(logits, shard.labels, group=tensor_group, vocab_size=vocab_size)
         return token_losses.sum()
     return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), shard.labels.flatten(),

@@ -44,6 +44,7 @@ state_dict); `hf_names(spec)` gives, per child of the wrapper, the HF module pat
 from __future__ import annotations
 
 import copy
+import functools
 import re
 import sys
 from pathlib import Path
@@ -55,6 +56,10 @@ from torch.nn import functional as F
 
 from dsframework.errors import UserError
 from dsframework.models.families import SUPPORTED, family_of
+from dsframework.models.hf import causal_lm_class
+from dsframework.models.tensor_parallel import vocab_parallel_causal_lm_loss
+from dsframework.parallel.tensor import VocabParallelEmbedding, VocabParallelLMHead
+from dsframework.runtime_facts import partition_balanced, partition_uniform
 
 TIED_KEY = "embed"
 IGNORE_INDEX = -100  # HF's label for "no loss here"
@@ -115,8 +120,6 @@ def _causal_mask(config: Any, hidden_states: torch.Tensor, position_ids: torch.T
 
 def _hf_class(config: Any, suffix: str) -> type:
     """The transformers class `<Prefix><suffix>` of the config's architecture (e.g. LlamaRMSNorm)."""
-    from dsframework.models import causal_lm_class
-
     cls = causal_lm_class(config)
     prefix = cls.__name__.removesuffix("ForCausalLM").removesuffix("LMHeadModel")
     return getattr(sys.modules[cls.__module__], prefix + suffix)
@@ -244,8 +247,6 @@ class LMHeadPipe(nn.Module):
 def tied_lm_head(embedding: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     """The tied head's forward_fn: logits = hidden @ token_embedding.weight^T (as nn.Linear);
     with a vocab-parallel embedding, this rank's vocab slice of them (VocabParallelLMHead)."""
-    from dsframework.parallel.tensor import VocabParallelEmbedding, VocabParallelLMHead
-
     if isinstance(embedding.token_embedding, VocabParallelEmbedding):
         return VocabParallelLMHead.tied_to(embedding.token_embedding)(hidden_states)
     return F.linear(hidden_states, embedding.token_embedding.weight)
@@ -254,11 +255,6 @@ def tied_lm_head(embedding: nn.Module, hidden_states: torch.Tensor) -> torch.Ten
 def pipeline_loss_fn(model: Any) -> Any:
     """The last stage's loss: `causal_lm_loss`, or its vocab-parallel twin for a model whose
     layers were sharded by `models.tensor_parallel.shard_model` (tp x pp)."""
-    import functools
-
-    from dsframework.models.tensor_parallel import vocab_parallel_causal_lm_loss
-    from dsframework.parallel.tensor import VocabParallelEmbedding
-
     embedding = model.get_input_embeddings() if model is not None else None
     if isinstance(embedding, VocabParallelEmbedding):
         return functools.partial(vocab_parallel_causal_lm_loss, group=embedding.group,
@@ -360,8 +356,6 @@ def partition_layers(specs: list, num_stages: int, method: str = "parameters") -
     use the same; a unit test pins them to DeepSpeed's), so a table or a plan can be made before
     any rank starts.
     """
-    from dsframework.runtime_facts import partition_balanced, partition_uniform
-
     method_l = method.lower()
     if method_l == "uniform":
         parts = partition_uniform(len(specs), num_stages)

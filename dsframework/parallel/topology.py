@@ -1,202 +1,24 @@
-"""The rank grid: tensor (innermost) x context x data x pipe, on DeepSpeed's own topology classes.
+"""The rank grid of a layout on DeepSpeed's own topology classes (the layout itself: dsframework/layout.py).
 
-    dims = ParallelDims(world=8, tp=2, pp=2)          # dp = 8 / (2 * 2) = 2
-    dims = ParallelDims(world=8, cp=2, zero_stage=3, zero_hpz=2)   # dp 4; ZeRO over cp x dp = 8
-    check_layout(dims, num_heads=32, num_kv_heads=8, num_layers=32, seq_len=4096, ranks_per_node=8)
-    topo = build_topology(dims)                        # PipeModelDataParallelTopology
+    topo = build_topology(ParallelDims(world=8, tp=2, pp=2))   # PipeModelDataParallelTopology
     topo.get_coord(rank=3)                             # ProcessCoord(pipe=0, data=1, model=1)
     grid = build_grid(dims)                            # needs torch.distributed: the mpu for
                                                        # deepspeed.initialize(mpu=grid)
 
-`ParallelDims` is the one description of a layout: the four axes Accelerate's ParallelismConfig
-names (dp_replicate x dp_shard x cp x tp) map onto it as dp x cp x tp plus ZeRO's stage and
-hpZ group (see the README's layout section), and pp beside them. A future axis is a field here,
-a rule in `composition_problem` / `layout_problem`, and an axis of `build_topology`.
-
 Tensor-parallel ranks are adjacent (the 'model' axis is innermost), so a tensor-parallel group
-sits on one node, where its per-layer all-reduces use the fast link; context-parallel ranks come
-next (Ulysses' all-to-alls, four a layer, stay near too). ZeRO shards across the data-parallel
-ranks, and with context parallelism across data x context (DeepSpeed's "sequence data parallel"
-group): the context ranks of one replica hold the same weights.
-
-Checks are pure (no torch.distributed, no disk): one rule set. `composition_problem` (which axes
-compose, which ZeRO stage each allows) runs when the run config is built; `layout_problem` adds
-the world and the model, and is what `check_layout` raises for `dsf train` (before any process
-group exists) and `dsf launch`, and what the planner's search keeps only valid layouts by (its
-property test uses it as the oracle).
+sits on one node; context-parallel ranks come next; then data, then pipe.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from deepspeed.runtime.pipe.topology import PipelineParallelGrid, PipeModelDataParallelTopology, ProcessTopology
 
-from dsframework.errors import UserError
-
-# What DeepSpeed 0.19 composes, for the one-line refusals (README: layouts).
-SUPPORTED_COMPOSITIONS = ("tp x pp x dp with ZeRO 0-1; tp x cp x dp with ZeRO 0-3; "
-                          "zero_hpz with ZeRO-3 over cp x dp (tp = pp = 1)")
-
-
-@dataclass(frozen=True)
-class ParallelDims:
-    """How `world` ranks split into tensor x context x pipeline x data parallel, and how ZeRO
-    shards across the data (x context) ranks."""
-
-    world: int
-    tp: int = 1        # tensor-parallel size (Megatron-style layers)
-    pp: int = 1        # pipeline stages
-    cp: int = 1        # context-parallel size (DeepSpeed Ulysses: each rank holds seq_len / cp)
-    zero_stage: int = 0
-    zero_hpz: int = 1  # ZeRO-3 hpZ: a secondary copy of the weights shared within groups of this size
-
-    def __post_init__(self) -> None:
-        for name in ("world", "tp", "pp", "cp", "zero_hpz"):
-            if getattr(self, name) < 1:
-                raise UserError(f"parallel.{name}", getattr(self, name), "must be >= 1", "use a positive size")
-        if self.world % self.model_parallel:
-            sizes = sorted({d for d in range(1, self.world + 1) if self.world % d == 0})
-            raise UserError("world size", self.world, f"is not divisible by tp*pp*cp = {self.tp}*{self.pp}*{self.cp}"
-                            f" = {self.model_parallel}", f"choose tp*pp*cp in {{{', '.join(map(str, sizes))}}}")
-
-    @classmethod
-    def of(cls, parallel: Any, *, world: int) -> "ParallelDims":
-        """The layout of a run config's `parallel` section on `world` ranks."""
-        return cls(world=world, tp=parallel.tp, pp=parallel.pp, cp=parallel.cp,
-                   zero_stage=parallel.zero_stage, zero_hpz=parallel.zero_hpz)
-
-    @property
-    def model_parallel(self) -> int:
-        """Ranks one model replica spans: tp * pp * cp."""
-        return self.tp * self.pp * self.cp
-
-    @property
-    def dp(self) -> int:
-        """Data-parallel size: the replicas, each seeing its own samples."""
-        return self.world // self.model_parallel
-
-    @property
-    def zero_ranks(self) -> int:
-        """Ranks ZeRO shards states and reduces gradients across: data x context (DeepSpeed's
-        sequence-data-parallel group; the context ranks of a replica hold the same weights)."""
-        return self.dp * self.cp
-
-    @property
-    def tp_enabled(self) -> bool:
-        return self.tp > 1
-
-    @property
-    def pp_enabled(self) -> bool:
-        return self.pp > 1
-
-    @property
-    def cp_enabled(self) -> bool:
-        return self.cp > 1
-
-    @property
-    def hpz_enabled(self) -> bool:
-        return self.zero_hpz > 1
-
-
-def _divisors(n: int) -> str:
-    return "{" + ", ".join(str(d) for d in range(1, n + 1) if n % d == 0) + "}"
-
-
-def composition_problem(*, tp: int, pp: int, cp: int, zero_stage: int, zero_hpz: int) -> UserError | None:
-    """Which axes compose and which ZeRO stage each allows (no world, no model): None if these do.
-
-    Checked when the run config is built (`config.ParallelSpec`) and again by `layout_problem`."""
-    if pp > 1 and zero_stage > 1:
-        return UserError("parallel.pp", pp, f"needs zero_stage 0 or 1 (DeepSpeed's pipeline engine), got "
-                         f"zero_stage={zero_stage}", "set parallel.zero_stage=1 or parallel.pp=1")
-    if cp > 1 and pp > 1:
-        return UserError("parallel.cp", cp, f"does not compose with parallel.pp={pp}: DeepSpeed's Ulysses runs in "
-                         "its plain engine, not the pipeline engine", f"supported: {SUPPORTED_COMPOSITIONS}")
-    if zero_hpz > 1 and zero_stage != 3:
-        return UserError("parallel.zero_hpz", zero_hpz, f"needs zero_stage=3 (hpZ partitions ZeRO-3's weights), "
-                         f"got zero_stage={zero_stage}", "set parallel.zero_stage=3 or parallel.zero_hpz=1")
-    if zero_hpz > 1 and tp > 1:
-        return UserError("parallel.zero_hpz", zero_hpz, f"does not compose with parallel.tp={tp}: DeepSpeed builds "
-                         "hpZ groups from consecutive world ranks, which would mix tensor-parallel ranks",
-                         f"supported: {SUPPORTED_COMPOSITIONS}")
-    return None
-
-
-def grid_problem(dims: ParallelDims, *, dp: int | None = None) -> UserError | None:
-    """The rules that need the world but not the model (`dsf config --world-size` checks these)."""
-    problem = composition_problem(tp=dims.tp, pp=dims.pp, cp=dims.cp, zero_stage=dims.zero_stage,
-                                  zero_hpz=dims.zero_hpz)
-    if problem is not None:
-        return problem
-    if dp is not None and dp != dims.dp:
-        return UserError("parallel.dp", dp, f"but world {dims.world} / (tp*pp*cp = {dims.model_parallel}) = {dims.dp}",
-                         f"set parallel.dp={dims.dp} or leave it out, or run on {dp * dims.model_parallel} ranks")
-    if dims.zero_ranks % dims.zero_hpz:
-        return UserError("parallel.zero_hpz", dims.zero_hpz, f"does not divide the {dims.zero_ranks} ranks ZeRO "
-                         f"shards across (dp={dims.dp} x cp={dims.cp})", f"choose zero_hpz in {_divisors(dims.zero_ranks)}")
-    return None
-
-
-def layout_problem(dims: ParallelDims, *, num_heads: int, num_kv_heads: int, num_layers: int,
-                   seq_len: int | None = None, ranks_per_node: int | None = None,
-                   dp: int | None = None) -> UserError | None:
-    """The first rule the layout breaks for this model and these nodes (None: it fits them).
-
-    One rule set for `dsf train` and `dsf launch` (`check_layout`) and the planner's search, which
-    enumerates only layouts for which this is None."""
-    problem = grid_problem(dims, dp=dp)
-    if problem is not None:
-        return problem
-    if num_heads % dims.tp:
-        return UserError("parallel.tp", dims.tp, f"does not divide num_attention_heads={num_heads}",
-                         f"choose tp in {_divisors(num_heads)}")
-    if num_kv_heads % dims.tp:
-        return UserError("parallel.tp", dims.tp, f"does not divide num_key_value_heads={num_kv_heads}",
-                         f"choose tp in {_divisors(num_kv_heads)}")
-    heads, kv_heads = num_heads // dims.tp, num_kv_heads // dims.tp  # each tensor rank's, which cp splits
-    per = f" per tensor rank (tp={dims.tp})" if dims.tp_enabled else ""
-    if heads % dims.cp:
-        return UserError("parallel.cp", dims.cp, f"does not divide the {heads} attention heads{per}",
-                         f"choose cp in {_divisors(heads)}")
-    if kv_heads % dims.cp and dims.cp % kv_heads:  # Ulysses copies kv heads when cp is a multiple
-        return UserError("parallel.cp", dims.cp, f"neither divides nor is a multiple of the {kv_heads} key/value "
-                         f"heads{per}", f"choose cp in {_divisors(kv_heads)} or a multiple of {kv_heads}")
-    if seq_len is not None and seq_len % dims.cp:
-        return UserError("parallel.cp", dims.cp, f"does not divide data.seq_len={seq_len}",
-                         f"choose data.seq_len a multiple of {dims.cp}")
-    if dims.pp > num_layers:
-        return UserError("parallel.pp", dims.pp, f"exceeds num_hidden_layers={num_layers}",
-                         f"choose pp in 1..{num_layers}")
-    if ranks_per_node is not None and dims.tp > ranks_per_node:
-        return UserError("parallel.tp", dims.tp, f"exceeds the {ranks_per_node} ranks on one node",
-                         f"tensor-parallel ranks must share a node: choose tp <= {ranks_per_node}")
-    return None
-
-
-def check_layout(dims: ParallelDims, *, num_heads: int, num_kv_heads: int, num_layers: int,
-                 seq_len: int | None = None, ranks_per_node: int | None = None, dp: int | None = None) -> None:
-    """UserError unless the layout fits the model and the nodes (each rule names the fix)."""
-    problem = layout_problem(dims, num_heads=num_heads, num_kv_heads=num_kv_heads, num_layers=num_layers,
-                             seq_len=seq_len, ranks_per_node=ranks_per_node, dp=dp)
-    if problem is not None:
-        raise problem
-
-
-def check_model_layout(dims: ParallelDims, config: Any, *, dp: int | None = None, seq_len: int | None = None,
-                       ranks_per_node: int | None = None) -> None:
-    """check_layout with the heads, kv heads and layers of a transformers config.
-
-        check_model_layout(dims, resolve_model(run.model).config, dp=run.parallel.dp, seq_len=run.data.seq_len)
-    """
-    heads = config.num_attention_heads
-    check_layout(dims, num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-                 num_layers=config.num_hidden_layers, seq_len=seq_len, dp=dp, ranks_per_node=ranks_per_node)
+from dsframework.layout import ParallelDims
+from dsframework.parallel.context import ContextParallelGrid
 
 
 def build_topology(dims: ParallelDims):
     """DeepSpeed's topology for `dims`: PipeModelDataParallelTopology (axes pipe, data, model), or
     with context parallelism a ProcessTopology with a 'seq' axis between data and model."""
-    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology, ProcessTopology
-
     if dims.cp_enabled:
         return ProcessTopology(axes=["pipe", "data", "seq", "model"], dims=[dims.pp, dims.dp, dims.cp, dims.tp])
     return PipeModelDataParallelTopology(num_pp=dims.pp, num_mp=dims.tp, num_dp=dims.dp)
@@ -206,10 +28,6 @@ def build_grid(dims: ParallelDims):
     """DeepSpeed's PipelineParallelGrid over the topology: the `mpu` for deepspeed.initialize,
     with the tensor-parallel group as its 'slice' group (with cp > 1: `ContextParallelGrid`).
     Needs torch.distributed initialised."""
-    from deepspeed.runtime.pipe.topology import PipelineParallelGrid
-
     if dims.cp_enabled:
-        from dsframework.parallel.context import ContextParallelGrid
-
         return ContextParallelGrid(topology=build_topology(dims))
     return PipelineParallelGrid(topology=build_topology(dims))

@@ -11,7 +11,9 @@ placeholder for this kind of machine until `dsf calibrate` measures it.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from dsframework.errors import UserError, did_you_mean
@@ -135,9 +137,6 @@ def resize(cluster: Cluster, *, nodes: int | None = None, gpus_per_node: int | N
 
 def load_cluster(name: str, *, nodes: int = 1, gpus_per_node: int = 1, field: str = "--cluster") -> Cluster:
     """A preset name, or a profile file written by `dsf calibrate` (JSON), at that size."""
-    import json
-    from pathlib import Path
-
     if name in CLUSTER_PRESETS or not Path(name).suffix:
         return cluster_preset(name, nodes=nodes, gpus_per_node=gpus_per_node)
     path = Path(name)

@@ -126,11 +126,20 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Literal
 
-from dsframework.parallel.topology import ParallelDims
+from dsframework.layout import ParallelDims
 from dsframework.planner.model import ModelDesc
-from dsframework.runtime_facts import (STAGE0_ALLREDUCE_BUCKET, ZERO3_MAX_LIVE_PARAMETERS, ZERO3_PERSISTENCE_THRESHOLD,
-                                       ZERO3_PREFETCH_BUCKET, ZERO_ALLGATHER_BUCKET, ZERO_REDUCE_BUCKET, loss_chunk_tokens,
-                                       loss_is_chunked, padded_vocab, partition_balanced)
+from dsframework.runtime_facts import (
+    STAGE0_ALLREDUCE_BUCKET,
+    ZERO3_MAX_LIVE_PARAMETERS,
+    ZERO3_PERSISTENCE_THRESHOLD,
+    ZERO3_PREFETCH_BUCKET,
+    ZERO_ALLGATHER_BUCKET,
+    ZERO_REDUCE_BUCKET,
+    loss_chunk_tokens,
+    loss_is_chunked,
+    padded_vocab,
+    partition_balanced,
+)
 
 ADAM_STATE_BYTES = 8  # fp32 exp_avg + exp_avg_sq
 MASTER_BYTES = 4  # fp32 master copy of the parameters

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsframework.models.families import family_of
+from dsframework.models.hf import causal_lm_class
 
 # (Counts are exact, so the planner can be checked against a live engine to the byte.)
 
@@ -117,8 +118,6 @@ def _gpt2(config: Any, name: str) -> ModelDesc:
 def _generic(config: Any, name: str) -> ModelDesc:
     """Count a weightless instance: the first decoder layer, the embeddings, the rest."""
     import torch
-
-    from dsframework.models import causal_lm_class
 
     with torch.device("meta"):
         model = causal_lm_class(config)(config)

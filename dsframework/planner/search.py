@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from dsframework.parallel.topology import ParallelDims, layout_problem
+from dsframework.layout import ParallelDims, layout_problem
 from dsframework.planner.cluster import Cluster, GiB, resize
 from dsframework.planner.fit import check_fit
 from dsframework.planner.knobs import KnobChoice, with_knobs

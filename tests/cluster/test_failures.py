@@ -86,7 +86,7 @@ def test_node_without_the_venv_ends_the_job_and_is_named(pdsh_cluster, tmp_path)
 def trainers(cluster, node: int) -> dict[int, int]:
     """RANK -> pid of the trainer processes (dsf's watched child, DSF_RANK_TRAINER=1) on `node`."""
     found = {}
-    for pid, _ in cluster.processes(node, "dsframework.cli"):
+    for pid, _ in cluster.processes(node, "dsframework.commands.cli"):
         try:
             env = dict(item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item)
         except OSError:

@@ -16,7 +16,7 @@ from dsframework.config import RunConfig
 from dsframework.data import IGNORE_INDEX, BlockSampler, load_texts, load_tokenizer, store_cache_dir, token_stores
 from tests.packing_reference import pack_splits  # the blocks as packed in memory: the store must match them
 from dsframework.dsconfig import build_ds_config
-from dsframework.models import build_model, resolve_model
+from dsframework.models.build import build_model, resolve_model
 
 
 def reference_losses(run: RunConfig, *, steps: int | None = None) -> dict[int, float]:

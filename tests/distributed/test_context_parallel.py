@@ -121,7 +121,7 @@ def test_resume_refuses_another_context_parallel_size(cp_runs, tmp_path):
 
 def _whole_sequence_saved_bytes(name: str, micro_batch: int, seq_len: int) -> tuple[int, float]:
     from dsframework.config import ModelSpec
-    from dsframework.models import build_model, resolve_model
+    from dsframework.models.build import build_model, resolve_model
     from tests.distributed.workers.cp_activations import VOCAB
     from tests.saved_tensors import saved_bytes
 
@@ -138,7 +138,7 @@ def test_context_parallel_halves_the_activations_the_planner_predicts(tmp_path):
     rank saves about half the bytes for backward (plus what Ulysses adds), and both are within 15%
     of the planner's activation memory; the loss is the same."""
     from dsframework.config import ModelSpec
-    from dsframework.models import resolve_model
+    from dsframework.models.build import resolve_model
     from dsframework.planner.memory import Job, Layout, memory_per_rank
     from dsframework.planner.model import describe_model
     from tests.distributed.launcher import launch

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from dsframework.config import ModelSpec, build_run_config
-from dsframework.models import build_model, resolve_model
+from dsframework.models.build import build_model, resolve_model
 from dsframework.models.lora import apply_lora, trainable_names
 from tests.distributed import reference
 from tests.distributed.launcher import BIN, TINY_YAML, assert_close, dsf, launch, rank_env, run_overrides, train_run
@@ -136,7 +136,7 @@ def test_checkpoint_holds_the_adapters_alone_and_exports_the_reference(stage_run
     its merged export is the reference's adapted model, not the base."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from dsframework.export import export_checkpoint, locate, open_checkpoint
+    from dsframework.checkpoints.export import export_checkpoint, locate, open_checkpoint
 
     run = stage_runs[name].config
     ckpt_dir, tag = locate(run.checkpoint_dir)
@@ -171,7 +171,7 @@ def test_exports_give_the_engines_logits(stage_runs, tmp_path):
     from peft import PeftModel
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from dsframework.export import export_checkpoint
+    from dsframework.checkpoints.export import export_checkpoint
 
     run_dir, overrides = stage_runs["zero3"].dir, stage_runs["zero3"].overrides
     export_checkpoint(run_dir / "checkpoints", tmp_path / "hf")  # what `dsf export` runs (its CLI: test_export.py)

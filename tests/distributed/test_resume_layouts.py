@@ -81,8 +81,8 @@ def test_a_missing_partition_is_named_and_nothing_is_written(tmp_path, straight)
     from transformers import AutoConfig
 
     from dsframework.errors import UserError
-    from dsframework.parallel.topology import ParallelDims
-    from dsframework.reshard import reshard
+    from dsframework.layout import ParallelDims
+    from dsframework.checkpoints.reshard import reshard
 
     ckpts = tmp_path / "checkpoints"
     shutil.copytree(straight["tp2pp2dp1"][0] / "checkpoints", ckpts)
@@ -114,10 +114,12 @@ def test_dense_and_shards_round_trip_as_the_plan_cuts_them(case):
 
     from transformers import AutoConfig
 
-    from dsframework.models import PRESETS, causal_lm_class
+    from dsframework.models.hf import causal_lm_class
+
+    from dsframework.models.presets import PRESETS
     from dsframework.models.tensor_parallel import merge_tensor_parallel_tensor, shard_layouts, shard_model
     from dsframework.parallel.tensor import LayoutOnlyGroup
-    from dsframework.reshard import concatenated_shards, hf_parameter_shapes
+    from dsframework.checkpoints.reshard import concatenated_shards, hf_parameter_shapes
 
     preset, overrides, tp = SHARD_CASES[case]
     fields = {**PRESETS[preset], "vocab_size": 17, **overrides}  # 17: padded to a multiple of tp

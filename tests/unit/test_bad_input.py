@@ -51,9 +51,9 @@ parallel: {zero_stage: 2}
 
 
 def dsf_command() -> list[str]:
-    """The `dsf` console script of this interpreter's environment, else `python -m dsframework.cli`."""
+    """The `dsf` console script of this interpreter's environment, else `python -m dsframework.commands.cli`."""
     script = Path(sys.executable).with_name("dsf")
-    return [str(script)] if script.is_file() else [sys.executable, "-m", "dsframework.cli"]
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "dsframework.commands.cli"]
 
 
 def dsf_env(home: Path) -> dict[str, str]:
@@ -98,7 +98,7 @@ def run_dsf_in_process(args: list[str], *, cwd: Path, home: Path, capfd: pytest.
     import huggingface_hub.constants
     import torch.distributed
 
-    from dsframework import cli
+    from dsframework.commands import cli
 
     def refuse(*_args, **_kwargs):
         raise FormsAProcessGroup(f"dsf {' '.join(args)} forms a process group: give its Case process=...")

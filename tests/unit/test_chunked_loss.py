@@ -19,7 +19,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from dsframework.compiling import COMPILE_S, EXPECTED_GAIN, auto_compile
+from dsframework.train.compiling import COMPILE_S, EXPECTED_GAIN, auto_compile
 from dsframework.errors import UserError
 from dsframework.models.loss import check_chunked_loss_layout, chunked_causal_lm_loss, use_chunked_loss
 from dsframework.runtime_facts import LOSS_CHUNK_LOGITS, loss_chunk_tokens, loss_is_chunked

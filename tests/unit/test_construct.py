@@ -15,7 +15,7 @@ import torch
 
 from dsframework.config import ModelSpec
 from dsframework.errors import UserError
-from dsframework.models import build_model, resolve_model
+from dsframework.models.build import build_model, resolve_model
 from dsframework.models.construct import (PretrainedSlices, SeededInit, check_pretrained_files, dense_templates,
                                           empty_model, materialize, tied_aliases)
 from dsframework.models.tensor_parallel import shard_model

@@ -12,7 +12,7 @@ import deepspeed  # noqa: F401 - imported before CliRunner swaps sys.stdout: its
 import pytest
 from click.testing import CliRunner
 
-from dsframework.cli import cli
+from dsframework.commands.cli import cli
 from dsframework.config import build_run_config
 from dsframework.dsconfig import build_ds_config, resolve_batch, validate_ds_config
 from dsframework.errors import UserError

@@ -19,7 +19,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsframework import checkpoint, dsconfig
+from dsframework.checkpoints import checkpoint
+
+from dsframework import dsconfig
 from dsframework.config import build_run_config
 from dsframework.errors import UserError
 
@@ -88,7 +90,7 @@ def test_dsf_config_lets_a_bug_through_instead_of_exit_2(monkeypatch):
     prints its traceback, exit 1), not as `dsf: error: ...` and exit 2."""
     from deepspeed.runtime import config as ds_runtime_config
 
-    from dsframework import cli
+    from dsframework.commands import cli
 
     monkeypatch.setattr(dsconfig, "_ensure_comm", lambda: None)
     monkeypatch.setattr(ds_runtime_config, "DeepSpeedConfig", _raise(KeyError("bug")))

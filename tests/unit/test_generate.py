@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dsframework.errors import UserError
-from dsframework.generate import SampleSpec, generate, load, model_directory, render_prompt
+from dsframework.commands.generate import SampleSpec, generate, load, model_directory, render_prompt
 from tests.distributed.launcher import BIN, TINY_YAML, dsf, rank_env
 
 PROMPT = "17,18,19,"
@@ -129,7 +129,7 @@ def test_greedy_is_deterministic_and_sampling_is_seeded(tiny):
 
 
 def test_checkpoint_generates_what_its_export_does(ckpt_dir, tmp_path, one_thread):
-    from dsframework.export import export_checkpoint
+    from dsframework.checkpoints.export import export_checkpoint
 
     before = sorted(p.relative_to(ckpt_dir.parent) for p in ckpt_dir.parent.rglob("*"))
     spec = SampleSpec(max_new_tokens=12, temperature=1.0, seed=3)  # sampling: every token's odds matter

@@ -18,12 +18,12 @@ import torch
 from click.testing import CliRunner
 from deepspeed.launcher.runner import _parse_hostfile, parse_inclusion_exclusion
 
-from dsframework import launch
-from dsframework.cli import cli
+from dsframework.launching import hostfile as launch
+from dsframework.commands.cli import cli
 from dsframework.errors import UserError
-from dsframework.launch import node_commands, parse_hostfile, select_resources
-from dsframework.launchers import LAUNCHERS, Job, check_hosts, ssh_reason
-from dsframework.mpi_rank import mpi_rank_env
+from dsframework.launching.hostfile import node_commands, parse_hostfile, select_resources
+from dsframework.launching.launchers import LAUNCHERS, Job, check_hosts, ssh_reason
+from dsframework.commands.mpi_rank import mpi_rank_env
 
 GOOD = [
     "worker-0 slots=8\nworker-1 slots=8\n",
@@ -209,8 +209,8 @@ def test_openmpi_dry_run_prints_deepspeeds_mpirun_line(in_tmp):
     (line,) = out["mpirun"]
     argv = shlex.split(line)
     assert argv[:5] == ["mpirun", "-n", "4", "-hostfile", str(in_tmp / "hostfile")]
-    # each rank goes through dsframework.mpi_rank, which turns OMPI_COMM_WORLD_* into RANK & co.
-    i = argv.index("dsframework.mpi_rank")
+    # each rank goes through dsframework.commands.mpi_rank, which turns OMPI_COMM_WORLD_* into RANK & co.
+    i = argv.index("dsframework.commands.mpi_rank")
     assert argv[i - 1] == "-m" and argv[i + 1:i + 4] == ["worker-0:29555", "train", TINY] and argv[-4:] == SETS
 
 
@@ -397,7 +397,7 @@ def test_fit_agrees_with_the_planners_search():
     from dsframework.planner.memory import Job
     from dsframework.planner.model import describe_model
     from dsframework.planner.search import search
-    from dsframework.models import PRESETS
+    from dsframework.models.presets import PRESETS
     from transformers import LlamaConfig
 
     fields = {k: v for k, v in PRESETS["llama-7b"].items() if k != "model_type"}

@@ -3,7 +3,7 @@
 The lines below are the shapes pdsh and dsf print (`pdsh@HERE: HOST: ssh exited with exit code N`,
 `HOST: <a line the node printed>`); the cluster tests (tests/cluster) run the real thing.
 """
-from dsframework.launch_watch import NodeLines
+from dsframework.launching.watch import NodeLines
 
 HOSTS = ["node0", "node1"]
 

@@ -14,7 +14,7 @@ import torch
 
 from dsframework.config import LoraSpec, ModelSpec
 from dsframework.errors import UserError
-from dsframework.models import build_model, resolve_model
+from dsframework.models.build import build_model, resolve_model
 from dsframework.models.lora import apply_lora, merge_lora, trainable_names
 from tests.unit.test_bad_input import REPO, TIMEOUT_S, dsf_command, dsf_env
 
@@ -136,7 +136,7 @@ RESUMES = {  # id: (the run's model.lora, the resume's, what the one line says; 
 def test_a_resume_keeps_the_adapters(tmp_path, case):
     """Checked against the run.yaml beside the checkpoints, before a checkpoint is converted or a model
     built (engine.prepare); dropout may change."""
-    from dsframework.checkpoint import RUN_YAML, check_same_adapters
+    from dsframework.checkpoints.checkpoint import RUN_YAML, check_same_adapters
     from dsframework.config import build_run_config, dump_run_config
 
     saved, now, expect = RESUMES[case]

@@ -1,4 +1,4 @@
-"""Metric sinks (dsframework/metrics.py): each one written, then read back with its own library's reader.
+"""Metric sinks (dsframework/train/metrics.py): each one written, then read back with its own library's reader.
 
     python -m pytest tests/unit/test_metrics.py -q
 
@@ -20,7 +20,7 @@ import pytest
 
 from dsframework.config import build_run_config
 from dsframework.errors import UserError
-from dsframework.metrics import (COLUMNS, CsvSink, JsonlSink, MetricSinks, TensorBoardSink, WandbSink,
+from dsframework.train.metrics import (COLUMNS, CsvSink, JsonlSink, MetricSinks, TensorBoardSink, WandbSink,
                                  check_no_previous_outputs, open_sinks, previous_outputs, remove_previous_outputs)
 from tests.unit.test_bad_input import dsf_command, dsf_env
 
@@ -223,7 +223,7 @@ def test_open_sinks_sends_the_same_records_everywhere(tmp_path):
 
 
 def test_a_sink_library_is_imported_only_when_configured(tmp_path):
-    code = ("import sys; from dsframework.config import build_run_config; from dsframework.metrics import open_sinks\n"
+    code = ("import sys; from dsframework.config import build_run_config; from dsframework.train.metrics import open_sinks\n"
             f"run = build_run_config({{}}, ['output_dir={tmp_path}', 'logging.csv={tmp_path}'])\n"
             "sinks = open_sinks(run, resume_step=None); sinks.close()\n"
             "print(sorted(m for m in ('tensorboard', 'wandb', 'matplotlib') if m in sys.modules))")

@@ -12,8 +12,9 @@ datasets = pytest.importorskip("datasets")
 from dsframework.config import DataSpec, ModelSpec, build_run_config  # noqa: E402
 from dsframework.data import train_tokenizer  # noqa: E402
 from dsframework.errors import UserError  # noqa: E402
-from dsframework.models import (PRESETS, build_model, causal_lm_class, count_parameters,  # noqa: E402
-                                init_weights_deterministically, resolve_model)
+from dsframework.models.build import build_model, init_weights_deterministically, resolve_model  # noqa: E402
+from dsframework.models.hf import causal_lm_class, count_parameters  # noqa: E402
+from dsframework.models.presets import PRESETS  # noqa: E402
 
 BUILT = ["tiny-llama", "tiny-gpt2"]  # small-llama is built once, in the init test
 

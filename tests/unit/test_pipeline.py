@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 from dsframework.config import ModelSpec  # noqa: E402
 from dsframework.errors import UserError  # noqa: E402
-from dsframework.models import build_model, resolve_model  # noqa: E402
+from dsframework.models.build import build_model, resolve_model  # noqa: E402
 from dsframework.models.build import ModelSource  # noqa: E402
 from dsframework.parallel.pipeline import (build_pipeline_module, causal_lm_loss,  # noqa: E402
                                            is_decoder_layer, partition_layers, pipeline_layer_specs,

@@ -8,9 +8,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from dsframework.cli import cli
+from dsframework.commands.cli import cli
 from dsframework.config import ModelSpec, load_run_config
-from dsframework.models import build_model, causal_lm_class, resolve_model
+from dsframework.models.build import build_model, resolve_model
+from dsframework.models.hf import causal_lm_class
 from dsframework.planner.cluster import GiB, cluster_preset
 from dsframework.planner.memory import Job, Layout, memory_per_rank, stage_shapes
 from dsframework.planner.model import _generic, describe_model

@@ -20,10 +20,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from dsframework.cli import cli
+from dsframework.commands.cli import cli
 from dsframework.config import ModelSpec, load_run_config
-from dsframework.models import build_model, resolve_model
-from dsframework.parallel.topology import layout_problem
+from dsframework.models.build import build_model, resolve_model
+from dsframework.layout import layout_problem
 from dsframework.planner.cluster import GiB, cluster_preset
 from dsframework.planner.fit import run_layout
 from dsframework.planner.memory import (ACTIVATION_SAVED, Job, Layout, layer_activation_bytes, memory_per_rank,
@@ -271,7 +271,7 @@ def test_dsf_plan_pins_cp():
 
     from click.testing import CliRunner
 
-    from dsframework.cli import cli
+    from dsframework.commands.cli import cli
 
     result = CliRunner().invoke(cli, ["plan", "--model", "tiny-llama", "--cluster", "h100-80gb", "--seq-len", "8192",
                                       "--global-batch", "8", "--cp", "2", "--json"], catch_exceptions=False)

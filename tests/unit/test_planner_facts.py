@@ -9,7 +9,7 @@ import pytest
 from dsframework import runtime_facts
 from dsframework.config import ModelSpec, build_run_config
 from dsframework.dsconfig import build_ds_config
-from dsframework.models import resolve_model
+from dsframework.models.build import resolve_model
 from dsframework.parallel import tensor
 from dsframework.parallel.pipeline import layer_parameter_counts, partition_layers, pipeline_layer_specs
 from dsframework.planner import memory, speed

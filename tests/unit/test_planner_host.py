@@ -9,9 +9,9 @@ import re
 import pytest
 from click.testing import CliRunner
 
-from dsframework.cli import cli
+from dsframework.commands.cli import cli
 from dsframework.config import ModelSpec
-from dsframework.models import resolve_model
+from dsframework.models.build import resolve_model
 from dsframework.planner.cluster import GiB, Cluster
 from dsframework.planner.fit import HOST_MEMORY_SHARE, check_fit
 from dsframework.planner.memory import (BUILD_BYTES, EXPORT_SHARD_BYTES, Job, Layout, build_bytes_per_rank,

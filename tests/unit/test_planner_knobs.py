@@ -17,10 +17,10 @@ import deepspeed  # noqa: F401 - imported before CliRunner swaps sys.stdout: its
 import pytest
 from click.testing import CliRunner
 
-from dsframework import cli as cli_module
+from dsframework.commands import cli as cli_module
 from dsframework.config import ModelSpec, load_run_config
 from dsframework.dsconfig import validate_ds_config
-from dsframework.models import resolve_model
+from dsframework.models.build import resolve_model
 from dsframework.planner.cluster import cluster_preset
 from dsframework.planner.fit import MEMORY_HEADROOM, check_fit, usable_gpu_memory
 from dsframework.planner.knobs import KNOB_SHARE, choose_knobs, free_bytes, largest_micro_batch, with_knobs

@@ -14,7 +14,7 @@ from functools import lru_cache
 import pytest
 
 from dsframework.config import LoraSpec, ModelSpec
-from dsframework.models import build_model, resolve_model
+from dsframework.models.build import build_model, resolve_model
 from dsframework.models.lora import apply_lora, count_lora_parameters
 from dsframework.planner.cluster import GiB, cluster_preset
 from dsframework.planner.fit import check_fit

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from dsframework.config import build_run_config
 from dsframework.dsconfig import build_ds_config, validate_ds_config
-from dsframework.parallel.topology import ParallelDims, check_model_layout
+from dsframework.layout import ParallelDims, check_model_layout
 from dsframework.planner.cluster import CLUSTER_PRESETS, cluster_preset
 from dsframework.planner.memory import Job
 from dsframework.planner.model import describe_model

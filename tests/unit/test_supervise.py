@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from dsframework.supervise import under_launcher
+from dsframework.launching.supervise import under_launcher
 
-EXIT = "from dsframework.supervise import exit_process; import sys; {body}"
+EXIT = "from dsframework.launching.supervise import exit_process; import sys; {body}"
 
 
 def run_python(body: str) -> subprocess.CompletedProcess:

@@ -8,7 +8,8 @@ import pytest
 
 from dsframework.config import build_run_config
 from dsframework.errors import UserError
-from dsframework.parallel.topology import ParallelDims, build_topology, check_layout, check_model_layout
+from dsframework.layout import ParallelDims, check_layout, check_model_layout
+from dsframework.parallel.topology import build_topology
 
 
 def _factorizations(world):

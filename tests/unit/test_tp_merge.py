@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dsframework.config import ModelSpec
-from dsframework.models import build_model, resolve_model
+from dsframework.models.build import build_model, resolve_model
 from dsframework.models.tensor_parallel import merge_tensor_parallel_shards, shard_layouts, shard_model
 from dsframework.parallel.tensor import LayoutOnlyGroup
 

@@ -36,12 +36,13 @@ def main(argv):
     import deepspeed  # noqa: F401 - imported on every path, so the baseline holds it too
     from dsframework.config import ModelSpec, ParallelSpec, TrainSpec
     from dsframework.dsconfig import build_ds_config
-    from dsframework.models import build_model, resolve_model
+    from dsframework.models.build import build_model, resolve_model
     from dsframework.models.construct import build_for_layout, empty_model
     from dsframework.models.tensor_parallel import shard_model
     from dsframework.parallel.pipeline import build_pipeline_module
-    from dsframework.parallel.topology import ParallelDims, build_grid, build_topology
-    from dsframework.world import init_distributed, shutdown_distributed
+    from dsframework.layout import ParallelDims
+    from dsframework.parallel.topology import build_grid, build_topology
+    from dsframework.train.world import init_distributed, shutdown_distributed
 
     source = resolve_model(ModelSpec(name=args.config))
     config = source.config
@@ -86,6 +87,6 @@ def main(argv):
 if __name__ == "__main__":
     torch.set_num_threads(1)
     main(sys.argv[1:])
-    from dsframework.supervise import exit_process
+    from dsframework.launching.supervise import exit_process
 
     exit_process(0)

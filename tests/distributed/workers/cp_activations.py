@@ -16,11 +16,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repo, for tests.saved_tensors
 from dsframework.config import ModelSpec
-from dsframework.models import build_model, resolve_model
+from dsframework.models.build import build_model, resolve_model
 from dsframework.parallel.context import SequenceShard, sequence_shard_loss, use_ulysses_attention
-from dsframework.parallel.topology import ParallelDims, build_grid
-from dsframework.supervise import exit_process
-from dsframework.world import init_distributed, shutdown_distributed
+from dsframework.layout import ParallelDims
+from dsframework.parallel.topology import build_grid
+from dsframework.launching.supervise import exit_process
+from dsframework.train.world import init_distributed, shutdown_distributed
 from tests.saved_tensors import saved_bytes
 
 VOCAB = 97

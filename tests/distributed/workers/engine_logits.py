@@ -15,9 +15,9 @@ import torch.distributed as dist
 from transformers import AutoConfig
 
 from dsframework.config import load_run_config
-from dsframework.engine import prepare
-from dsframework.supervise import exit_process
-from dsframework.world import shutdown_distributed
+from dsframework.train.engine import prepare
+from dsframework.launching.supervise import exit_process
+from dsframework.train.world import shutdown_distributed
 
 
 def full_logits(session, input_ids, vocab_size):

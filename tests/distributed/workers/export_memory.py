@@ -31,7 +31,7 @@ def main(ckpt_dir: str, out_dir: str, max_shard_size: str) -> None:
     import transformers.models.llama.modeling_llama  # noqa: F401
     from transformers import AutoTokenizer  # noqa: F401
 
-    from dsframework.export import export_checkpoint
+    from dsframework.checkpoints.export import export_checkpoint
 
     try:
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS

@@ -25,8 +25,10 @@ import os
 import re
 import sys
 
-from dsframework import checkpoint, engine
-from dsframework.supervise import CHILD_MARK
+from dsframework.checkpoints import checkpoint
+
+from dsframework.train import engine
+from dsframework.launching.supervise import CHILD_MARK
 
 EXIT_CODE = 97  # what a rank killed mid-save exits with (any non-zero would do; this one is recognisable)
 
@@ -106,6 +108,6 @@ if os.environ.get("RANK", "0") == "0":
     else:
         die_in_save_at(point, step)
 
-from dsframework.cli import main  # noqa: E402  (after the patches, as dsf would import it)
+from dsframework.commands.cli import main  # noqa: E402  (after the patches, as dsf would import it)
 
 main()

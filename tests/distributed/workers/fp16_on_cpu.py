@@ -11,7 +11,7 @@ real `dsf train` (run in this process: the rank watcher is bypassed so the lifte
 """
 import os
 
-from dsframework.supervise import CHILD_MARK
+from dsframework.launching.supervise import CHILD_MARK
 
 
 def lift_fp16_refusal() -> None:
@@ -24,6 +24,6 @@ def lift_fp16_refusal() -> None:
 
 if __name__ == "__main__":
     lift_fp16_refusal()
-    from dsframework.cli import main  # after the patch, as dsf would import it
+    from dsframework.commands.cli import main  # after the patch, as dsf would import it
 
     main()

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-import dsframework.engine as engine_module
+import dsframework.train.engine as engine_module
 from dsframework.config import load_run_config
-from dsframework.supervise import exit_process
-from dsframework.world import shutdown_distributed
+from dsframework.launching.supervise import exit_process
+from dsframework.train.world import shutdown_distributed
 
 PACKAGE = str(Path(engine_module.__file__).parent)
 state = {"step": None}  # None until the loop's first step begins

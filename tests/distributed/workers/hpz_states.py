@@ -23,8 +23,8 @@ import torch.distributed as dist
 from deepspeed.runtime.zero import partition_parameters
 from deepspeed.utils import groups
 
-from dsframework.engine import micro_batch_loss, prepare
-from dsframework.supervise import exit_process
+from dsframework.train.engine import micro_batch_loss, prepare
+from dsframework.launching.supervise import exit_process
 from model_states import _storages, grad_bytes, main, optimizer_bytes  # the sibling worker (this folder)
 
 ALL_GATHER = partition_parameters._dist_allgather_fn  # every ZeRO-3 weight all-gather goes through it

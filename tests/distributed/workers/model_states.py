@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 
 from dsframework.config import load_run_config
-from dsframework.engine import prepare
-from dsframework.supervise import exit_process
-from dsframework.world import shutdown_distributed
+from dsframework.train.engine import prepare
+from dsframework.launching.supervise import exit_process
+from dsframework.train.world import shutdown_distributed
 
 
 def _storages(tensors) -> int:

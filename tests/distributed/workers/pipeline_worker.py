@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from dsframework.supervise import exit_process
+from dsframework.launching.supervise import exit_process
 
 VOCAB, SEQ, MICRO, ACCUM, STEPS, SEED = 64, 16, 2, 4, 8, 7
 GLOBAL = MICRO * ACCUM  # pp2 x dp1: the global batch is micro-batch x accumulation
@@ -58,7 +58,7 @@ def global_batches() -> torch.Tensor:
 def dense_model(model: str):
     """The dense HF model every rank and the reference start from (seeded, vocab VOCAB)."""
     from dsframework.config import ModelSpec
-    from dsframework.models import build_model, resolve_model
+    from dsframework.models.build import build_model, resolve_model
 
     source = resolve_model(ModelSpec(name=model))
     source.config.vocab_size = VOCAB
@@ -119,7 +119,7 @@ def main(argv: list[str]) -> None:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    from dsframework.world import shutdown_distributed
+    from dsframework.train.world import shutdown_distributed
     from dsframework.jit import pin_build_tools, release_shm_buffers
 
     args = [a for a in argv if not a.startswith("--local_rank")]

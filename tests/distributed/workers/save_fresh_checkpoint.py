@@ -12,11 +12,11 @@ import sys
 
 import torch
 
-from dsframework import checkpoint as ckpt
+from dsframework.checkpoints import checkpoint as ckpt
 from dsframework.config import load_run_config
-from dsframework.engine import layout_of, prepare
-from dsframework.supervise import exit_process
-from dsframework.world import shutdown_distributed
+from dsframework.train.engine import layout_of, prepare
+from dsframework.launching.supervise import exit_process
+from dsframework.train.world import shutdown_distributed
 
 
 def main(argv):

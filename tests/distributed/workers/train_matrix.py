@@ -5,8 +5,8 @@ process group, each with the torch.compile backend it names (tests/distributed/t
         'z1_compiled|aot_eager|parallel.zero_stage=1;train.compile=true' ...
 
 Each spec is NAME|BACKEND|OVERRIDES (`;`-separated, on top of the tests' BASE_OVERRIDES), trained
-into OUT_ROOT/NAME with `dsframework.engine.train`, as `dsf train` does. BACKEND patches
-`dsframework.compiling.BACKEND` (inductor in production): `aot_eager` traces the same dynamo and
+into OUT_ROOT/NAME with `dsframework.train.engine.train`, as `dsf train` does. BACKEND patches
+`dsframework.train.compiling.BACKEND` (inductor in production): `aot_eager` traces the same dynamo and
 AOT autograd graphs through DeepSpeed's hooks without generating kernels, which keeps a matrix of
 layouts cheap; `inductor` is the real thing. A NAME ending in `_auto` expects no compile time, so
 that train.compile=auto compiles mid-run. One launch saves each run its own start (~15 s).
@@ -16,9 +16,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repo: tests.distributed.launcher
 
-from dsframework import compiling
+from dsframework.train import compiling
 from dsframework.config import load_run_config
-from dsframework.engine import train
+from dsframework.train.engine import train
 from tests.distributed.launcher import TINY_YAML, run_overrides
 
 

@@ -15,6 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from dsframework.planner.cluster import cluster_preset, load_cluster, local_gpu_preset
+from dsframework.planner.model import describe_model
+from dsframework.train.calibrate import matmul_flops
+
 PEAK_MATMUL_SIZE = 512
 
 
@@ -22,8 +26,6 @@ def _measured_peak(precision: str) -> float:
     """The matmul FLOP/s of this rank while every rank measures too (their mean)."""
     import torch
     import torch.distributed as dist
-
-    from dsframework.calibrate import matmul_flops
 
     value = matmul_flops(precision, size=PEAK_MATMUL_SIZE)
     if dist.is_initialized():
@@ -36,8 +38,6 @@ def _measured_peak(precision: str) -> float:
 
 def peak_flops_per_rank(cluster: str | None, precision: str) -> tuple[float, str]:
     """(peak FLOP/s of one rank at `precision`, where the figure comes from)."""
-    from dsframework.planner.cluster import cluster_preset, load_cluster, local_gpu_preset
-
     if cluster:
         return load_cluster(cluster, field="logging.cluster").flops(precision), cluster
     found = local_gpu_preset()
@@ -58,8 +58,6 @@ class FlopsMeter:
 
     @classmethod
     def for_run(cls, run: Any, config: Any, *, world: int) -> "FlopsMeter":
-        from dsframework.planner.model import describe_model
-
         peak, source = peak_flops_per_rank(run.logging.cluster, run.train.precision)
         per_token = describe_model(config, name=run.model.name).flops_per_token(run.data.seq_len)
         return cls(per_token, world, peak, source)

@@ -1,8 +1,8 @@
 """Each rank under mpirun (`--launcher openmpi` / `mvapich`): mpirun's variables become the ones
 torch.distributed and dsf read, then it is `dsf`.
 
-    deepspeed --launcher openmpi --module dsframework.mpi_rank worker-0:29500 train RUN.yaml ...
-    # on every rank: python -u -m dsframework.mpi_rank worker-0:29500 train RUN.yaml ...
+    deepspeed --launcher openmpi --module dsframework.commands.mpi_rank worker-0:29500 train RUN.yaml ...
+    # on every rank: python -u -m dsframework.commands.mpi_rank worker-0:29500 train RUN.yaml ...
 
 deepspeed's OpenMPI/MVAPICH runners start every rank with mpirun, which names ranks its own way;
 `dsf train` without RANK would train a world of one.
@@ -13,6 +13,7 @@ import os
 import sys
 from typing import Mapping
 
+from dsframework.commands.cli import main as dsf_main
 from dsframework.errors import UserError
 
 MPI_RANK_VARS = {
@@ -40,14 +41,13 @@ def mpi_rank_env(environ: Mapping[str, str], *, master: str) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """One rank under mpirun: `python -u -m dsframework.mpi_rank MASTER:PORT train RUN.yaml ...`."""
+    """One rank under mpirun: `python -u -m dsframework.commands.mpi_rank MASTER:PORT train RUN.yaml ...`."""
     argv = sys.argv[1:] if argv is None else argv
     try:
         os.environ.update(mpi_rank_env(os.environ, master=argv[0] if argv else ""))
     except UserError as err:
         print(f"dsf: error: {err}", file=sys.stderr)
         sys.exit(2)
-    from dsframework.cli import main as dsf_main
 
     dsf_main(argv[1:])
 

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from dsframework.checkpoints.export import export_checkpoint, locate
+from dsframework.data import load_tokenizer
 from dsframework.errors import UserError
 from dsframework.models.build import WEIGHT_FILES  # what from_pretrained loads
 
@@ -98,7 +100,6 @@ def model_directory(path: str | Path) -> Iterator[Path]:
                "pass the OUT_DIR of dsf export or <output_dir>/checkpoints of a dsf run")
         raise UserError("DIR", str(path), "is neither an exported model (config.json and weights) nor a "
                         "checkpoint directory (a 'latest' file, or a global_step* folder)", fix)
-    from dsframework.export import export_checkpoint, locate
 
     try:
         ckpt_dir, tag = locate(path)
@@ -118,8 +119,6 @@ def load(directory: str | Path, *, device: str | None = None) -> tuple[Any, Any]
     defaults to the GPU when there is one."""
     import torch
     from transformers import AutoModelForCausalLM
-
-    from dsframework.data import load_tokenizer
 
     tokenizer = load_tokenizer(directory, field="DIR")
     model = AutoModelForCausalLM.from_pretrained(str(directory), local_files_only=True)

@@ -1,6 +1,6 @@
 """train.compile: the model compiled with torch.compile (inductor) through DeepSpeed's `engine.compile()`.
 
-    from dsframework.compiling import auto_compile, compile_engine, compile_seconds
+    from dsframework.train.compiling import auto_compile, compile_engine, compile_seconds
     compile_engine(engine)              # lazily: the first forward / backward compile
     compile_seconds()                   # seconds dynamo and inductor have spent compiling so far
     auto_compile(step_seconds=0.21, steps_left=500)   # (True, "500 steps left x 0.21 s x 14% ...")
@@ -33,6 +33,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from dsframework.data import store_cache_dir
 
 BACKEND = "inductor"  # torch.compile's backend (tests/distributed/workers may patch it)
 EXPECTED_GAIN = 0.14  # share of a step's time compiling saves (1 - 1 / 1.16)
@@ -45,8 +46,6 @@ _COMPILE_TIMERS = ("_compile.compile_inner", "backward._backward_impl")
 
 def inductor_cache_dir() -> Path:
     """One cache of compiled kernels for every run and rank: beside the token stores."""
-    from dsframework.data import store_cache_dir
-
     return store_cache_dir().parent / "dsframework-inductor"
 
 

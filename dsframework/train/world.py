@@ -9,10 +9,13 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 from typing import Iterator
 
+from dsframework.errors import UserError
 from dsframework.jit import pin_build_tools, release_shm_buffers
+from dsframework.ports import free_port
 
 
 def init_distributed() -> tuple[int, int]:
@@ -23,10 +26,8 @@ def init_distributed() -> tuple[int, int]:
 
     pin_build_tools()
     if "RANK" not in os.environ:  # not under a launcher: a world of one on a free local port
-        from dsframework.dsconfig import _free_port
-
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     accelerator = get_accelerator()
     if accelerator.device_name() == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # N CPU ranks on one host would each take every core; share them out instead.
@@ -47,8 +48,6 @@ def shutdown_distributed(*, wait_s: float | None = None) -> None:
     outlive the group are the reason for exit_process. On an error path (`wait_s` set) the other
     ranks may never arrive: wait for them that long at most.
     """
-    import datetime
-
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -69,8 +68,6 @@ def rank_zero_first() -> Iterator[None]:
     not run it: they raise the same one-line error instead of a lost-peer traceback; when it fails
     otherwise, they exit with code 1 and rank 0's traceback is the report."""
     import torch.distributed as dist
-
-    from dsframework.errors import UserError
 
     if dist.get_rank() != 0:
         outcome: list = [None]

@@ -26,6 +26,10 @@ import statistics
 import time
 from typing import Any
 
+from dsframework.planner.model import describe_model
+from dsframework.ports import free_port
+from dsframework.train.world import init_distributed
+
 MATMUL_SIZE = 1024
 ALLREDUCE_BYTES = 16 * 2 ** 20
 REPEATS = 5
@@ -84,8 +88,6 @@ def _rank_worker(rank: int, world: int, port: int, nbytes: int, queue: Any) -> N
     """One rank: matmul FLOP/s (all ranks at once), then the all-reduce bandwidth."""
     import torch
 
-    from dsframework.world import init_distributed
-
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     threads = max(1, (os.cpu_count() or 1) // world)
@@ -128,8 +130,6 @@ def layer_flops(*, hidden: int = 256, seq_len: int = 128, micro_batch: int = 4) 
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-    from dsframework.planner.model import describe_model
-
     config = LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 8 // 3, num_attention_heads=hidden // 64,
                          num_key_value_heads=hidden // 128, num_hidden_layers=1, vocab_size=8)
     config._attn_implementation = "sdpa"
@@ -170,10 +170,8 @@ def measure_ranks(ranks: int, *, nbytes: int = ALLREDUCE_BYTES) -> dict[str, Any
     rank), small-collective latency and operator overhead, measured in `ranks` local processes."""
     import torch.multiprocessing as mp
 
-    from dsframework.dsconfig import _free_port
-
     queue = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_rank_worker, args=(ranks, _free_port(), nbytes, queue), nprocs=ranks, join=True,
+    mp.start_processes(_rank_worker, args=(ranks, free_port(), nbytes, queue), nprocs=ranks, join=True,
                        start_method="spawn")
     reports = [queue.get() for _ in range(ranks)]
     return {"peak_flops": {p: min(r["flops"][p] for r in reports) for p in reports[0]["flops"]},

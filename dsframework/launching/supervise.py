@@ -14,6 +14,7 @@ SIGTERM/SIGINT reach the trainer, which checkpoints on SIGTERM.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
@@ -31,8 +32,6 @@ def under_launcher(argv: list[str]) -> bool:
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
-    import ctypes
-
     PR_SET_PDEATHSIG = 1
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
@@ -41,7 +40,7 @@ def run_rank(argv: list[str]) -> int:
     """Run `dsf ARGV` as this rank's trainer; its exit code, or 128 + the signal that killed it."""
     if sys.platform == "linux":  # a launcher killed in a teardown (dsf launch's sweep) takes its ranks along
         _die_with_parent()
-    child = subprocess.Popen([sys.executable, "-m", "dsframework.cli", *argv],
+    child = subprocess.Popen([sys.executable, "-m", "dsframework.commands.cli", *argv],
                              env={**os.environ, CHILD_MARK: "1"},
                              preexec_fn=_die_with_parent if sys.platform == "linux" else None)
     told_to_stop: list[int] = []
@@ -66,7 +65,7 @@ def run_rank(argv: list[str]) -> int:
 def exit_process(code: int | str | None = 0) -> NoReturn:
     """End a process that ran collectives with exit `code`, skipping the interpreter's teardown.
 
-        shutdown_distributed()   # dsframework.world: every rank leaves the group together
+        shutdown_distributed()   # dsframework.train.world: every rank leaves the group together
         exit_process(0)
 
     destroy_process_group leaves gloo's worker threads and rank 0's TCP store thread running

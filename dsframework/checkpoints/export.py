@@ -40,6 +40,7 @@ half-written OUT_DIR, and an existing one is never replaced unless asked.
 from __future__ import annotations
 
 import ctypes
+import inspect
 import json
 import math
 import mmap
@@ -48,8 +49,15 @@ import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
-from dsframework import checkpoint as ckpt
+from dsframework.checkpoints import checkpoint as ckpt
+from dsframework.config import load_run_config
+from dsframework.data import load_tokenizer
 from dsframework.errors import UserError
+from dsframework.models.build import build_model, resolve_model
+from dsframework.models.hf import causal_lm_class
+from dsframework.models.lora import apply_lora, merge_lora, trainable_names
+from dsframework.models.tensor_parallel import merge_tensor_parallel_tensor, shard_layouts
+from dsframework.parallel.pipeline import _LAYER_FILE, pipeline_layer_specs, pipeline_state_dict_to_hf
 
 MODEL_STATES = "mp_rank_00_model_states.pt"  # ZeRO 0-2; ZeRO-3 writes zero_pp_rank_*_<this> per rank
 
@@ -98,8 +106,6 @@ def locate(path: str | Path, tag: str | None = None) -> tuple[Path, str]:
 def shard_size(max_shard_size: int | str | None) -> int:
     """`max_shard_size` in bytes, read as `save_pretrained` reads it ("5GB" = 5e9, "500MB", or an
     int); None is save_pretrained's own default (50GB in transformers 5)."""
-    import inspect
-
     from huggingface_hub.serialization._base import parse_size_to_int  # what save_pretrained's split uses
     from transformers import PreTrainedModel
 
@@ -211,14 +217,10 @@ class TensorParallelReader:
     """The tp ranks' readers as one: `read(name)` merges that parameter's parts (only they are held)."""
 
     def __init__(self, ranks: list[TensorReader], config: Any):
-        from dsframework.models.tensor_parallel import shard_layouts
-
         self.ranks, self.layouts = ranks, shard_layouts(config, len(ranks))
         self.names = set.intersection(*(rank.names for rank in ranks))
 
     def read(self, name: str) -> Any:
-        from dsframework.models.tensor_parallel import merge_tensor_parallel_tensor
-
         return merge_tensor_parallel_tensor(name, [rank.read(name) for rank in self.ranks], self.layouts)
 
 
@@ -236,8 +238,6 @@ def _pipeline_entries(tag_dir: Path, config: Any, *, tensor_rank: int | None) ->
     """{HF name: that tensor of a layer file} from the pipeline's layer_XX-model_YY files: each file's
     keys are read (its pickle, no data), and its tensors one file at a time when written."""
     import torch
-
-    from dsframework.parallel.pipeline import _LAYER_FILE, pipeline_layer_specs, pipeline_state_dict_to_hf
 
     specs, files, entries = pipeline_layer_specs(config), _OneFileOpen(), {}
     for path in sorted(tag_dir.iterdir()):
@@ -396,8 +396,6 @@ def write_config(model: Any, directory: Path) -> None:
 def lora_run(ckpt_dir: Path) -> Any:
     """The run config dsf train saved beside the checkpoints when that run trained LoRA adapters
     (model.lora), else None."""
-    from dsframework.config import load_run_config
-
     run_yaml = ckpt_dir / ckpt.RUN_YAML
     if not run_yaml.is_file():
         return None
@@ -409,9 +407,6 @@ def lora_model(ckpt_dir: Path, tag: str, run: Any, config: Any, *, scratch: Path
     """The peft model of a LoRA checkpoint: the base rebuilt from model.name and train.seed as training
     built it, with the adapters' trained values read from the checkpoint (which holds nothing else)."""
     import torch
-
-    from dsframework.models import build_model, resolve_model
-    from dsframework.models.lora import apply_lora, trainable_names
 
     where = str(ckpt_dir / tag)
     try:
@@ -442,8 +437,6 @@ def lora_model(ckpt_dir: Path, tag: str, run: Any, config: Any, *, scratch: Path
 def _write_lora(ckpt_dir: Path, tag: str, run: Any, config: Any, staging: Path, *, scratch: Path,
                 adapter_only: bool, max_shard_size: int) -> None:
     """The merged model (or the adapter alone) of a LoRA checkpoint, written into `staging`."""
-    from dsframework.models.lora import merge_lora
-
     model = lora_model(ckpt_dir, tag, run, config, scratch=scratch)
     if adapter_only:
         model.peft_config["default"].base_model_name_or_path = run.model.name
@@ -475,9 +468,6 @@ def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path, *, tag: str | 
 
     import torch
     from transformers import AutoConfig
-
-    from dsframework.data import load_tokenizer
-    from dsframework.models import causal_lm_class
 
     config = AutoConfig.from_pretrained(str(ckpt_dir / ckpt.HF_CONFIG_DIR), local_files_only=True)
     with torch.device("meta"):  # names, shapes and ties; no weights

@@ -1,6 +1,6 @@
 """Resume at another layout: a ZeRO-1/2 checkpoint saved at one tp x pp x dp, resharded for another.
 
-    from dsframework.reshard import reshard
+    from dsframework.checkpoints.reshard import reshard
     tag = reshard(ckpt_dir, "global_step4", config, saved=ParallelDims(world=4, tp=2, pp=2),
                   target=ParallelDims(world=4))              # -> "global_step4.universal-tp1pp1dp4"
     ds_config["checkpoint"] = {"load_universal": True}        # every rank, before deepspeed.initialize
@@ -50,14 +50,23 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from deepspeed.checkpoint.constants import (BASE_OPTIMIZER_STATE, CAT_DIM, OPTIMIZER_STATE_DICT, PARAM,
-                                            PARAM_GROUPS, PARAM_SHAPES, PARAM_SLICE_MAPPINGS,
-                                            SINGLE_PARTITION_OF_FP32_GROUPS)
+from deepspeed.checkpoint.constants import (
+    BASE_OPTIMIZER_STATE,
+    CAT_DIM,
+    OPTIMIZER_STATE_DICT,
+    PARAM,
+    PARAM_GROUPS,
+    PARAM_SHAPES,
+    PARAM_SLICE_MAPPINGS,
+    SINGLE_PARTITION_OF_FP32_GROUPS,
+)
 
-from dsframework.checkpoint import MANIFEST, PARTIAL, UNIVERSAL
+from dsframework.checkpoints.checkpoint import MANIFEST, PARTIAL, UNIVERSAL
 from dsframework.errors import UserError
-from dsframework.models.tensor_parallel import merge_tensor_parallel_tensor
-from dsframework.parallel.topology import ParallelDims
+from dsframework.layout import ParallelDims
+from dsframework.models.hf import causal_lm_class
+from dsframework.models.tensor_parallel import merge_tensor_parallel_tensor, shard_layouts
+from dsframework.parallel.pipeline import hf_names, pipeline_layer_specs
 
 States = dict[str, torch.Tensor]  # state name ("fp32", "exp_avg", ...) -> tensor
 
@@ -76,8 +85,6 @@ def describe(dims: ParallelDims) -> str:
 def _pipeline_paths(config: Any) -> dict[str, str]:
     """{PipelineModule module path: transformers module path}: '3.layer' -> 'model.layers.2',
     'tied_modules.embed.embed_tokens' -> 'model.embed_tokens' (the copy on either end stage)."""
-    from dsframework.parallel.pipeline import hf_names, pipeline_layer_specs
-
     paths = {}
     for idx, spec in enumerate(pipeline_layer_specs(config)):
         owner = f"tied_modules.{spec.key}" if hasattr(spec, "key") else str(idx)
@@ -118,8 +125,6 @@ class LayoutNames:
 
 def hf_parameter_shapes(config: Any) -> dict[str, torch.Size]:
     """{transformers name: dense shape} of every trainable parameter, tied copies once."""
-    from dsframework.models import causal_lm_class
-
     with torch.device("meta"):
         model = causal_lm_class(config)(config)
     return {name: param.shape for name, param in model.named_parameters()}
@@ -130,7 +135,6 @@ def _tensor_layouts(config: Any, tp: int) -> list[dict[str, tuple[int, torch.Ten
     sharded parameter (models.tensor_parallel.shard_layouts); [{}] at tp 1."""
     if tp == 1:
         return [{}]
-    from dsframework.models.tensor_parallel import shard_layouts
 
     return shard_layouts(config, tp)
 

@@ -11,6 +11,7 @@ Both are collectives: every rank calls them at the same points of the loop.
 """
 from __future__ import annotations
 
+import signal
 from typing import Any
 
 
@@ -29,8 +30,6 @@ class StopRequest:
     """
 
     def __init__(self) -> None:
-        import signal
-
         import torch.distributed as dist
 
         self.received: int | None = None

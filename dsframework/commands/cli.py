@@ -18,13 +18,17 @@ exit with code 2, with no traceback.
 """
 from __future__ import annotations
 
+import json
+import os
 import sys
+import traceback
+from dataclasses import replace
 from pathlib import Path
 
 import click
 
 from dsframework.errors import EXIT_USER_ERROR, UserError
-from dsframework.launchers import LAUNCHERS
+from dsframework.launching.launchers import LAUNCHERS
 
 
 def _fail(message: str) -> None:
@@ -85,7 +89,7 @@ def config_cmd(world_size: int | None, output: Path | None, force: bool, auto_kn
     """
     from dsframework.config import build_run_config
     from dsframework.dsconfig import build_ds_config, dumps, validate_ds_config
-    from dsframework.parallel.topology import ParallelDims, grid_problem
+    from dsframework.layout import ParallelDims, grid_problem
 
     if world_size is not None and world_size < 1:
         raise UserError("--world-size", world_size, "must be >= 1", "pass the number of data-parallel ranks")
@@ -144,11 +148,9 @@ def _auto_knobs(sections: dict, run, dims, *, model_name: str, cluster_name: str
                 gpus_per_node: int) -> list[str]:
     """`dsf config --auto-knobs`: put the planner's knobs (and, given only the global batch, the
     largest micro-batch that fits) into `sections`, the raw run config; the lines to print."""
-    from dataclasses import replace
-
     from dsframework.config import ModelSpec
     from dsframework.dsconfig import resolve_batch
-    from dsframework.models import resolve_model
+    from dsframework.models.build import resolve_model
     from dsframework.planner.cluster import GiB, load_cluster
     from dsframework.planner.fit import run_job, run_layout
     from dsframework.planner.knobs import largest_micro_batch, with_knobs
@@ -210,10 +212,8 @@ def plan_cmd(model_name: str, cluster_name: str, nodes: int, gpus_per_node: int,
              precision: str, top: int, tp: int | None, pp: int | None, cp: int | None, zero_stage: int | None, as_json: bool,
              output_dir: Path | None, force: bool) -> None:
     """Rank the layouts that fit MODEL on the cluster by predicted tokens/s, with memory per GPU."""
-    import json
-
     from dsframework.config import ModelSpec
-    from dsframework.models import resolve_model
+    from dsframework.models.build import resolve_model
     from dsframework.planner.cluster import load_cluster
     from dsframework.planner.memory import Job
     from dsframework.planner.model import describe_model
@@ -271,9 +271,7 @@ def _write_plan_files(plan, output_dir: Path, *, model_name: str) -> None:
 @click.option("--force", is_flag=True, help="replace an existing --output file")
 def calibrate_cmd(ranks: int, output: Path, force: bool) -> None:
     """Measure matmul FLOP/s, all-reduce bandwidth and memory; write a --cluster profile."""
-    import json
-
-    from dsframework.calibrate import calibrate
+    from dsframework.train.calibrate import calibrate
 
     if output.exists() and not force:
         raise UserError("--output", str(output), "exists", "choose another file or pass --force")
@@ -313,12 +311,9 @@ def launch_cmd(run_yaml: Path, hostfile: Path | None, include: str, exclude: str
                env_flags: tuple[str, ...], cluster_name: str | None, force: bool, check: bool, dry_run: bool,
                overrides: tuple[str, ...], resume: bool, overwrite: bool) -> None:
     """Check the hostfile, layout and memory of RUN_YAML, then start `deepspeed` on every node."""
-    import os
-
-    from dsframework import launch
-    from dsframework import launch_steps as steps
     from dsframework.config import load_run_config
-    from dsframework.launchers import Job
+    from dsframework.launching import hostfile as launch, steps
+    from dsframework.launching.launchers import Job
 
     run = load_run_config(run_yaml, overrides)
     how = LAUNCHERS[launcher]()
@@ -360,8 +355,8 @@ def train_cmd(run_yaml: Path, overrides: tuple[str, ...], resume: bool, overwrit
     from dsframework.config import load_run_config
 
     run = load_run_config(run_yaml, overrides)  # config errors before torch is even imported
-    from dsframework.engine import Preempted, train
-    from dsframework.world import shutdown_distributed
+    from dsframework.train.engine import Preempted, train
+    from dsframework.train.world import shutdown_distributed
 
     try:
         train(run, resume=resume, overwrite=overwrite)
@@ -390,7 +385,7 @@ def export_cmd(ckpt_dir: Path, out_dir: Path, tag: str | None, overwrite: bool, 
                adapter_only: bool) -> None:
     """Merge a checkpoint (any layout) into a transformers directory at OUT_DIR, one shard at a time.
     A LoRA run's adapters are merged into the base weights (or, with --adapter-only, written alone)."""
-    from dsframework.export import export_checkpoint
+    from dsframework.checkpoints.export import export_checkpoint
 
     path = export_checkpoint(ckpt_dir, out_dir, tag=tag, overwrite=overwrite, max_shard_size=max_shard_size,
                              adapter_only=adapter_only)
@@ -413,7 +408,7 @@ def export_cmd(ckpt_dir: Path, out_dir: Path, tag: str | None, overwrite: bool, 
 def generate_cmd(model_dir: Path, prompt: str, max_new_tokens: int, temperature: float, top_p: float, seed: int,
                  num_samples: int) -> None:
     """Sample from DIR: a dsf export OUT_DIR, or a checkpoint (exported to a temporary directory)."""
-    from dsframework.generate import SampleSpec, generate, load, model_directory
+    from dsframework.commands.generate import SampleSpec, generate, load, model_directory
 
     spec = SampleSpec(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                       num_samples=num_samples)  # flags checked before any model is read
@@ -434,7 +429,7 @@ def generate_cmd(model_dir: Path, prompt: str, max_new_tokens: int, temperature:
 @cli.command("presets")
 def presets_cmd() -> None:
     """List the built-in model presets."""
-    from dsframework.models import PRESETS
+    from dsframework.models.presets import PRESETS
 
     for name, fields in PRESETS.items():
         shape = {k: fields[k] for k in ("hidden_size", "num_hidden_layers", "n_embd", "n_layer") if k in fields}
@@ -443,8 +438,8 @@ def presets_cmd() -> None:
 
 def _register_commands() -> None:
     """Commands that live in their own modules (each imports its heavy libraries when it runs)."""
-    from dsframework.env_report import env_cmd
-    from dsframework.plot import plot_cmd
+    from dsframework.commands.env_report import env_cmd
+    from dsframework.commands.plot import plot_cmd
 
     cli.add_command(plot_cmd)
     cli.add_command(env_cmd)
@@ -472,7 +467,7 @@ def _strip_local_rank(argv: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the `dsf` console script."""
     argv = _strip_local_rank(sys.argv[1:] if argv is None else list(argv))
-    from dsframework.supervise import exit_process, run_rank, under_launcher
+    from dsframework.launching.supervise import exit_process, run_rank, under_launcher
 
     if under_launcher(argv):  # this process watches; a child is the rank (names it if it dies)
         sys.exit(run_rank(argv))
@@ -484,7 +479,6 @@ def main(argv: list[str] | None = None) -> None:
     except Exception:  # a bug: its traceback, then the same way out as every other end
         if "torch.distributed" not in sys.modules:
             raise
-        import traceback
 
         traceback.print_exc()
         code = 1

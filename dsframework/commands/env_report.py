@@ -8,7 +8,7 @@ versions of the libraries dsf trains with, the ranks per node `deepspeed` would 
 are already JIT-built in the extensions folder dsf uses (dsframework/jit.py) and the launchers'
 tools on PATH. No process group is formed; it takes a few seconds (importing deepspeed). In Python:
 
-    from dsframework.env_report import collect, render
+    from dsframework.commands.env_report import collect, render
     print(render(collect()))
 """
 from __future__ import annotations
@@ -21,6 +21,9 @@ import sys
 from pathlib import Path
 
 import click
+
+import dsframework
+from dsframework.jit import pin_build_tools
 
 Section = tuple[str, list[tuple[str, str]]]
 LAUNCH_TOOLS = ("pdsh", "mpirun", "srun", "ssh")  # deepspeed's pdsh/mpirun runners, SLURM, dsf launch --check
@@ -39,8 +42,6 @@ def _versions() -> Section:
     import deepspeed
     import torch
     import transformers
-
-    import dsframework
 
     rows = [("python", f"{platform.python_version()} ({sys.executable})"),
             ("dsframework", f"{_version('dsframework')} ({Path(dsframework.__file__).parent})"),
@@ -94,8 +95,6 @@ def _jit_ops() -> Section:
     from deepspeed.git_version_info import accelerator_name, installed_ops
     from deepspeed.ops.op_builder.all_ops import ALL_OPS
     from deepspeed.ops.op_builder.builder import probe_is_compatible
-
-    from dsframework.jit import pin_build_tools
 
     pin_build_tools()  # the extensions folder and ninja that dsf train uses, exactly as it sets them
     folder = Path(os.environ["TORCH_EXTENSIONS_DIR"])

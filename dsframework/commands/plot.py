@@ -7,7 +7,7 @@ Reads each run's `metrics.jsonl` (it may still be training: a half-written last 
 out) and draws four panels with matplotlib's Agg renderer (no display needed). One run's default
 output is RUN_DIR/metrics.png; several runs' is metrics.png in the current directory. In Python:
 
-    from dsframework.plot import read_metrics, draw
+    from dsframework.commands.plot import read_metrics, draw
     draw({"tiny": read_metrics(Path("runs/tiny"))}, Path("tiny.png"))
 """
 from __future__ import annotations

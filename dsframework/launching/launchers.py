@@ -33,11 +33,12 @@ from typing import ClassVar, Iterator, Mapping
 
 import click
 
-from dsframework import launch
 from dsframework.errors import UserError
+from dsframework.launching import hostfile as launch
+from dsframework.launching.watch import watch_runner
 
 SLURM_NODEID = "__DSF_SLURM_NODEID__"  # replaced by $SLURM_NODEID once the line is quoted
-MPI_ENTRY = "dsframework.mpi_rank"  # `deepspeed --module dsframework.mpi_rank MASTER:PORT train ...`
+MPI_ENTRY = "dsframework.commands.mpi_rank"  # `deepspeed --module dsframework.commands.mpi_rank MASTER:PORT train ...`
 CHECK_TIMEOUT_S = 15.0
 
 
@@ -313,7 +314,6 @@ class Pdsh(RunnerLauncher):
     def run(self, argv: list[str], job: Job) -> int:
         if not self.remote:
             exec_argv(argv, {**os.environ, **job.explicit})
-        from dsframework.launch_watch import watch_runner
 
         return watch_runner(argv, env={**os.environ, **job.explicit}, hosts=list(job.active),
                             world_info=launch.world_info(job.active))

@@ -29,10 +29,12 @@ import shlex
 import socket
 import sys
 from collections import OrderedDict
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterable, Iterator, Mapping
 
 from dsframework.errors import UserError
+from dsframework.planner.cluster import GiB, cluster_preset, local_gpu_preset
 
 HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.\-_:]*$")  # names, IPv4 and IPv6 addresses
 LINE = re.compile(r"^(\S+)\s+slots=(\d+)\s*$")
@@ -287,11 +289,7 @@ def local_names() -> set[str]:
 def local_cluster(*, nodes: int, ranks_per_node: int):
     """This machine as a planner Cluster: the local GPU's memory when CUDA is there, else the
     `cpu-local` preset with host RAM / ranks per node for each rank. Also a phrase saying so."""
-    from dataclasses import replace
-
     import torch
-
-    from dsframework.planner.cluster import GiB, cluster_preset, local_gpu_preset
 
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)

@@ -1,4 +1,4 @@
-"""The launcher-independent steps of `dsf launch` (dsframework.cli.launch_cmd runs them in this
+"""The launcher-independent steps of `dsf launch` (dsframework.commands.cli.launch_cmd runs them in this
 order), each a function of the flags: the hosts, the layout they get, its memory. What differs
 between launchers (their checks, their command, how they start) is in launchers.py.
 
@@ -10,19 +10,25 @@ Printing goes through click (stdout, warnings on stderr); mistakes are UserError
 """
 from __future__ import annotations
 
+from collections import OrderedDict
+from dataclasses import replace
 from pathlib import Path
 
 import click
 
+from dsframework.dsconfig import resolve_batch
 from dsframework.errors import UserError
+from dsframework.launching.hostfile import local_cluster, parse_hostfile
+from dsframework.layout import ParallelDims, check_model_layout
+from dsframework.models.build import resolve_model
+from dsframework.models.lora import count_lora_parameters
+from dsframework.planner.cluster import GiB, load_cluster
+from dsframework.planner.fit import check_fit, run_job, run_layout
+from dsframework.planner.model import describe_model
 
 
 def resources(hostfile: Path | None, num_gpus: int):
     """{host: slots} of the hostfile, or of this node (`--num-gpus` ranks) without one."""
-    from collections import OrderedDict
-
-    from dsframework.launch import parse_hostfile
-
     if hostfile is None:
         if num_gpus < 1:
             raise UserError("--num-gpus", num_gpus, "is needed without --hostfile", "pass the ranks to start here")
@@ -34,9 +40,6 @@ def resources(hostfile: Path | None, num_gpus: int):
 
 def layout(run, active):
     """tp x pp x cp x dp of the active slots, checked by the rules dsf train applies, and the model config."""
-    from dsframework.models import resolve_model
-    from dsframework.parallel.topology import ParallelDims, check_model_layout
-
     dims = ParallelDims.of(run.parallel, world=sum(len(slots) for slots in active.values()))
     config = resolve_model(run.model).config  # the same rules dsf train applies, before any node starts
     check_model_layout(dims, config, dp=run.parallel.dp, seq_len=run.data.seq_len,
@@ -50,12 +53,6 @@ def memory_check(run, config, dims, active, cluster_name: str | None, *, force: 
     rule (planner/fit.py: the device per rank; a node's RAM to build, offload and export), for the
     run's own layout; a LoRA run (model.lora) counts gradients and optimizer states of its adapters
     alone (models/lora.py count_lora_parameters, on a meta model)."""
-    from dsframework.dsconfig import resolve_batch
-    from dsframework.launch import local_cluster
-    from dsframework.planner.cluster import GiB, load_cluster
-    from dsframework.planner.fit import check_fit, run_job, run_layout
-    from dsframework.planner.model import describe_model
-
     ranks_per_node = max(len(slots) for slots in active.values())
     if cluster_name:
         cluster, source = load_cluster(cluster_name, nodes=len(active), gpus_per_node=ranks_per_node), cluster_name
@@ -66,10 +63,6 @@ def memory_check(run, config, dims, active, cluster_name: str | None, *, force: 
     job = run_job(run, global_batch=batch.global_batch)
     lora = ""
     if run.model.lora is not None:  # only the adapters have gradients and optimizer states
-        from dataclasses import replace
-
-        from dsframework.models.lora import count_lora_parameters
-
         count = count_lora_parameters(config, run.model.lora)
         job = replace(job, trainable_params=count.trainable, trainable_persistent=count.persistent)
         lora = f"; LoRA: {count.trainable:,} of {count.total:,} parameters train"

@@ -5,7 +5,7 @@
         global_step100/          DeepSpeed model/optimizer shards, rng_rank<R>.pt per rank and
                                  dsf_manifest.json (every file's size, the layout it was saved at)
         global_step100.universal/  deepspeed's universal form, made when a run resumes at another dp
-        global_step100.universal-tp1pp1dp4/  the same for another tp x pp (x dp): dsframework.reshard
+        global_step100.universal-tp1pp1dp4/  the same for another tp x pp (x dp): dsframework.checkpoints.reshard
         hf_config/config.json    the transformers config the model was built from
         tokenizer/               the run's tokenizer
         run.yaml                 the resolved run config
@@ -33,11 +33,13 @@ import os
 import pickle
 import random
 import shutil
+from argparse import Namespace
 from pathlib import Path
 from typing import Any
 
 from dsframework.errors import UserError, raised_in
 from dsframework.files import written_then_renamed
+from dsframework.models.lora import has_frozen_parameters
 
 TOKENIZER_DIR = "tokenizer"
 HF_CONFIG_DIR = "hf_config"
@@ -110,8 +112,6 @@ def set_latest(ckpt_dir: Path, tag: str) -> None:
 def _frozen_and_trainable(engine: Any) -> tuple[bool, dict[str, list[int]]]:
     """(whether some of the module's parameters are frozen, {name: shape} of those that train; a ZeRO-3
     partitioned parameter's whole shape)."""
-    from dsframework.models.lora import has_frozen_parameters
-
     trainable = {name: list(getattr(param, "ds_shape", param.shape))
                  for name, param in engine.module.named_parameters() if param.requires_grad}
     return has_frozen_parameters(engine.module), trainable
@@ -138,8 +138,11 @@ def save(engine: Any, ckpt_dir: Path, *, step: int, consumed_samples: int, layou
     if dist.get_rank() == 0 and partial.exists():  # left by a crash during an earlier save
         shutil.rmtree(partial)
     dist.barrier()
-    from deepspeed.checkpoint.constants import (UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY,
-                                                UNIVERSAL_CHECKPOINT_VERSION_VALUE)
+    from deepspeed.checkpoint.constants import (
+        UNIVERSAL_CHECKPOINT_INFO,
+        UNIVERSAL_CHECKPOINT_VERSION_KEY,
+        UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+    )
 
     # The universal-checkpoint marker is the client's to write (Megatron-DeepSpeed does the same):
     # ds_to_universal refuses a checkpoint without it.
@@ -200,8 +203,6 @@ def to_universal(ckpt_dir: Path, tag: str) -> str:
     A universal checkpoint holds each parameter's fp32 weights and optimizer states whole, so a
     run saved at one data-parallel size loads at another.
     """
-    from argparse import Namespace
-
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
     out = Path(ckpt_dir) / (tag + UNIVERSAL)

@@ -3,7 +3,7 @@
     deepspeed --num_gpus 2 $(which dsf) train launch/examples/tiny.yaml --set train.steps=50
     # or, in Python, inside each rank:
     from dsframework.config import load_run_config
-    from dsframework.engine import train
+    from dsframework.train.engine import train
     train(load_run_config("launch/examples/tiny.yaml"), resume=False)
 
 Reads top to bottom: world -> output dir check -> tokenizer and data -> model (partitioned under
@@ -21,26 +21,44 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dsframework import checkpoint as ckpt
-from dsframework.compiling import AUTO_PROBE_STEPS, auto_compile, compile_engine, compile_seconds, use_inductor_cache
+from dsframework.checkpoints import checkpoint as ckpt
+from dsframework.checkpoints.reshard import describe, reshard, universal_tag
 from dsframework.config import RunConfig, dump_run_config
-from dsframework.data import (BlockSampler, eval_shard, load_texts, load_tokenizer, store_cache_dir, token_stores,
-                              train_tokenizer)
+from dsframework.data import (
+    BlockSampler,
+    eval_shard,
+    load_texts,
+    load_tokenizer,
+    store_cache_dir,
+    token_stores,
+    train_tokenizer,
+)
 from dsframework.data.examples import use_chat_template
 from dsframework.data.store import IGNORE_INDEX, describe_store
 from dsframework.dsconfig import Batch, build_ds_config, resolve_batch
 from dsframework.errors import UserError
-from dsframework.guards import NonFiniteWatch, StopRequest
-from dsframework.metrics import check_no_previous_outputs, open_sinks, remove_previous_outputs
-from dsframework.throughput import FlopsMeter
-from dsframework.parallel.pipeline import build_pipeline_module, stage_table
-from dsframework.parallel.topology import ParallelDims, build_grid, build_topology, check_model_layout
-from dsframework.models import build_model, count_parameters, resolve_model
+from dsframework.layout import ParallelDims, check_model_layout
+from dsframework.models.build import build_model, resolve_model
+from dsframework.models.hf import count_parameters
 from dsframework.models.construct import build_for_layout
+from dsframework.models.lora import apply_lora
 from dsframework.models.loss import check_chunked_loss_layout, use_chunked_loss
-from dsframework.runtime_facts import loss_chunk_tokens, loss_is_chunked, padded_vocab
 from dsframework.models.tensor_parallel import TensorParallelCausalLM
-from dsframework.world import init_distributed, rank_zero_first
+from dsframework.parallel.context import SequenceShard, sequence_shard_loss, use_ulysses_attention, zero_gradient_scale
+from dsframework.parallel.pipeline import build_pipeline_module, stage_table
+from dsframework.parallel.topology import build_grid, build_topology
+from dsframework.runtime_facts import loss_chunk_tokens, loss_is_chunked, padded_vocab
+from dsframework.train.compiling import (
+    AUTO_PROBE_STEPS,
+    auto_compile,
+    compile_engine,
+    compile_seconds,
+    use_inductor_cache,
+)
+from dsframework.train.guards import NonFiniteWatch, StopRequest
+from dsframework.train.metrics import check_no_previous_outputs, open_sinks, remove_previous_outputs
+from dsframework.train.throughput import FlopsMeter
+from dsframework.train.world import init_distributed, rank_zero_first
 
 
 class Preempted(Exception):
@@ -102,8 +120,6 @@ def resume_tag(run: RunConfig, dims: ParallelDims, manifest: dict[str, Any] | No
     change; zero_hpz may).
     """
     import torch.distributed
-
-    from dsframework.reshard import describe, reshard, universal_tag
 
     tag = ckpt.latest_tag(run.checkpoint_dir)
     saved, now = (manifest or {}).get("layout"), layout_of(run, dims)
@@ -217,8 +233,6 @@ def micro_batch_loss(engine: Any, input_ids: Any, *, grid: Any = None, context: 
         return loss, loss.detach()
     input_ids = input_ids.to(engine.device)
     if context:
-        from dsframework.parallel.context import SequenceShard, sequence_shard_loss
-
         return sequence_shard_loss(engine, SequenceShard.of(input_ids, grid), grid=grid, tensor_group=tensor_group,
                                    vocab_size=vocab_size, gradient_scale=gradient_scale, chunked=chunked)
     loss = engine(input_ids=input_ids, labels=input_ids).loss
@@ -332,7 +346,6 @@ class Session:
         """How `micro_batch_loss` computes this run's loss (context parallelism, vocab-parallel)."""
         if not self.dims.cp_enabled:
             return {}
-        from dsframework.parallel.context import zero_gradient_scale
 
         return {"grid": self.grid, "context": True, "vocab_size": self.model_config.vocab_size,
                 "tensor_group": self.grid.get_slice_parallel_group() if self.dims.tp_enabled else None,
@@ -434,8 +447,6 @@ def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False) ->
         construction = None
         model = build_model(source, config, seed=run.train.seed, zero3_ds_config=zero3)
         if run.model.lora is not None:  # peft adapters on the frozen base: only they train and are saved
-            from dsframework.models.lora import apply_lora
-
             model = apply_lora(model, run.model.lora, seed=run.train.seed)
         num_parameters = count_parameters(model)
     if dims.pp_enabled:
@@ -451,8 +462,6 @@ def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False) ->
         if dims.tp_enabled:
             model = TensorParallelCausalLM(model, group=grid.get_slice_parallel_group())
         if dims.cp_enabled:
-            from dsframework.parallel.context import use_ulysses_attention
-
             use_ulysses_attention(model, grid, micro_batch=batch.micro_batch, seq_len=run.data.seq_len, tp=dims.tp)
     chunk_tokens = loss_chunking(run, config, dims, batch.micro_batch)
     if chunk_tokens:

@@ -1,0 +1,52 @@
+"""The transformers glue every model module uses: the causal LM class of a config, construction
+without transformers' own init, parameter counts. Imports nothing of dsframework's but errors, and
+transformers only inside functions (the planner imports this module).
+
+    cls = causal_lm_class(LlamaConfig(...))     # LlamaForCausalLM
+    with skip_transformers_init():
+        model = cls._from_config(config)        # weights set afterwards (build.init_weights_deterministically)
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from dsframework.errors import UserError
+
+
+def causal_lm_class(config: Any) -> type:
+    """The AutoModelForCausalLM class for a config, imported now (not lazily inside zero.Init)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+
+
+def check_causal_lm(config: Any, name: str) -> None:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise UserError("model.name", name, f"architecture {config.model_type!r} has no causal LM head",
+                        "use a decoder model (llama, mistral, qwen2, gpt2, ...)")
+
+
+@contextlib.contextmanager
+def skip_transformers_init():
+    """Skip transformers' own init at construction (post_init); tying still happens.
+
+    Under zero.Init each module's parameters are already partitioned (empty) when post_init runs,
+    which transformers' init cannot handle (it indexes padding rows); and every weight is set
+    afterwards by `init_weights_deterministically` anyway.
+    """
+    from transformers import PreTrainedModel
+
+    original = PreTrainedModel.initialize_weights
+    PreTrainedModel.initialize_weights = lambda self: None
+    try:
+        yield
+    finally:
+        PreTrainedModel.initialize_weights = original
+
+
+def count_parameters(model: Any) -> int:
+    """Parameters of a model, counted whole also when ZeRO-3 has partitioned them."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())

@@ -204,7 +204,7 @@ def _flag_for(field: str) -> str:
 @click.option("--pp", type=click.IntRange(min=1), help="pin the pipeline size")
 @click.option("--cp", type=click.IntRange(min=1), help="pin the context-parallel size")
 @click.option("--zero-stage", type=click.IntRange(0, 3), help="pin the ZeRO stage")
-@click.option("--json", "as_json", is_flag=True, help="every candidate as JSON (schema in the README)")
+@click.option("--json", "as_json", is_flag=True, help="every candidate as JSON (schema in docs/planner.md)")
 @click.option("-o", "--output-dir", type=click.Path(file_okay=False, path_type=Path),
               help="write ds_config.json and run.yaml of the best layout here")
 @click.option("--force", is_flag=True, help="replace files already in --output-dir")
@@ -295,7 +295,7 @@ def calibrate_cmd(ranks: int, output: Path, force: bool) -> None:
 @click.option("--master-addr", help="default: the first host (localhost without a hostfile)")
 @click.option("--master-port", type=click.IntRange(1, 65535), default=29500, show_default=True)
 @click.option("--launcher", type=click.Choice(list(LAUNCHERS)), default="pdsh",
-              show_default=True, help="how the nodes are started (see the README's multi-node section)")
+              show_default=True, help="how the nodes are started (see docs/launching.md)")
 @click.option("--node-rank", type=int, help="no_ssh: this node's rank in the hostfile's active hosts")
 @click.option("--env", "env_flags", multiple=True, metavar="KEY=VALUE", help="set on every node (repeatable)")
 @click.option("--cluster", "cluster_name", help="memory check against a preset or dsf calibrate profile "

@@ -131,9 +131,12 @@ class StartupClock:
 # --- the phases ---------------------------------------------------------------------------------
 
 def import_libraries() -> None:
-    """The libraries training needs and `dsf --help` does not (each takes seconds to import)."""
+    """The libraries training needs and `dsf --help` does not (each takes seconds to import), so
+    that the later phases' times are their own work: datasets, DeepSpeed, and transformers'
+    configs and PreTrainedModel (resolving and building any model imports them)."""
     import datasets
     import deepspeed  # noqa: F401
+    from transformers import CONFIG_MAPPING, PreTrainedModel  # noqa: F401
 
     datasets.disable_progress_bars()  # rank 0's own progress bar is the one that matters
     warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated")

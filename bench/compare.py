@@ -62,7 +62,9 @@ left out); B and C take time.perf_counter() at the same step boundaries. The sta
 per ZeRO stage, the median launch of each way, the ratios dsf/raw and dsf/Trainer of the medians,
 and each way's spread ((max - min) / median over its launches), then the loss at the last step
 (mean over the global batch; the three should agree closely, since they train the same thing) and
-each way's wall seconds per launch (start-up included). Logs of every launch are kept under --out.
+each way's wall seconds per launch (start-up included), and its overhead: the launch less its timed
+steps and (dsf) its compile seconds, i.e. start-up, the untimed first steps and tear-down (dsf prints
+its start-up phases as `dsf: start-up ...` in each launch.log). Logs of every launch are kept under --out.
 """
 from __future__ import annotations
 
@@ -480,7 +482,10 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
                         "median_launch_s": statistics.median(r["launch_s"] for r in records),
                         "median_train_s": statistics.median(r["train_s"] for r in records),
                         "median_compile_s": statistics.median(compiles) if compiles else None,
+                        # start-up and tear-down: the launch less its timed steps and dsf's compile seconds
+                        "runs_overhead_s": [r["launch_s"] - r["train_s"] - (r.get("compile_s") or 0.0) for r in records],
                         "engine": records[0]["engine"]}
+        figures[way]["median_overhead_s"] = statistics.median(figures[way]["runs_overhead_s"])
     return figures
 
 
@@ -500,14 +505,17 @@ def markdown(stages: dict[int, dict], args: argparse.Namespace) -> str:
         spread = " / ".join(f"{100 * f[w]['spread']:.1f}%" for w in WAYS)
         rows.append(f"| {stage} | {rates} | {f['dsf_over_raw']:.3f} | {f['dsf_over_trainer']:.3f} | {spread} |")
     rows += ["", "| ZeRO | last-step loss dsf / raw / Trainer | final lr (all) | engine stage dsf / raw / Trainer "
-             "| launch s dsf / raw / Trainer | timed s dsf / raw / Trainer |", "|---:|---|---|---|---|---|"]
+             "| launch s dsf / raw / Trainer | timed s dsf / raw / Trainer | overhead s dsf / raw / Trainer "
+             "(range) |", "|---:|---|---|---|---|---|---|"]
     for stage, f in stages.items():
         loss = " / ".join(f"{f[w]['final_loss'][0]:.5f}" for w in WAYS)
         lrs = {f"{f[w]['final_lr']:.4g}" for w in WAYS}
         engines = " / ".join(str(f[w]["engine"]["zero_stage"]) for w in WAYS)
         launch = " / ".join(f"{f[w]['median_launch_s']:.1f}" for w in WAYS)
         timed = " / ".join(f"{f[w]['median_train_s']:.2f}" for w in WAYS)
-        rows.append(f"| {stage} | {loss} | {' / '.join(sorted(lrs))} | {engines} | {launch} | {timed} |")
+        overhead = " / ".join(f"{f[w]['median_overhead_s']:.1f} ({min(f[w]['runs_overhead_s']):.1f}.."
+                              f"{max(f[w]['runs_overhead_s']):.1f})" for w in WAYS)
+        rows.append(f"| {stage} | {loss} | {' / '.join(sorted(lrs))} | {engines} | {launch} | {timed} | {overhead} |")
     rows.append(f"\n{args.model}, world {WORLD}, {args.steps} steps of {args.global_batch} x {args.seq_len} tokens "
                 f"(micro-batch {args.micro_batch} per rank), fp32; timed steps {args.warmup_steps_excluded + 1}.."
                 f"{args.steps}; {args.repeats} launch(es) of each way per stage, in turn; medians.")

@@ -384,7 +384,7 @@ def read_probe(record: Path, store: Path, rows: int) -> None:
 
 def worker(out: Path, overrides: list[str]) -> None:
     """(one per rank) dsf train's engine.train; writes out/rank<r>.json with VmHWM after prepare and at the end."""
-    from dsframework.train import engine
+    from dsframework.train import engine, setup
     from dsframework.config import load_run_config
     from dsframework.train.world import shutdown_distributed
 
@@ -393,7 +393,7 @@ def worker(out: Path, overrides: list[str]) -> None:
     marks: dict = {"start": status()["VmHWM"]}
     prepare_run = engine.prepare
 
-    load_texts, held = engine.load_texts, []
+    load_texts, held = setup.load_texts, []
 
     def marked_load_texts(*args, **kwargs):
         rows = load_texts(*args, **kwargs)
@@ -406,7 +406,7 @@ def worker(out: Path, overrides: list[str]) -> None:
         held.append(session.train_blocks)  # train() drops the session when it returns: keep its store mapped
         return session
 
-    engine.prepare, engine.load_texts = marked_prepare, marked_load_texts  # the bench patches, dsf does not
+    engine.prepare, setup.load_texts = marked_prepare, marked_load_texts  # the bench patches, dsf does not
     start = time.perf_counter()
     last = engine.train(run, overwrite=True)
     end = status()

@@ -7,7 +7,7 @@ against the planner's prediction, for a tiny Llama under an activation budget pe
 
 What "trains at" means here: a real training step on 4 ranks (dsf's engine pieces: the model,
 `deepspeed.initialize` with the run's ZeRO-1 JSON and DeepSpeed Ulysses over the cp ranks,
-`engine.micro_batch_loss`, backward, optimizer step, finite loss) whose activation memory - the
+`step.micro_batch_loss`, backward, optimizer step, finite loss) whose activation memory - the
 bytes autograd saves for backward on the busiest rank, counted as the planner's tests count them
 (distinct storages, parameters excluded) - stays within --budget-mib. A CPU has no device memory
 to run out of; the budget plays the device's activation headroom, so the search is exact and
@@ -80,7 +80,7 @@ def worker(out: Path, cp: int, budget: float, grain: int, limit: int) -> None:
 
     from dsframework.config import ModelSpec, build_run_config
     from dsframework.dsconfig import build_ds_config
-    from dsframework.train.engine import micro_batch_loss
+    from dsframework.train.step import micro_batch_loss
     from dsframework.models.build import build_model, resolve_model
     from dsframework.parallel.context import use_ulysses_attention, zero_gradient_scale
     from dsframework.layout import ParallelDims

@@ -218,13 +218,13 @@ def worker(out: Path, overrides: list[str]) -> None:
     run = load_run_config(TINY_YAML, overrides)
     import torch
 
-    from dsframework.train import engine
+    from dsframework.train import engine, setup
     from dsframework.parallel.topology import build_topology
     from dsframework.train.world import shutdown_distributed
 
     torch.set_num_threads(1)
     marks: dict = {}
-    build_for_layout, prepare = engine.build_for_layout, engine.prepare
+    build_for_layout, prepare = setup.build_for_layout, engine.prepare
 
     def timed_build(*args, **kwargs):
         marks["before_build"], start = vm_hwm(), time.perf_counter()
@@ -240,7 +240,7 @@ def worker(out: Path, overrides: list[str]) -> None:
                      materialized=session.built.parameters, total_params=session.num_parameters)
         return session
 
-    engine.build_for_layout, engine.prepare = timed_build, marked_prepare  # the bench patches, dsf does not
+    setup.build_for_layout, engine.prepare = timed_build, marked_prepare  # the bench patches, dsf does not
     start = time.perf_counter()
     engine.train(run, overwrite=True)
     marks["end"], marks["train_s"] = vm_hwm(), time.perf_counter() - start

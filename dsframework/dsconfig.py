@@ -143,8 +143,11 @@ def _zero_section(parallel: ParallelSpec) -> dict[str, Any]:
     return zero
 
 
-def build_ds_config(train: TrainSpec, parallel: ParallelSpec, *, dp_size: int) -> dict[str, Any]:
-    """The DeepSpeed JSON (as a dict) for a train/parallel spec at a data-parallel size."""
+def build_ds_config(train: TrainSpec, parallel: ParallelSpec, *, dp_size: int, wall_clock_breakdown: bool = False,
+                    load_universal: bool = False) -> dict[str, Any]:
+    """The DeepSpeed JSON (as a dict) for a train/parallel spec at a data-parallel size, whole:
+    `dsf train` adds DeepSpeed's per-step timers (logging.breakdown) and, to resume at another
+    layout, `load_universal` (the checkpoint it loads is a universal one)."""
     batch = resolve_batch(train.micro_batch, train.grad_accum, train.global_batch, dp_size=dp_size)
     ds: dict[str, Any] = {
         "train_batch_size": batch.global_batch,
@@ -154,7 +157,7 @@ def build_ds_config(train: TrainSpec, parallel: ParallelSpec, *, dp_size: int) -
         "scheduler": _scheduler_section(train),
         "zero_optimization": _zero_section(parallel),
         "steps_per_print": _STEPS_PER_PRINT,
-        "wall_clock_breakdown": False,
+        "wall_clock_breakdown": wall_clock_breakdown,
     }
     if parallel.pp > 1:
         # DeepSpeed's pipeline engine reads pipe/grad_partitioned (with tensor parallelism, the
@@ -174,6 +177,8 @@ def build_ds_config(train: TrainSpec, parallel: ParallelSpec, *, dp_size: int) -
         # Dynamic loss scaling (loss_scale 0): overflowing steps are skipped and the scale halved.
         ds["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16,
                       "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}
+    if load_universal:
+        ds["checkpoint"] = {"load_universal": True}
     return ds
 
 

@@ -91,19 +91,9 @@ def config_cmd(world_size: int | None, output: Path | None, force: bool, auto_kn
     from dsframework.dsconfig import build_ds_config, dumps, validate_ds_config
     from dsframework.layout import ParallelDims, grid_problem
 
-    if world_size is not None and world_size < 1:
-        raise UserError("--world-size", world_size, "must be >= 1", "pass the number of data-parallel ranks")
-    if world_size is None and flags["global_batch"] is not None:
-        raise UserError("--global-batch", flags["global_batch"], "needs --world-size to derive the rest",
-                        "pass --world-size, or give --micro-batch and --grad-accum instead")
-    if auto_knobs:
-        needed = (("--model", model_name), ("--cluster", cluster_name), ("--seq-len", seq_len),
-                  ("--world-size", world_size))
-        missing = next((flag for flag, value in needed if value is None), None)
-        if missing is not None:
-            raise click.UsageError(f"--auto-knobs needs {missing}: the knobs are planned for a model, a cluster, "
-                                   "a sequence length and a world size; pass --model, --cluster, --seq-len and "
-                                   "--world-size")
+    _check_config_flags(world_size, flags["global_batch"], auto_knobs=auto_knobs,
+                        needed=(("--model", model_name), ("--cluster", cluster_name), ("--seq-len", seq_len),
+                                ("--world-size", world_size)))
     train_keys = ("micro_batch", "grad_accum", "global_batch", "optimizer", "lr", "weight_decay",
                   "grad_clip", "warmup_steps", "steps", "lr_schedule", "precision")
     parallel_keys = ("zero_stage", "offload_optimizer", "offload_param", "nvme_path", "tp", "pp", "cp", "zero_hpz")
@@ -142,6 +132,22 @@ def config_cmd(world_size: int | None, output: Path | None, force: bool, auto_kn
     output.write_text(text)
     layout = f"tp={dims.tp} pp={dims.pp} cp={dims.cp} dp={dims.dp if world_size else 'any'}"
     click.echo(f"dsf: wrote {output} (ZeRO-{run.parallel.zero_stage}, {layout})", err=True)
+
+
+def _check_config_flags(world_size: int | None, global_batch: int | None, *, auto_knobs: bool,
+                        needed: tuple[tuple[str, object], ...]) -> None:
+    """`dsf config`'s flags that only make sense together (`needed`: what --auto-knobs needs)."""
+    if world_size is not None and world_size < 1:
+        raise UserError("--world-size", world_size, "must be >= 1", "pass the number of data-parallel ranks")
+    if world_size is None and global_batch is not None:
+        raise UserError("--global-batch", global_batch, "needs --world-size to derive the rest",
+                        "pass --world-size, or give --micro-batch and --grad-accum instead")
+    if auto_knobs:
+        missing = next((flag for flag, value in needed if value is None), None)
+        if missing is not None:
+            raise click.UsageError(f"--auto-knobs needs {missing}: the knobs are planned for a model, a cluster, "
+                                   "a sequence length and a world size; pass --model, --cluster, --seq-len and "
+                                   "--world-size")
 
 
 def _auto_knobs(sections: dict, run, dims, *, model_name: str, cluster_name: str, seq_len: int,

@@ -115,7 +115,7 @@ class TokenStore:
     def micro_batch(self, indices: Any, *, weight: float | None = None) -> Any:
         """Text: the ids (LongTensor). Supervised: {input_ids, labels, position_ids, loss_weight}, where
         the loss of the micro-batch's trained tokens is to be summed and multiplied by loss_weight
-        (engine.micro_batch_loss; `weight` is set per step so the mean is over the whole batch)."""
+        (train/step.py micro_batch_loss; `weight` is set per step so the mean is over the whole batch)."""
         import torch
 
         if not self.supervised:

@@ -210,7 +210,7 @@ def open_sinks(run: Any, *, resume_step: int | None, enabled: bool = True) -> Me
 
 def previous_outputs(logging: Any) -> list[tuple[str, str, list[Path]]]:
     """(config field, its value, the files) for each metric file a previous run left where this
-    run's sinks write. metrics.jsonl is the output directory's concern (engine.check_output_dir);
+    run's sinks write. metrics.jsonl is the output directory's concern (train/setup.py check_output_dir);
     W&B makes a new offline run directory each start, so it leaves nothing to collide with."""
     found = []
     if logging.tensorboard and (events := sorted(Path(logging.tensorboard).glob(TENSORBOARD_EVENTS))):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -89,9 +90,29 @@ def run_overrides(output_dir: Path, overrides: list[str] = ()) -> list[str]:
 def train_run(output_dir: Path, overrides: list[str] = (), *, num_ranks: int = 2,
               flags: tuple[str, ...] = ()) -> dict[int, float]:
     """`deepspeed --num_gpus N dsf train tiny.yaml --set ...`; returns step -> loss."""
-    sets = [arg for o in run_overrides(output_dir, overrides) for arg in ("--set", o)]
-    launch([str(BIN / "dsf"), "train", str(TINY_YAML), *sets, *flags], num_ranks=num_ranks)
+    train_launch(output_dir, overrides, num_ranks=num_ranks, flags=flags)
     return losses(output_dir)
+
+
+def train_launch(output_dir: Path, overrides: list[str] = (), *, num_ranks: int = 2,
+                 flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """`train_run`'s launch, returning the process (its stdout holds rank 0's lines)."""
+    sets = [arg for o in run_overrides(output_dir, overrides) for arg in ("--set", o)]
+    return launch([str(BIN / "dsf"), "train", str(TINY_YAML), *sets, *flags], num_ranks=num_ranks)
+
+
+def startup_breakdown(stdout: str) -> tuple[float, dict[str, float]]:
+    """(total, phase -> seconds) of the run's `dsf: start-up T s = imports a + ... + restore z` line,
+    which must be there exactly once (rank 0 prints it when the engine is ready)."""
+    lines = [line for line in stdout.splitlines() if line.startswith("dsf: start-up ")]
+    assert len(lines) == 1, f"expected one start-up line, found {lines}\n{stdout[-3000:]}"
+    match = re.fullmatch(r"dsf: start-up (\d+\.\d) s = (.+)", lines[0])
+    assert match, lines[0]
+    parts = {}
+    for part in match.group(2).split(" + "):
+        name, seconds = part.rsplit(" ", 1)
+        parts[name] = float(seconds)
+    return float(match.group(1)), parts
 
 
 def assert_close(got: dict[int, float], want: dict[int, float], *, rtol: float, what: str) -> None:

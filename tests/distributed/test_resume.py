@@ -1,10 +1,11 @@
 """Resume is exact: 10 steps straight == 5 steps, a stop, and `--resume` for 5 more: ZeRO-3 on 2
-ranks, and tp2 x pp2 with ZeRO-1 on 4 ranks (per-layer files of each tensor rank)."""
+ranks, and tp2 x pp2 with ZeRO-1 on 4 ranks (per-layer files of each tensor rank). The resumed
+run's start-up line names every phase, restore included, and its parts sum to its total."""
 from __future__ import annotations
 
 import pytest
 
-from tests.distributed.launcher import assert_close, read_metrics, train_run
+from tests.distributed.launcher import assert_close, losses, read_metrics, startup_breakdown, train_launch, train_run
 
 
 LAYOUTS = {  # name: (overrides, ranks)
@@ -24,7 +25,13 @@ def test_resume_is_exact(tmp_path, layout):
     first = train_run(stopped_dir, [*common, "train.stop_after=5", "checkpoint.save_final=false"], num_ranks=ranks)
     assert sorted(first) == [1, 2, 3, 4, 5]
     assert (stopped_dir / "checkpoints" / "latest").read_text().strip() == "global_step5"
-    resumed = train_run(stopped_dir, common, num_ranks=ranks, flags=("--resume",))
+    proc = train_launch(stopped_dir, common, num_ranks=ranks, flags=("--resume",))
+    resumed = losses(stopped_dir)
+    total, parts = startup_breakdown(proc.stdout)
+    assert list(parts) == ["imports", "checks", "rendezvous", "tokenizer", "data", "outputs", "model",
+                           "deepspeed.initialize", "restore"], parts
+    assert parts["imports"] > 0 and parts["deepspeed.initialize"] > 0 and min(parts.values()) >= 0, parts
+    assert abs(sum(parts.values()) - total) <= 0.05 * len(parts) + 1e-9, (total, parts)  # each rounded to 0.1 s
 
     assert sorted(resumed) == list(range(1, 11)), "metrics.jsonl holds each step once"
     assert_close({s: resumed[s] for s in range(6, 11)}, {s: straight[s] for s in range(6, 11)},

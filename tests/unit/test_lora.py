@@ -135,7 +135,7 @@ RESUMES = {  # id: (the run's model.lora, the resume's, what the one line says; 
 @pytest.mark.parametrize("case", list(RESUMES))
 def test_a_resume_keeps_the_adapters(tmp_path, case):
     """Checked against the run.yaml beside the checkpoints, before a checkpoint is converted or a model
-    built (engine.prepare); dropout may change."""
+    built (train/setup.py prepare); dropout may change."""
     from dsframework.checkpoints.checkpoint import RUN_YAML, check_same_adapters
     from dsframework.config import build_run_config, dump_run_config
 

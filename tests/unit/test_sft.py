@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from dsframework.config import DataSpec  # noqa: E402
 from dsframework.data import IGNORE_INDEX, token_stores, train_tokenizer  # noqa: E402
 from dsframework.data.store import pack_examples  # noqa: E402
-from dsframework.train.engine import micro_batch_loss  # noqa: E402
+from dsframework.train.step import micro_batch_loss  # noqa: E402
 
 SEQ_LEN = 32
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from transformers import AutoConfig
 
 from dsframework.config import load_run_config
-from dsframework.train.engine import prepare
+from dsframework.train.setup import prepare
 from dsframework.launching.supervise import exit_process
 from dsframework.train.world import shutdown_distributed
 

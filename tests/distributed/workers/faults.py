@@ -17,7 +17,7 @@
 `--fp16-on-cpu` also lifts DeepSpeed's fp16 refusal on this CPU (fp16_on_cpu.py).
 
 Production code knows nothing of faults: this worker wraps dsframework's own functions
-(`engine._train_step`, `engine.micro_batch_loss`, `checkpoint.write_shards`,
+(`one_step.train_step`, `one_step.micro_batch_loss`, `checkpoint.write_shards`,
 `checkpoint.set_latest`), then runs the real `dsf train` in this process (the rank watcher is
 bypassed, as in fp16_on_cpu.py, so the wrappers hold in the process that trains).
 """
@@ -27,7 +27,7 @@ import sys
 
 from dsframework.checkpoints import checkpoint
 
-from dsframework.train import engine
+from dsframework.train import step as one_step  # (`step` is the fault's step below)
 from dsframework.launching.supervise import CHILD_MARK
 
 EXIT_CODE = 97  # what a rank killed mid-save exits with (any non-zero would do; this one is recognisable)
@@ -51,7 +51,7 @@ def die(point: str, step: int) -> None:
 
 def poison_loss_at(fault_step: int) -> None:
     """Rank 0's micro-batch losses become NaN during optimizer step `fault_step` (1-based, as logged)."""
-    train_step, loss_of = engine._train_step, engine.micro_batch_loss
+    train_step, loss_of = one_step.train_step, one_step.micro_batch_loss
     poisoned = [False]
 
     def poisoning_train_step(ds_engine, *args, **kwargs):
@@ -69,7 +69,7 @@ def poison_loss_at(fault_step: int) -> None:
             return loss * float("nan"), value * float("nan")
         return loss, value
 
-    engine._train_step, engine.micro_batch_loss = poisoning_train_step, poisoned_loss
+    one_step.train_step, one_step.micro_batch_loss = poisoning_train_step, poisoned_loss
 
 
 def die_in_save_at(point: str, fault_step: int) -> None:

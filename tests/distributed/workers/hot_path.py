@@ -5,7 +5,7 @@ code makes counted per step, and the time a step spends getting its data.
 
 Every Tensor.item / tolist / __float__ / __int__ / __bool__ / cpu() called from a dsframework
 module while the loop runs is recorded with the step it fell in (a device-to-host copy that waits
-for the device on a GPU); engine.step_batches is timed, and the Python and C calls dsframework
+for the device on a GPU); step.step_batches is timed, and the Python and C calls dsframework
 code makes in each step are counted (sys.setprofile). DeepSpeed's own internals are not counted:
 they are DeepSpeed's, the same under any wrapper.
 """
@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 import dsframework.train.engine as engine_module
+import dsframework.train.step as step_module  # the loop looks step_batches up there at each step
 from dsframework.config import load_run_config
 from dsframework.launching.supervise import exit_process
 from dsframework.train.world import shutdown_distributed
@@ -43,7 +44,7 @@ def counting(name):
 for method in ("item", "tolist", "__float__", "__int__", "__bool__", "cpu"):
     setattr(torch.Tensor, method, counting(method))
 
-original_batches = engine_module.step_batches
+original_batches = step_module.step_batches
 
 
 def timed_batches(blocks, sampler, consumed):
@@ -54,7 +55,7 @@ def timed_batches(blocks, sampler, consumed):
     return out
 
 
-engine_module.step_batches = timed_batches
+step_module.step_batches = timed_batches
 calls: Counter = Counter()  # step -> Python and C calls made by dsframework code in that step
 
 

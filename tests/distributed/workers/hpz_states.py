@@ -23,7 +23,8 @@ import torch.distributed as dist
 from deepspeed.runtime.zero import partition_parameters
 from deepspeed.utils import groups
 
-from dsframework.train.engine import micro_batch_loss, prepare
+from dsframework.train.setup import prepare
+from dsframework.train.step import micro_batch_loss
 from dsframework.launching.supervise import exit_process
 from model_states import _storages, grad_bytes, main, optimizer_bytes  # the sibling worker (this folder)
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from dsframework.config import load_run_config
-from dsframework.train.engine import prepare
+from dsframework.train.setup import prepare
 from dsframework.launching.supervise import exit_process
 from dsframework.train.world import shutdown_distributed
 

@@ -14,7 +14,7 @@ import torch
 
 from dsframework.checkpoints import checkpoint as ckpt
 from dsframework.config import load_run_config
-from dsframework.train.engine import layout_of, prepare
+from dsframework.train.setup import layout_of, prepare
 from dsframework.launching.supervise import exit_process
 from dsframework.train.world import shutdown_distributed
 

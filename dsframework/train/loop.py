@@ -1,0 +1,211 @@
+"""`dsf train`'s loop: the steps from where a prepared session stands to the end of the run.
+
+    from dsframework.train.loop import run_steps
+    last = run_steps(run, session, sinks, resume=False)  # session: train/setup.py's prepare
+
+Each step, as nanoGPT's loop reads: train one step (train/step.py) -> (train.compile=auto: time
+the first steps, then compile or not) -> at the end of a logging window, its metrics and the
+evaluation -> a checkpoint when one is due -> stop at the last step, at train.stop_after, or on
+SIGTERM (`Preempted`, after a checkpoint). DeepSpeed does gradient accumulation, clipping, the lr
+schedule and ZeRO; the loop feeds it the right blocks and records what happened.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from dsframework.checkpoints import checkpoint as ckpt
+from dsframework.config import RunConfig
+from dsframework.data import BlockSampler
+from dsframework.data.store import describe_store
+from dsframework.errors import UserError
+from dsframework.train import step as one_step
+from dsframework.train.compiling import AUTO_PROBE_STEPS, auto_compile, compile_engine, compile_seconds
+from dsframework.train.guards import NonFiniteWatch, StopRequest
+from dsframework.train.setup import Session, layout_of
+from dsframework.train.step import StepBreakdown, mean_over_ranks
+from dsframework.train.throughput import FlopsMeter
+
+
+class Preempted(Exception):
+    """Training stopped on SIGTERM after saving a checkpoint (`dsf train` exits 143)."""
+
+
+def run_steps(run: RunConfig, session: Session, sinks: Any, *, resume: bool) -> dict[str, Any]:
+    """The steps from where `session` stands to the end (or to train.stop_after, or SIGTERM); the
+    last logged metrics."""
+    from tqdm import tqdm
+
+    dims, batch, engine = session.dims, session.batch, session.engine
+    step, consumed = session.step, session.consumed_samples
+    sampler = BlockSampler(len(session.train_blocks), micro_batch=batch.micro_batch, grad_accum=batch.grad_accum,
+                           dp_size=dims.dp, dp_rank=session.dp_rank, seed=run.data.seed)
+    meter = FlopsMeter.for_run(run, session.model_config, world=dims.world)
+    if session.rank == 0:
+        print_summary(run, session, meter)
+    last: dict[str, Any] = {}
+    if not resume and run.logging.eval_every:
+        last = {"step": 0, "eval_loss": evaluate(session)}  # the baseline the run is judged against
+        sinks.log(last, step=0)
+    bar = tqdm(total=run.train.steps, initial=step, disable=session.rank != 0 or not run.logging.progress,
+               dynamic_ncols=True, desc="train")
+    window = Window(session, meter)
+    stop = min(run.train.steps, run.train.stop_after or run.train.steps)
+    probe = CompileProbe(run, session)
+    stop_request = StopRequest()
+    nonfinite = NonFiniteWatch(enabled=run.train.precision != "fp16", device=engine.device)
+    while step < stop:
+        step_loss = one_step.train_step(engine, one_step.step_batches(session.train_blocks, sampler, consumed),
+                                        pipeline=dims.pp_enabled, **session.loss_kw)
+        step, consumed = step + 1, consumed + batch.global_batch
+        window.add_step()
+        probe.after_step(steps_left=stop - step)
+        nonfinite.update(step, step_loss)
+        window.breakdown.add_step()
+        bar.update(1)
+        done = step == stop
+        logged = step % run.logging.every == 0 or done
+        if logged:
+            check_finite(run, nonfinite)
+            last = window.metrics(step, step_loss, probe=probe, done=done)
+            report(run, session, last, sinks=sinks, bar=bar)
+        preempted = stop_request.agreed()
+        if checkpoint_due(run, step, done=done, preempted=preempted):
+            check_finite(run, nonfinite)  # a diverged model is never saved over the last good one
+            ckpt.save(engine, run.checkpoint_dir, step=step, consumed_samples=consumed, layout=layout_of(run, dims))
+        if logged:  # the next window starts after this step's evaluation and checkpoint
+            window.restart()
+        if preempted and not done:  # (on the last step the run is simply finished)
+            stop_request.close()
+            bar.close()
+            if session.rank == 0:
+                print(f"dsf: stopped by SIGTERM at step {step}; checkpoint {ckpt.tag_for(step)} saved; "
+                      f"continue with `dsf train ... --resume`", flush=True)
+            raise Preempted(step)
+    stop_request.close()
+    bar.close()
+    if session.rank == 0:
+        print(f"dsf: done at step {step}; checkpoints in {run.checkpoint_dir}", flush=True)
+    return last
+
+
+def print_summary(run: RunConfig, session: Session, meter: FlopsMeter) -> None:
+    """Rank 0's two lines on what is about to train: parameters, layout, batch, data, peak, loss."""
+    dims, batch, train_blocks = session.dims, session.batch, session.train_blocks
+    print(f"dsf: {session.num_parameters:,} parameters | world {dims.world} = tp {dims.tp} x pp {dims.pp} "
+          f"x cp {dims.cp} x dp {dims.dp} | ZeRO-{run.parallel.zero_stage} | batch {batch.micro_batch} x {batch.grad_accum} x {dims.dp}"
+          f" = {batch.global_batch} | {len(train_blocks):,} train / {len(session.eval_blocks):,} eval "
+          f"blocks of {run.data.seq_len} tokens | peak {meter.peak_per_rank / 1e12:.3g} TFLOP/s per rank "
+          f"({meter.peak_source}) | compile {str(run.train.compile).lower()} | loss "
+          + (f"in chunks of {session.loss_chunk_tokens} tokens" if session.loss_chunk_tokens else "whole logits"),
+          flush=True)
+
+    print("dsf: data " + describe_store(train_blocks) + f" | store {train_blocks.directory}", flush=True)
+
+
+def evaluate(session: Session) -> float:
+    """The held-out loss (train/step.py's evaluate) with this session's engine, data and loss."""
+    dims = session.dims
+    return one_step.evaluate(session.engine, session.eval_blocks, micro_batch=session.batch.micro_batch,
+                             dp_size=dims.dp, dp_rank=session.dp_rank, pipeline=dims.pp_enabled, **session.loss_kw)
+
+
+class Window:
+    """A logging window: its steps, their tokens/s and the metrics logged at its end.
+
+    Each window's tokens/s is over its training time: compile seconds are taken out (reported as
+    compile_s), and so are the evaluation and checkpoints after its last step (`restart` is called
+    after them)."""
+
+    def __init__(self, session: Session, meter: FlopsMeter) -> None:
+        run = session.run
+        self.session, self.meter = session, meter
+        self.tokens_per_step = session.batch.global_batch * run.data.seq_len
+        self.breakdown = StepBreakdown(session.engine, enabled=run.logging.breakdown and not session.dims.pp_enabled)
+        self.restart()
+
+    def restart(self) -> None:
+        self.start, self.steps, self.compile_start = time.perf_counter(), 0, compile_seconds()
+
+    def add_step(self) -> None:
+        self.steps += 1
+
+    def metrics(self, step: int, step_loss: Any, *, probe: CompileProbe, done: bool) -> dict[str, Any]:
+        """What is logged at `step`, the window's last: loss, lr, tokens/s, MFU, the step's time
+        breakdown, compile seconds, the evaluation when due, fp16's skipped steps."""
+        run, engine = self.session.run, self.session.engine
+        loss_value = mean_over_ranks(step_loss.item())
+        compiling = compile_seconds() - self.compile_start
+        elapsed = time.perf_counter() - self.start - compiling
+        last = {"step": step, "loss": loss_value, "lr": engine.get_lr()[0],
+                "tokens_per_s": self.tokens_per_step * self.steps / elapsed}
+        last.update(self.meter.report(tokens_per_s=last["tokens_per_s"]))
+        last.update(self.breakdown.read())
+        if compiling > 0:
+            last["compile_s"] = compiling
+        probe.report_compiled(self.session.rank)
+        if run.logging.eval_every and (step % run.logging.eval_every == 0 or done):
+            last["eval_loss"] = evaluate(self.session)
+        if run.train.precision == "fp16":
+            last["skipped_steps"] = engine.skipped_steps  # overflowing steps the loss scaler dropped
+        return last
+
+
+class CompileProbe:
+    """train.compile=auto: time this session's eager steps 2..AUTO_PROBE_STEPS, then compile the
+    engine or not (train/compiling.py's auto_compile); with train.compile=true, it compiled at
+    start-up. Either way the first window after compiling says how long it took."""
+
+    def __init__(self, run: RunConfig, session: Session) -> None:
+        self.engine, self.rank = session.engine, session.rank
+        self.auto = run.train.compile == "auto"
+        self.steps, self.start, self.compiled_note = 0, 0.0, run.train.compile is True
+
+    def after_step(self, *, steps_left: int) -> None:
+        self.steps += 1
+        if self.auto and self.steps == 1:
+            self.start = time.perf_counter()
+        elif self.auto and self.steps == AUTO_PROBE_STEPS:
+            self.auto = False
+            step_seconds = mean_over_ranks((time.perf_counter() - self.start) / (AUTO_PROBE_STEPS - 1))
+            verdict, why = auto_compile(step_seconds=step_seconds, steps_left=steps_left)
+            if self.rank == 0:
+                print(f"dsf: train.compile=auto: {why}", flush=True)
+            if verdict:
+                compile_engine(self.engine)
+                self.compiled_note = True
+
+    def report_compiled(self, rank: int) -> None:
+        if self.compiled_note and rank == 0:
+            print(f"dsf: compiled the model in {compile_seconds():.1f} s so far (kept out of tokens/s; "
+                  f"kernels cached in {os.environ.get('TORCHINDUCTOR_CACHE_DIR')})", flush=True)
+            self.compiled_note = False
+
+
+def report(run: RunConfig, session: Session, last: dict[str, Any], *, sinks: Any, bar: Any) -> None:
+    """A window's metrics to the sinks, the progress bar, and (without it) rank 0's stdout."""
+    sinks.log(last, step=last["step"])
+    bar.set_postfix({k: f"{v:.4g}" for k, v in last.items() if k != "step"}, refresh=False)
+    if session.rank == 0 and not run.logging.progress:
+        print("dsf: " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                 for k, v in last.items()), flush=True)
+
+
+def checkpoint_due(run: RunConfig, step: int, *, done: bool, preempted: bool) -> bool:
+    """Whether `step` saves: every checkpoint.every steps, at the end (checkpoint.save_final), on
+    SIGTERM, and always when train.stop_after ends the run early (there is a run to resume)."""
+    stopped_early = done and step < run.train.steps
+    return ((preempted and not done) or (run.checkpoint.every and step % run.checkpoint.every == 0)
+            or (done and run.checkpoint.save_final) or stopped_early)
+
+
+def check_finite(run: RunConfig, nonfinite: NonFiniteWatch) -> None:
+    """A UserError naming the first step whose loss was not finite, and the last good checkpoint."""
+    bad = nonfinite.first_step()
+    if bad is not None:
+        good = ckpt.latest_tag(run.checkpoint_dir)
+        raise UserError("loss", None, f"is not finite (nan or inf) at step {bad}; training stopped, "
+                        + (f"{run.checkpoint_dir / good} is the last good checkpoint" if good
+                           else "no checkpoint was saved"),
+                        "lower train.lr or raise train.warmup_steps, then dsf train --resume")

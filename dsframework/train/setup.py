@@ -1,0 +1,488 @@
+"""`dsf train`'s start-up in phases: from a run config to a DeepSpeed engine ready to train.
+
+    from dsframework.train.setup import prepare
+    session = prepare(run, resume=False, overwrite=False)   # in each rank (deepspeed launcher)
+    session.engine, session.train_blocks, session.step       # what the loop (train/loop.py) runs
+
+`prepare` runs these phases in order; each is a function that takes what it needs and returns a
+value, and each is timed (StartupClock: rank 0 prints the breakdown once the engine is ready):
+
+1. `preflight`: everything a user can get wrong (output directory, precision, model and layout),
+   checked before a byte is written or deleted and before any rank waits at the rendezvous;
+2. `form_world`: the process group, the layout at the world it reports, its groups;
+3. `load_data`, rank 0 first: the texts, the tokenizer (`obtain_tokenizer`), the token stores and
+   the model config, then `claim_outputs` (the output directory written, or the checkpoint's model
+   checked against this run's on resume);
+4. `resume_tag` on resume: the checkpoint tag to load (rank 0 converts one saved at another layout);
+5. the DeepSpeed JSON, built whole (`dsconfig.build_ds_config`) and never edited after;
+6. `build_model`: the model for this layout (partitioned under ZeRO-3, each rank's own shards with
+   tp or pp, wrapped for pp, tp, cp, LoRA, activation checkpointing and the chunked loss);
+7. `build_engine`: `deepspeed.initialize` (and `engine.compile()` with train.compile=true);
+8. `restore` on resume: the checkpoint's weights, optimizer, schedule, RNG and data position.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from dsframework.checkpoints import checkpoint as ckpt
+from dsframework.checkpoints.reshard import describe, reshard, universal_tag
+from dsframework.config import RunConfig, dump_run_config
+from dsframework.data import load_texts, load_tokenizer, store_cache_dir, token_stores, train_tokenizer
+from dsframework.data.examples import use_chat_template
+from dsframework.dsconfig import Batch, build_ds_config, resolve_batch
+from dsframework.errors import UserError
+from dsframework.layout import ParallelDims, check_model_layout
+from dsframework.models.build import build_model, resolve_model
+from dsframework.models.construct import build_for_layout
+from dsframework.models.hf import count_parameters
+from dsframework.models.lora import apply_lora
+from dsframework.models.loss import check_chunked_loss_layout, use_chunked_loss
+from dsframework.models.tensor_parallel import TensorParallelCausalLM
+from dsframework.parallel.context import use_ulysses_attention, zero_gradient_scale
+from dsframework.parallel.pipeline import build_pipeline_module, stage_table
+from dsframework.parallel.topology import build_grid, build_topology
+from dsframework.runtime_facts import loss_chunk_tokens, loss_is_chunked, padded_vocab
+from dsframework.train.compiling import compile_engine, use_inductor_cache
+from dsframework.train.metrics import check_no_previous_outputs, remove_previous_outputs
+from dsframework.train.world import init_distributed, rank_zero_first
+
+
+def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False,
+            clock: StartupClock | None = None) -> Session:
+    """World, data, model and DeepSpeed engine; restored from the latest checkpoint on resume.
+    `clock` (started by `engine.train` as the process's first dsf work) times the phases."""
+    clock = clock or StartupClock()
+    with clock.phase("imports"):
+        import_libraries()
+    with clock.phase("checks"):
+        manifest, source = preflight(run, resume=resume, overwrite=overwrite)
+    with clock.phase("rendezvous"):
+        world = form_world(run, source)
+    batch = resolve_batch(run.train.micro_batch, run.train.grad_accum, run.train.global_batch, dp_size=world.dims.dp)
+    data = load_data(run, source, world, clock, resume=resume, overwrite=overwrite)
+    with clock.phase("restore"):  # on resume at another layout, rank 0 converts the checkpoint
+        load_tag, universal = resume_tag(run, world.dims, manifest, data.config) if resume else (None, False)
+    ds_config = build_ds_config(run.train, run.parallel, dp_size=world.dims.dp,
+                                wall_clock_breakdown=run.logging.breakdown, load_universal=universal)
+    with clock.phase("model"):
+        model = build_model_for_layout(run, source, data.config, world, ds_config, batch)
+    with clock.phase("deepspeed.initialize"):
+        engine = build_engine(run, model.module, ds_config, world)
+    session = Session(run, world.rank, world.dims, world.dp_rank, batch, engine, data.tokenizer, data.train_blocks,
+                      data.eval_blocks, model.num_parameters, data.config, built=model.construction,
+                      grid=world.grid, loss_chunk_tokens=model.chunk_tokens)
+    if resume:
+        with clock.phase("restore"):
+            restore(session, load_tag)
+    if world.rank == 0:
+        print(clock.line(), flush=True)
+    return session
+
+
+# --- the start-up clock -------------------------------------------------------------------------
+
+def process_age() -> float:
+    """Seconds since this process started (Linux: /proc), else 0: the interpreter's start-up and
+    every import before `prepare` are the first part of the start-up line."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return max(uptime - ticks / os.sysconf("SC_CLK_TCK"), 0.0)
+
+
+class StartupClock:
+    """Seconds per start-up phase, summed per name; `line()` is what rank 0 prints:
+
+        clock = StartupClock()            # counts the process's age so far as imports
+        with clock.phase("data"):
+            ...
+        clock.line()  # 'dsf: start-up 14.2 s = imports 6.1 + checks 0.1 + rendezvous 0.4 + ...'
+    """
+
+    PHASES = ("imports", "checks", "rendezvous", "tokenizer", "data", "outputs", "model",
+              "deepspeed.initialize", "restore")
+
+    def __init__(self, *, age: float | None = None) -> None:
+        self.seconds = dict.fromkeys(self.PHASES, 0.0)
+        self.seconds["imports"] = process_age() if age is None else age
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - start
+
+    def line(self) -> str:
+        parts = " + ".join(f"{name} {seconds:.1f}" for name, seconds in self.seconds.items())
+        return f"dsf: start-up {sum(self.seconds.values()):.1f} s = {parts}"
+
+
+# --- the phases ---------------------------------------------------------------------------------
+
+def import_libraries() -> None:
+    """The libraries training needs and `dsf --help` does not (each takes seconds to import), so
+    that the later phases' times are their own work: datasets, DeepSpeed, and transformers'
+    configs and PreTrainedModel (resolving and building any model imports them)."""
+    import datasets
+    import deepspeed  # noqa: F401
+    from transformers import CONFIG_MAPPING, PreTrainedModel  # noqa: F401
+
+    datasets.disable_progress_bars()  # rank 0's own progress bar is the one that matters
+    warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated")
+
+
+def preflight(run: RunConfig, *, resume: bool, overwrite: bool) -> tuple[dict[str, Any] | None, Any]:
+    """(the latest checkpoint's manifest on resume, the model's source): everything a user can get
+    wrong, checked before the first byte is written or deleted and before the rendezvous."""
+    from deepspeed.accelerator import get_accelerator
+
+    manifest = check_output_dir(run, resume=resume, overwrite=overwrite)
+    check_chunked_loss_layout(run.train.chunked_loss, pp=run.parallel.pp)
+    use_inductor_cache()  # (before DeepSpeed imports inductor; train.compile=auto may compile later)
+    if run.train.precision == "fp16" and not get_accelerator().is_fp16_supported():
+        raise UserError("train.precision", "fp16", f"is not supported on this device ({get_accelerator().device_name()})",
+                        "use train.precision=bf16 or fp32")
+    source = resolve_model(run.model)
+    # A model or layout that cannot run is named before the process group forms (no rank waits at
+    # the rendezvous for it), then checked again at the world the group reports.
+    checked_layout(run, source.config, world=int(os.environ.get("WORLD_SIZE", "1")))
+    return manifest, source
+
+
+@dataclass
+class World:
+    """This rank in the process group, and the layout's groups."""
+
+    rank: int
+    dims: ParallelDims
+    topology: Any  # parallel.topology.build_topology
+    grid: Any  # tp or cp: the mpu deepspeed.initialize gets (ZeRO reduces over its data-parallel group)
+    dp_rank: int
+
+
+def form_world(run: RunConfig, source: Any) -> World:
+    """Join the process group and check the layout at the world it reports."""
+    rank, world = init_distributed()
+    dims = checked_layout(run, source.config, world=world)
+    # The grid hands DeepSpeed its data-parallel group (ZeRO shards and gradients are reduced
+    # across it only) and our layers their tensor-parallel group.
+    topology = build_topology(dims)
+    grid = build_grid(dims) if dims.tp_enabled or dims.cp_enabled else None
+    return World(rank, dims, topology, grid, topology.get_coord(rank).data)
+
+
+@dataclass
+class Data:
+    tokenizer: Any
+    train_blocks: Any
+    eval_blocks: Any
+    config: Any  # the model's transformers config, for this tokenizer
+
+
+def load_data(run: RunConfig, source: Any, world: World, clock: StartupClock, *, resume: bool,
+              overwrite: bool) -> Data:
+    """Texts, tokenizer, token stores, model config; the output directory claimed. Rank 0 first: it
+    validates the data, writes the token store and the tokenizer; then the others read them."""
+    with rank_zero_first():
+        with clock.phase("data"):
+            texts = load_texts(run.data)
+        with clock.phase("tokenizer"):
+            tokenizer = obtain_tokenizer(run, source, texts, resume=resume, rank=world.rank)
+            if run.data.format == "chat":
+                use_chat_template(tokenizer, run.data)
+        with clock.phase("data"):
+            train_blocks, eval_blocks = token_stores(texts, tokenizer, run.data, cache_dir=store_cache_dir())
+            if run.logging.eval_every and len(eval_blocks) < world.dims.dp:
+                raise UserError("data.eval_fraction", run.data.eval_fraction,
+                                f"leaves {len(eval_blocks)} eval blocks for {world.dims.dp} data-parallel ranks",
+                                "raise data.eval_fraction or the amount of data, or set logging.eval_every=0")
+        with clock.phase("outputs"):
+            config = source.config_for(tokenizer)
+            claim_outputs(run, config, tokenizer, resume=resume, overwrite=overwrite, rank=world.rank)
+    return Data(tokenizer, train_blocks, eval_blocks, config)
+
+
+def claim_outputs(run: RunConfig, config: Any, tokenizer: Any, *, resume: bool, overwrite: bool, rank: int) -> None:
+    """On resume, check the checkpoint holds this run's model; else rank 0 replaces a previous run
+    (with --overwrite) and writes the tokenizer, the model config and run.yaml."""
+    if resume:
+        _check_same_model(run, config)
+        ckpt.check_same_adapters(run.checkpoint_dir, run.model.lora)
+    elif rank == 0:
+        if overwrite:
+            shutil.rmtree(run.checkpoint_dir, ignore_errors=True)
+            (Path(run.output_dir) / "metrics.jsonl").unlink(missing_ok=True)
+            remove_previous_outputs(run.logging)
+        run.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        tokenizer.save_pretrained(str(run.checkpoint_dir / ckpt.TOKENIZER_DIR))
+        ckpt.save_run_files(run.checkpoint_dir, config=config, run_yaml=dump_run_config(run))
+
+
+@dataclass
+class Model:
+    module: Any  # what deepspeed.initialize gets: the model, its PipelineModule, or a wrapper
+    num_parameters: int
+    construction: Any = None  # tp/pp: what this rank materialised and read (models.construct.Materialized)
+    chunk_tokens: int | None = None  # the causal LM loss in chunks of this many tokens
+
+
+def build_model_for_layout(run: RunConfig, source: Any, config: Any, world: World, ds_config: dict[str, Any],
+                           batch: Batch) -> Model:
+    """The model as this rank trains it: its shards, wrapped for its layout and loss."""
+    model = materialise(run, source, config, world, ds_config)
+    model.module = wrap_for_layout(run, model.module, world, batch)
+    model.chunk_tokens = loss_chunking(run, config, world.dims, batch.micro_batch)
+    if model.chunk_tokens:
+        use_chunked_loss(model.module, chunk_tokens=model.chunk_tokens)
+    return model
+
+
+def materialise(run: RunConfig, source: Any, config: Any, world: World, ds_config: dict[str, Any]) -> Model:
+    """Under ZeRO-3 the model is built partitioned (no rank holds it whole). With tensor or pipeline
+    parallelism it is built on the meta device and each rank materialises only its own shards of
+    its own stage (models/construct.py); under ZeRO-3 those are partitioned as they are made."""
+    dims = world.dims
+    zero3 = ds_config if run.parallel.zero_stage == 3 else None
+    if dims.tp_enabled or dims.pp_enabled:
+        built = build_for_layout(
+            source, config, seed=run.train.seed,
+            tp_group=world.grid.get_slice_parallel_group() if dims.tp_enabled else None,
+            pipeline=(dims.pp, world.topology.get_coord(world.rank).pipe) if dims.pp_enabled else None,
+            partition_method=run.parallel.partition_method, zero3_ds_config=zero3,
+            mpu=world.grid)
+        return Model(built.model, built.num_parameters, construction=built.report)
+    model = build_model(source, config, seed=run.train.seed, zero3_ds_config=zero3)
+    if run.model.lora is not None:  # peft adapters on the frozen base: only they train and are saved
+        model = apply_lora(model, run.model.lora, seed=run.train.seed)
+    return Model(model, count_parameters(model))
+
+
+def wrap_for_layout(run: RunConfig, model: Any, world: World, batch: Batch) -> Any:
+    """The pipeline's stages, or the tensor-parallel head and Ulysses attention, and activation
+    checkpointing, around this rank's model."""
+    dims, checkpointing = world.dims, run.parallel.activation_checkpointing == "full"
+    if dims.pp_enabled:
+        # Each stage's LayerSpecs reference the modules this rank materialised (the others are meta).
+        model = build_pipeline_module(model, num_stages=dims.pp, partition_method=run.parallel.partition_method,
+                                      activation_checkpoint_interval=int(checkpointing), topology=world.topology)
+        if world.rank == 0:
+            print("dsf: pipeline stages" + (f" (parameters per tensor rank of {dims.tp})" if dims.tp_enabled
+                                            else "") + "\n" + stage_table(model), flush=True)
+        return model
+    if checkpointing:  # non-reentrant: works with ZeRO-3's parameter hooks and frozen inputs
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if dims.tp_enabled:
+        model = TensorParallelCausalLM(model, group=world.grid.get_slice_parallel_group())
+    if dims.cp_enabled:
+        use_ulysses_attention(model, world.grid, micro_batch=batch.micro_batch, seq_len=run.data.seq_len, tp=dims.tp)
+    return model
+
+
+def build_engine(run: RunConfig, model: Any, ds_config: dict[str, Any], world: World) -> Any:
+    """`deepspeed.initialize` on the complete JSON; compiled now with train.compile=true (auto
+    decides after timing the first steps: train/loop.py)."""
+    import deepspeed
+
+    # A PipelineModule brings its own grid (DeepSpeed refuses an mpu beside it).
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config,
+        mpu=None if world.dims.pp_enabled else world.grid)
+    if run.train.compile is True:
+        compile_engine(engine)
+    return engine
+
+
+def restore(session: Session, tag: str) -> None:
+    """Load checkpoint `tag` into the engine; the session continues from its step and samples."""
+    state = ckpt.load(session.engine, session.run.checkpoint_dir, tag=tag)
+    session.step, session.consumed_samples = state["step"], state["consumed_samples"]
+
+
+# --- what the phases check ----------------------------------------------------------------------
+
+def check_output_dir(run: RunConfig, *, resume: bool, overwrite: bool) -> dict[str, Any] | None:
+    """Refuse to clobber a previous run: resume it, or overwrite it only when asked to.
+
+    On resume, checks every file of the latest checkpoint is there at its saved size and returns
+    its manifest (None for a checkpoint without one)."""
+    if resume and overwrite:
+        raise UserError("--resume/--overwrite", None, "are mutually exclusive", "pass only one")
+    tag = ckpt.latest_tag(run.checkpoint_dir)
+    has_checkpoint = tag is not None
+    if resume and has_checkpoint and not (run.checkpoint_dir / tag).is_dir():
+        raise UserError("checkpoint", str(run.checkpoint_dir / "latest"), f"names {tag!r}, which is not there",
+                        "restore that checkpoint folder or point `latest` at one that exists")
+    has_metrics = (Path(run.output_dir) / "metrics.jsonl").exists()
+    if resume and not has_checkpoint:
+        raise UserError("output_dir", run.output_dir, "holds no checkpoint to resume from",
+                        "run without --resume to start training")
+    if not resume and not overwrite and (has_checkpoint or has_metrics):
+        raise UserError("output_dir", run.output_dir, "already holds a run",
+                        "pass --resume to continue it, --overwrite to replace it, "
+                        "or --set output_dir=NEW_DIR")
+    if not resume and not overwrite:  # TensorBoard / CSV directories outside output_dir
+        check_no_previous_outputs(run.logging)
+    return ckpt.verify(run.checkpoint_dir, tag) if resume else None
+
+
+def checked_layout(run: RunConfig, config: Any, *, world: int) -> ParallelDims:
+    """tp x pp x cp x dp of `world` ranks, by the rules of parallel.topology for this model config."""
+    dims = ParallelDims.of(run.parallel, world=world)
+    check_model_layout(dims, config, dp=run.parallel.dp, seq_len=run.data.seq_len,
+                       ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    return dims
+
+
+def layout_of(run: RunConfig, dims: ParallelDims) -> dict[str, int]:
+    """What a checkpoint records of the layout it was saved at (its manifest's `layout`)."""
+    return {"world": dims.world, "tp": dims.tp, "pp": dims.pp, "cp": dims.cp, "dp": dims.dp,
+            "zero_stage": run.parallel.zero_stage, "zero_hpz": dims.zero_hpz}
+
+
+def resume_tag(run: RunConfig, dims: ParallelDims, manifest: dict[str, Any] | None, config: Any) -> tuple[str, bool]:
+    """(tag to load, whether it is a universal checkpoint) for resuming at `dims`.
+
+    The ZeRO stage and the model stay as saved (the model is checked before this is called);
+    tp, pp and dp may change, with the same global batch. Rank 0 converts the checkpoint once and
+    every rank then loads its new shard of it (`checkpoint.load_universal`):
+    - dp alone, at tp = pp = 1, ZeRO-1/2/3: deepspeed's ds_to_universal (`checkpoint.to_universal`);
+    - tp or pp (and dp beside them), ZeRO-1/2: `reshard.reshard`, through the dense layout.
+    ZeRO-0 states are whole on every rank of a layout: dp may change, tp and pp may not. ZeRO-3 with
+    tensor parallelism, and context parallelism, resume at their saved layout only (cp itself may not
+    change; zero_hpz may).
+    """
+    import torch.distributed
+
+    tag = ckpt.latest_tag(run.checkpoint_dir)
+    saved, now = (manifest or {}).get("layout"), layout_of(run, dims)
+    if saved is None:  # written before manifests: its layout is unknown, taken to be this one
+        return tag, False
+    stage = now["zero_stage"]
+    if saved["zero_stage"] != stage:
+        raise UserError("parallel.zero_stage", stage, f"differs from the checkpoint's {saved['zero_stage']} (a "
+                        "resume keeps the ZeRO stage; tp, pp and dp may change)",
+                        f"resume with parallel.zero_stage={saved['zero_stage']}")
+    # zero_hpz may change: DeepSpeed never saves hpZ's secondary copy (same files, same tensors).
+    if saved.get("cp", 1) != now["cp"]:  # (absent from manifests written before the axis: 1)
+        raise UserError("parallel.cp", now["cp"], f"differs from the checkpoint's {saved.get('cp', 1)} (a resume "
+                        "keeps the context-parallel size; tp, pp and dp may change)",
+                        f"resume with parallel.cp={saved.get('cp', 1)}")
+    if all(saved[key] == now[key] for key in ("tp", "pp", "dp")):
+        return tag, False
+    if now["cp"] > 1:  # (the universal-checkpoint conversions below are not tested with cp's ZeRO groups)
+        raise UserError("parallel.cp", now["cp"], f"runs resume at their saved layout only (saved tp {saved['tp']} x pp "
+                        f"{saved['pp']} x dp {saved['dp']}, now tp {now['tp']} x pp {now['pp']} x dp {now['dp']})",
+                        f"resume on {saved['world']} ranks with parallel.tp={saved['tp']}")
+    was = ParallelDims(world=saved["world"], tp=saved["tp"], pp=saved["pp"])
+    change, keep = f"{describe(was)} -> {describe(dims)}", f"resume with parallel.tp={was.tp} parallel.pp={was.pp}"
+    layers_move = (was.tp, was.pp) != (dims.tp, dims.pp)
+    if stage == 0:
+        if not layers_move:
+            return tag, False
+        raise UserError("parallel.zero_stage", 0, f"cannot resume at another tp or pp ({change}): ZeRO-0 "
+                        "keeps its optimizer states in each layout's own files", keep)
+    if stage == 3 and (was.tp_enabled or dims.tp_enabled):
+        raise UserError("parallel.zero_stage", 3, f"with tensor parallelism resumes only at its saved layout "
+                        f"({change}): DeepSpeed's universal loader does not cut a ZeRO-3 parameter into tensor "
+                        "shards", f"{keep} on {was.world} ranks")
+    dp_only = not layers_move and not dims.tp_enabled and not dims.pp_enabled
+    target = tag + ckpt.UNIVERSAL if dp_only else universal_tag(tag, dims)
+    with rank_zero_first():
+        if torch.distributed.get_rank() == 0:
+            print(f"dsf: resuming at {describe(dims)} from a checkpoint saved at {describe(was)}: "
+                  f"converting {tag} into {target}", flush=True)
+            if dp_only:
+                ckpt.to_universal(run.checkpoint_dir, tag)
+            else:
+                reshard(run.checkpoint_dir, tag, config, saved=was, target=dims)
+    return target, True
+
+
+def obtain_tokenizer(run: RunConfig, source: Any, texts: Any, *, resume: bool, rank: int) -> Any:
+    """The run's tokenizer: the checkpoint's on resume, else the user's or the pretrained model's,
+    else one trained on the data by rank 0 (the other ranks load what rank 0 saved)."""
+    saved = run.checkpoint_dir / ckpt.TOKENIZER_DIR
+    if resume and saved.is_dir():
+        return load_tokenizer(saved, field="checkpoint tokenizer")
+    if run.model.tokenizer:
+        return load_tokenizer(run.model.tokenizer)
+    if source.tokenizer_dir is not None:
+        return load_tokenizer(source.tokenizer_dir, field="model.name")
+    if rank == 0:
+        return train_tokenizer(texts, run.data)
+    return load_tokenizer(saved, field="checkpoint tokenizer")
+
+
+def _check_same_model(run: RunConfig, config: Any) -> None:
+    """On resume, the model config must be the checkpoint's (else its weights will not load)."""
+    from transformers import AutoConfig
+
+    saved = run.checkpoint_dir / ckpt.HF_CONFIG_DIR
+    if not (saved / "config.json").is_file():
+        return
+    before = AutoConfig.from_pretrained(str(saved), local_files_only=True).to_dict()
+    now = config.to_dict()
+    changed = sorted(k for k in set(before) | set(now)
+                     if not k.startswith("_") and k not in ("transformers_version", "architectures", "dtype")
+                     and before.get(k) != now.get(k))
+    if changed:
+        key = changed[0]
+        raise UserError(f"model (config.{key})", now.get(key), f"differs from the checkpoint's "
+                        f"{before.get(key)!r}", "resume with the model settings the run started with")
+
+
+def loss_chunking(run: RunConfig, config: Any, dims: ParallelDims, micro_batch: int) -> int | None:
+    """Tokens per chunk of the causal LM loss (train.chunked_loss), or None for the whole logits.
+    The pipeline's last stage gets its logits from its head layer and keeps the plain loss."""
+    if dims.pp_enabled:  # (true is refused before the run starts: check_chunked_loss_layout)
+        return None
+    rows = padded_vocab(config.vocab_size, tp=dims.tp) // dims.tp  # this rank's vocab slice
+    tokens = micro_batch * run.data.seq_len // dims.cp
+    if not loss_is_chunked(run.train.chunked_loss, tokens=tokens, vocab_rows=rows,
+                           chunk_tokens=run.train.loss_chunk_tokens):
+        return None
+    return loss_chunk_tokens(rows, chunk_tokens=run.train.loss_chunk_tokens)
+
+
+@dataclass
+class Session:
+    """Everything a rank needs to train: the engine, its data and where in the run it stands."""
+
+    run: RunConfig
+    rank: int
+    dims: ParallelDims
+    dp_rank: int
+    batch: Batch
+    engine: Any
+    tokenizer: Any
+    train_blocks: Any
+    eval_blocks: Any
+    num_parameters: int
+    model_config: Any
+    step: int = 0
+    consumed_samples: int = 0
+    built: Any = None  # tp/pp: what this rank materialised and read (models.construct.Materialized)
+    grid: Any = None  # tp or cp: the mpu deepspeed.initialize got (parallel.topology.build_grid)
+    loss_chunk_tokens: int | None = None  # the causal LM loss in chunks of this many tokens (models/loss.py)
+
+    @property
+    def loss_kw(self) -> dict[str, Any]:
+        """How `micro_batch_loss` computes this run's loss (context parallelism, vocab-parallel)."""
+        if not self.dims.cp_enabled:
+            return {}
+
+        return {"grid": self.grid, "context": True, "vocab_size": self.model_config.vocab_size,
+                "tensor_group": self.grid.get_slice_parallel_group() if self.dims.tp_enabled else None,
+                "gradient_scale": zero_gradient_scale(cp=self.dims.cp, zero_stage=self.dims.zero_stage),
+                "chunked": self.loss_chunk_tokens is not None}

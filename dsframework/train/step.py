@@ -1,0 +1,146 @@
+"""What one training step does on a rank: its micro-batches, their loss, the optimizer step, and
+the held-out evaluation (the loop in train/loop.py calls these once per step or window).
+
+    batches = step_batches(train_blocks, sampler, consumed)     # this rank's rows of the step
+    loss = train_step(engine, batches, pipeline=False)          # forward, backward, optimizer step
+    eval_loss = evaluate(engine, eval_blocks, micro_batch=2, dp_size=2, dp_rank=0, pipeline=False)
+
+The loop looks `train_step` and `step_batches` up in this module at each step, and `train_step`
+and `evaluate` look up `micro_batch_loss` here at each call: the fault and hot-path tests' workers
+replace them in this module (tests/distributed/workers/faults.py, hot_path.py).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from dsframework.data import BlockSampler, eval_shard
+from dsframework.data.store import IGNORE_INDEX
+from dsframework.parallel.context import SequenceShard, sequence_shard_loss
+
+
+def mean_over_ranks(value: float) -> float:
+    import torch
+    import torch.distributed as dist
+
+    tensor = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(tensor)
+    return tensor.item() / dist.get_world_size()
+
+
+def step_batches(blocks: Any, sampler: BlockSampler, consumed: int) -> list:
+    """This rank's micro-batches of one step: rows copied out of the token store (data/store.py).
+
+    With chat / prompt-completion data each carries the weight that makes the sum of its trained
+    tokens' losses a share of the mean over the trained tokens of the whole global batch (every rank
+    counts them in the same rows: no communication)."""
+    weight = None
+    if blocks.supervised:
+        ranks_times_accum = sampler.dp_size * sampler.grad_accum  # DeepSpeed averages over both
+        weight = ranks_times_accum / max(blocks.trained_tokens(sampler.global_indices(consumed)), 1)
+    return [blocks.micro_batch(indices, weight=weight) for indices in sampler.micro_batches(consumed)]
+
+
+def micro_batch_loss(engine: Any, input_ids: Any, *, grid: Any = None, context: bool = False,
+                     tensor_group: Any = None, vocab_size: int = 0, gradient_scale: float = 1.0,
+                     chunked: bool = False) -> tuple[Any, Any]:
+    """(the loss to backpropagate, the micro-batch's mean loss detached) for whole sequences.
+
+    With context parallelism each rank runs its slice of the sequences and backpropagates its
+    share of the mean (parallel/context.py); otherwise the model's own causal LM loss. A
+    supervised micro-batch (a dict, data/store.py) gives the sum of its trained tokens' losses
+    times its loss_weight: examples packed in a row see only themselves (position ids restart at
+    each example; transformers then masks attention block-diagonally)."""
+    if isinstance(input_ids, dict):
+        # Counted on the host copy: no device sync. Never 0: every packed example keeps a trained label.
+        trained = int((input_ids["labels"][..., 1:] != IGNORE_INDEX).sum())
+        batch = {key: value.to(engine.device) for key, value in input_ids.items() if key != "loss_weight"}
+        mean = engine(**batch, use_cache=False).loss  # over this micro-batch's trained tokens
+        loss = mean * (trained * input_ids["loss_weight"])
+        return loss, loss.detach()
+    input_ids = input_ids.to(engine.device)
+    if context:
+        return sequence_shard_loss(engine, SequenceShard.of(input_ids, grid), grid=grid, tensor_group=tensor_group,
+                                   vocab_size=vocab_size, gradient_scale=gradient_scale, chunked=chunked)
+    loss = engine(input_ids=input_ids, labels=input_ids).loss
+    return loss, loss.detach()
+
+
+def train_step(engine: Any, micro_batches: list, *, pipeline: bool, **loss_kw: Any) -> Any:
+    """One optimizer step over this rank's micro-batches; their mean loss (a float64 tensor).
+    `loss_kw` go to `micro_batch_loss` (looked up in this module at each call: the fault tests'
+    worker wraps it)."""
+    import torch
+
+    if pipeline:  # DeepSpeed's pipeline engine runs the 1F1B schedule over all micro-batches
+        data = iter([(ids, ids) for ids in micro_batches])
+        return engine.train_batch(data_iter=data).detach().double()
+    total = torch.zeros((), dtype=torch.float64)
+    for input_ids in micro_batches:
+        loss, value = micro_batch_loss(engine, input_ids, **loss_kw)
+        engine.backward(loss)
+        engine.step()  # DeepSpeed steps the optimizer at the accumulation boundary only
+        total += value.double()
+    return total / len(micro_batches)
+
+
+def evaluate(engine: Any, eval_blocks: Any, *, micro_batch: int, dp_size: int, dp_rank: int,
+              pipeline: bool, **loss_kw: Any) -> float:
+    """Mean loss over the held-out blocks, every rank running the same number of forwards
+    (all micro-batches hold the same number of blocks); with chat / prompt-completion data, the
+    mean over every trained token of the held-out rows."""
+    import torch
+    import torch.distributed as dist
+
+    shard = eval_shard(len(eval_blocks), micro_batch=micro_batch, dp_size=dp_size, dp_rank=dp_rank)
+    if eval_blocks.supervised:
+        engine.eval()
+        with torch.no_grad():
+            sums = torch.zeros(2, dtype=torch.float64)  # (summed loss, trained tokens) of this rank's rows
+            for indices in shard:
+                sums[0] += micro_batch_loss(engine, eval_blocks.micro_batch(indices, weight=1.0), **loss_kw)[1].item()
+                sums[1] += eval_blocks.trained_tokens(indices)
+        engine.train()
+        dist.all_reduce(sums)  # (tensor ranks hold the same rows: both sums count them alike)
+        return (sums[0] / sums[1].clamp(min=1)).item()
+    batches = [eval_blocks[indices] for indices in shard]
+    engine.eval()
+    with torch.no_grad():
+        if pipeline:
+            mean = engine.eval_batch(iter([(ids, ids) for ids in batches]),
+                                     num_micro_batches=len(batches)).item()
+        else:
+            mean = sum(micro_batch_loss(engine, ids, **loss_kw)[1].item() for ids in batches) / max(len(batches), 1)
+    engine.train()
+    return mean_over_ranks(mean)
+
+
+class StepBreakdown:
+    """Milliseconds per optimizer step in forward, backward, the gradient reduction DeepSpeed waits
+    for at the end of backward (exposed communication) and the optimizer step, averaged over a
+    logging window, from DeepSpeed's wall-clock timers (`wall_clock_breakdown`, on with
+    logging.breakdown; rank 0 reports its own).
+
+    DeepSpeed resets its timers after every step (printing them), keeping a copy for clients:
+    `get_wall_clock_timers()`, read here once per step - a dict, no device synchronisation.
+    """
+
+    TIMERS = {"forward_ms": "fwd", "backward_ms": "bwd", "allreduce_ms": "bwd_allreduce", "optimizer_ms": "step"}
+
+    def __init__(self, engine: Any, *, enabled: bool) -> None:
+        self.engine, self.enabled = engine, enabled
+        self.sums: dict[str, float] = {}
+        self.steps = 0
+
+    def add_step(self) -> None:
+        if not self.enabled:
+            return
+        timers = self.engine.get_wall_clock_timers() or {}
+        for key, name in self.TIMERS.items():
+            if name in timers:
+                self.sums[key] = self.sums.get(key, 0.0) + timers[name]
+        self.steps += 1
+
+    def read(self) -> dict[str, float]:
+        out = {key: total / self.steps for key, total in self.sums.items()} if self.steps else {}
+        self.sums, self.steps = {}, 0
+        return out

@@ -34,7 +34,7 @@ from dsframework.data import (
     train_tokenizer,
 )
 from dsframework.data.examples import use_chat_template
-from dsframework.data.store import IGNORE_INDEX, describe_store
+from dsframework.data.store import describe_store
 from dsframework.dsconfig import Batch, build_ds_config, resolve_batch
 from dsframework.errors import UserError
 from dsframework.layout import ParallelDims, check_model_layout
@@ -42,12 +42,12 @@ from dsframework.models.build import build_model, resolve_model
 from dsframework.models.hf import count_parameters
 from dsframework.models.construct import build_for_layout
 from dsframework.models.lora import apply_lora
-from dsframework.models.loss import check_chunked_loss_layout, use_chunked_loss
+from dsframework.models.loss import check_chunked_loss_layout, shift_labels, trained_tokens, use_chunked_loss
 from dsframework.models.tensor_parallel import TensorParallelCausalLM
 from dsframework.parallel.context import SequenceShard, sequence_shard_loss, use_ulysses_attention, zero_gradient_scale
 from dsframework.parallel.pipeline import build_pipeline_module, stage_table
 from dsframework.parallel.topology import build_grid, build_topology
-from dsframework.runtime_facts import loss_chunk_tokens, loss_is_chunked, padded_vocab
+from dsframework.runtime_facts import loss_chunking as rank_loss_chunking
 from dsframework.train.compiling import (
     AUTO_PROBE_STEPS,
     auto_compile,
@@ -226,7 +226,7 @@ def micro_batch_loss(engine: Any, input_ids: Any, *, grid: Any = None, context: 
     each example; transformers then masks attention block-diagonally)."""
     if isinstance(input_ids, dict):
         # Counted on the host copy: no device sync. Never 0: every packed example keeps a trained label.
-        trained = int((input_ids["labels"][..., 1:] != IGNORE_INDEX).sum())
+        trained = int(trained_tokens(shift_labels(input_ids["labels"])))
         batch = {key: value.to(engine.device) for key, value in input_ids.items() if key != "loss_weight"}
         mean = engine(**batch, use_cache=False).loss  # over this micro-batch's trained tokens
         loss = mean * (trained * input_ids["loss_weight"])
@@ -354,16 +354,11 @@ class Session:
 
 
 def loss_chunking(run: RunConfig, config: Any, dims: ParallelDims, micro_batch: int) -> int | None:
-    """Tokens per chunk of the causal LM loss (train.chunked_loss), or None for the whole logits.
-    The pipeline's last stage gets its logits from its head layer and keeps the plain loss."""
-    if dims.pp_enabled:  # (true is refused before the run starts: check_chunked_loss_layout)
-        return None
-    rows = padded_vocab(config.vocab_size, tp=dims.tp) // dims.tp  # this rank's vocab slice
-    tokens = micro_batch * run.data.seq_len // dims.cp
-    if not loss_is_chunked(run.train.chunked_loss, tokens=tokens, vocab_rows=rows,
-                           chunk_tokens=run.train.loss_chunk_tokens):
-        return None
-    return loss_chunk_tokens(rows, chunk_tokens=run.train.loss_chunk_tokens)
+    """Tokens per chunk of the causal LM loss (train.chunked_loss), or None for the whole logits:
+    runtime_facts.loss_chunking, the decision the planner counts, on this run's settings."""
+    return rank_loss_chunking(run.train.chunked_loss, vocab=config.vocab_size, tp=dims.tp, pp=dims.pp, cp=dims.cp,
+                              micro_batch=micro_batch, seq_len=run.data.seq_len,
+                              chunk_tokens=run.train.loss_chunk_tokens)
 
 
 def checked_layout(run: RunConfig, config: Any, *, world: int) -> ParallelDims:

@@ -48,6 +48,26 @@ def loss_is_chunked(setting: bool | str, *, tokens: int, vocab_rows: int, chunk_
     return bool(setting)
 
 
+def loss_chunking(setting: bool | str, *, vocab: int, tp: int, pp: int, cp: int, micro_batch: int, seq_len: int,
+                  chunk_tokens: int | None = None) -> int | None:
+    """Tokens per chunk of a rank's causal LM loss, or None for the whole logits: the one decision
+    the training loop makes and the planner counts (train.chunked_loss / loss_chunk_tokens).
+
+        loss_chunking("auto", vocab=128256, tp=1, pp=1, cp=1, micro_batch=4, seq_len=2048)  # 523
+
+    With a pipeline the last stage gets its logits from its head layer and keeps the whole logits
+    (true is refused before the run starts: models/loss.py check_chunked_loss_layout); else the
+    rank's micro_batch x seq_len / cp tokens against its padded_vocab / tp vocabulary rows, at
+    most the micro-batch's tokens per chunk."""
+    if pp > 1:
+        return None
+    rows = padded_vocab(vocab, tp=tp) // tp
+    tokens = micro_batch * seq_len // cp
+    if not loss_is_chunked(setting, tokens=tokens, vocab_rows=rows, chunk_tokens=chunk_tokens):
+        return None
+    return min(tokens, loss_chunk_tokens(rows, chunk_tokens=chunk_tokens))
+
+
 # --- vocabulary padding --------------------------------------------------------------------------
 
 def padded_vocab(num_embeddings: int, *, tp: int, multiple: int | None = None) -> int:

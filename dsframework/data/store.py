@@ -40,9 +40,9 @@ import numpy as np
 from dsframework.config import DataSpec
 from dsframework.data.examples import tokenize_examples
 from dsframework.errors import UserError
+from dsframework.models.loss import IGNORE_INDEX  # the label of a token that trains nothing
 
 STORE_VERSION = 2  # bump when what a store holds for the same inputs changes
-IGNORE_INDEX = -100  # transformers' label for "no loss here"
 BIG_DATA_BYTES = 64 << 20  # above this, tokenize with several processes by default
 
 

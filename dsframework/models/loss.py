@@ -1,13 +1,18 @@
-"""The causal LM loss over chunks of tokens: the fp32 logits of a whole micro-batch never exist.
+"""The causal LM loss, in one place: label shifting, the ignore index, the per-token loss (plain,
+vocab-parallel, chunked) and the reduction. Every head of dsf calls it: a transformers model's
+chunked forward (`use_chunked_loss`), the tensor-parallel head (models/tensor_parallel.py), the
+pipeline's last stage (parallel/pipeline.py) and a context-parallel shard (parallel/context.py).
 
-    from dsframework.models.loss import chunked_causal_lm_loss, use_chunked_loss
-    loss = chunked_causal_lm_loss(model.lm_head, hidden, labels, chunk_tokens=512)
-    # == model(input_ids, labels=labels).loss (transformers' loss: token t predicts label t+1,
-    #    mean over labels != -100), within fp32 rounding; gradients too
+    loss = causal_lm_loss(logits, labels)          # == model(input_ids, labels=labels).loss: token t
+    #    predicts label t+1, mean over the labels != IGNORE_INDEX (transformers' loss), fp32
+    loss = causal_lm_loss(shard_logits, shifted=shard_targets, over=predicted)  # a sum over a given count:
+    #    a context-parallel shard's share of its micro-batch's mean
+    loss = causal_lm_loss(logits_slice, labels, token_loss=vocab_parallel_token_loss(group=g, vocab_size=V))
+    loss = chunked_causal_lm_loss(model.lm_head, hidden, labels, chunk_tokens=512)   # same value, no whole logits
     use_chunked_loss(model, chunk_tokens=512)   # from now on model(input_ids, labels=...).loss is chunked
 
-How: the final hidden states are cut into chunks of `chunk_tokens` tokens (batch and sequence
-flattened). Each chunk runs the head and the per-token loss under `torch.utils.checkpoint`
+The chunked loss: the final hidden states are cut into chunks of `chunk_tokens` tokens (batch and
+sequence flattened). Each chunk runs the head and the per-token loss under `torch.utils.checkpoint`
 (non-reentrant), which keeps only the chunk's hidden states and labels for backward: in the
 forward each chunk's logits are freed once its loss is summed, and in the backward each chunk's
 logits are recomputed, differentiated and freed before the next. One chunk's fp32 logits and
@@ -32,6 +37,7 @@ recompute costs a little compute and is right under every factor.
 from __future__ import annotations
 
 import types
+from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -39,21 +45,75 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from dsframework.errors import UserError
+from dsframework.parallel.tensor import vocab_parallel_cross_entropy
 
-IGNORE_INDEX = -100  # transformers' "no loss here"
+IGNORE_INDEX = -100  # transformers' label for "no loss here"; data/store.py writes it, the losses skip it
 
-TokenLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, labels) -> fp32 loss per token
+TokenLoss = Callable[..., torch.Tensor]  # (logits, targets, reduction="none" | "sum") -> fp32 loss per token, or summed
 
 
-def plain_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Cross entropy per token in fp32 (transformers upcasts the logits the same way); 0 where
-    the label is -100."""
-    return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="none")
-
+# --- labels -------------------------------------------------------------------------------------
 
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:
-    """The label each position predicts: the next token's, -100 at the end (as transformers does)."""
+    """The label each position predicts: the next token's, IGNORE_INDEX at the end (as transformers does)."""
     return F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def trained_tokens(targets: torch.Tensor) -> torch.Tensor:
+    """How many of `targets` (labels already shifted) train a prediction: those != IGNORE_INDEX."""
+    return (targets != IGNORE_INDEX).sum()
+
+
+def _targets(labels: torch.Tensor | None, shifted: torch.Tensor | None) -> torch.Tensor:
+    """The targets of each position: `labels` shifted, or `shifted` as given (a context-parallel
+    shard's, whose last token predicts the next shard's first)."""
+    if shifted is not None:
+        return shifted
+    assert labels is not None, "a causal LM loss needs labels or shifted targets"
+    return shift_labels(labels)
+
+
+# --- the per-token loss -----------------------------------------------------------------------------
+
+def plain_token_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "none") -> torch.Tensor:
+    """Cross entropy per token in fp32 (transformers upcasts the logits the same way); 0 where
+    the target is IGNORE_INDEX. `logits` [tokens, vocab], `targets` [tokens]. reduction="sum"
+    sums as torch's kernel does, so the mean is transformers' to the last bit."""
+    return F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction=reduction)
+
+
+def vocab_parallel_token_loss(*, group: Any, vocab_size: int) -> TokenLoss:
+    """The per-token loss from this rank's vocab slice of the logits (parallel/tensor.py's
+    vocab_parallel_cross_entropy over `group`): the full logits are never gathered."""
+    per_token = partial(vocab_parallel_cross_entropy, group=group, vocab_size=vocab_size, ignore_index=IGNORE_INDEX)
+
+    def token_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "none") -> torch.Tensor:
+        losses = per_token(logits, targets)
+        return losses.sum() if reduction == "sum" else losses
+
+    return token_loss
+
+
+# --- the reduction ------------------------------------------------------------------------------
+
+def reduce_loss(total: torch.Tensor, targets: torch.Tensor, *, over: Any = None) -> torch.Tensor:
+    """The summed per-token loss `total` as the loss to report or backpropagate: the mean over the
+    trained `targets` (at least 1), or `total / over` for a count given from outside (a context
+    group's whole sequence, a supervised global batch's trained tokens)."""
+    if over is None:
+        over = trained_tokens(targets).clamp(min=1)
+    return total / (over.to(total.device) if torch.is_tensor(over) else over)
+
+
+# --- the losses ---------------------------------------------------------------------------------
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor | None = None, *, shifted: torch.Tensor | None = None,
+                   token_loss: TokenLoss = plain_token_loss, over: Any = None) -> torch.Tensor:
+    """transformers' causal LM loss from whole logits [..., vocab (or this rank's slice)]: token t
+    predicts label t+1 (or `shifted`'s target t), reduced by `reduce_loss`."""
+    targets = _targets(labels, shifted).to(logits.device)
+    total = token_loss(logits.flatten(0, -2), targets.flatten(), reduction="sum")
+    return reduce_loss(total, targets, over=over)
 
 
 def chunked_loss_sum(head: Any, hidden: torch.Tensor, targets: torch.Tensor, *, chunk_tokens: int,
@@ -77,14 +137,12 @@ def chunked_loss_sum(head: Any, hidden: torch.Tensor, targets: torch.Tensor, *, 
 
 def chunked_causal_lm_loss(head: Any, hidden: torch.Tensor, labels: torch.Tensor | None = None, *, chunk_tokens: int,
                            token_loss: TokenLoss = plain_token_loss,
-                           shifted: torch.Tensor | None = None) -> torch.Tensor:
-    """transformers' causal LM loss (the mean over labels != -100 of token t predicting label t+1)
-    without the whole logits; `shifted` instead of `labels` gives the targets already shifted
-    (a context-parallel shard's, whose last token predicts the next shard's first)."""
-    targets = shift_labels(labels) if shifted is None else shifted
-    count = (targets != IGNORE_INDEX).sum().clamp(min=1)
-    return chunked_loss_sum(head, hidden, targets.to(hidden.device), chunk_tokens=chunk_tokens,
-                            token_loss=token_loss) / count.to(hidden.device)
+                           shifted: torch.Tensor | None = None, over: Any = None) -> torch.Tensor:
+    """`causal_lm_loss(head(hidden), ...)` without the whole logits: the head and the per-token loss
+    run `chunk_tokens` tokens at a time (`chunked_loss_sum`)."""
+    targets = _targets(labels, shifted).to(hidden.device)
+    total = chunked_loss_sum(head, hidden, targets, chunk_tokens=chunk_tokens, token_loss=token_loss)
+    return reduce_loss(total, targets, over=over)
 
 
 def check_chunked_loss_layout(setting: bool | str, *, pp: int) -> None:
@@ -105,7 +163,8 @@ def use_chunked_loss(model: Any, *, chunk_tokens: int) -> Any:
     returns `model`. A dsf TensorParallelCausalLM chunks its vocab-parallel loss; a transformers
     causal LM (or the one inside a peft model) gets a forward that runs its decoder
     (`base_model`) and `chunked_causal_lm_loss` over its output embeddings: the state dict, the
-    hooks and every other call stay as they were. Without labels the model's own forward runs."""
+    hooks and every other call stay as they were. Without labels the model's own forward runs.
+    `num_items_in_batch` (transformers' name) divides the summed loss instead of the mean's count."""
     if hasattr(model, "loss_chunk_tokens"):  # a dsf TensorParallelCausalLM: it chunks its own loss
         model.loss_chunk_tokens = chunk_tokens
         return model
@@ -119,9 +178,10 @@ def use_chunked_loss(model: Any, *, chunk_tokens: int) -> Any:
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         kwargs.pop("logits_to_keep", None)
+        over = kwargs.pop("num_items_in_batch", None)
         hidden = self.base_model(input_ids=input_ids, **{"use_cache": False, **kwargs}).last_hidden_state
         loss = chunked_causal_lm_loss(self.get_output_embeddings(), hidden, labels, shifted=shift_labels,
-                                      chunk_tokens=chunk_tokens)
+                                      chunk_tokens=chunk_tokens, over=over)
         return CausalLMOutputWithPast(loss=loss)
 
     lm.forward = types.MethodType(forward, lm)

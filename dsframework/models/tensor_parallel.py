@@ -1,8 +1,8 @@
 """Tensor parallelism for Hugging Face causal LMs: swap dense layers for their Megatron shards.
 
     model = build_model(source, config, seed=42)                 # the dense model, every rank
-    tp_model = apply_tensor_parallel(model, group=tp_group)      # same function, 1/tp of the weights
-    out = tp_model(input_ids=ids, labels=ids)                    # out.loss: vocab-parallel CE
+    tp_model = TensorParallelCausalLM(shard_model(model, group=tp_group), group=tp_group)  # 1/tp of the weights
+    out = tp_model(input_ids=ids, labels=ids)                    # out.loss: models/loss.py's, vocab-parallel
 
 Plans (which module becomes which shard):
 
@@ -13,11 +13,11 @@ Plans (which module becomes which shard):
 
 Attention heads and key/value heads are split across ranks (grouped-query attention keeps its
 heads-per-kv-head ratio). Norms and GPT-2's position embedding stay replicated. The loss never
-gathers the full logits: the head emits this rank's vocab slice into `vocab_parallel_cross_entropy`.
+gathers the full logits: the head emits this rank's vocab slice into models/loss.py's causal LM
+loss with its vocab-parallel per-token loss.
 """
 from __future__ import annotations
 
-from functools import partial
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -26,7 +26,7 @@ from torch import nn
 from dsframework.errors import UserError, divide
 from dsframework.models.families import SUPPORTED, family_of
 from dsframework.models.hf import causal_lm_class
-from dsframework.models.loss import chunked_causal_lm_loss
+from dsframework.models.loss import causal_lm_loss, chunked_causal_lm_loss, vocab_parallel_token_loss
 from dsframework.parallel.tensor import (
     ColumnParallelLinear,
     LayoutOnlyGroup,
@@ -36,7 +36,6 @@ from dsframework.parallel.tensor import (
     shard_index,
     tensor_parallel_rank,
     tensor_parallel_size,
-    vocab_parallel_cross_entropy,
 )
 
 
@@ -88,16 +87,6 @@ def _gpt2_plan(model: Any, group: Any) -> None:
 PLANS = {"llama": _llama_plan, "gpt2": _gpt2_plan}  # family (models/families.py) -> plan
 
 
-def vocab_parallel_causal_lm_loss(logits_shard: torch.Tensor, labels: torch.Tensor, *, group: Any,
-                                  vocab_size: int) -> torch.Tensor:
-    """transformers' causal LM loss (token t predicts label t+1, mean over labels != -100) from
-    this rank's vocab slice of the logits; the full logits are never gathered."""
-    shift_labels = labels[..., 1:].contiguous()
-    per_token = vocab_parallel_cross_entropy(logits_shard[..., :-1, :].contiguous(), shift_labels,
-                                             group=group, vocab_size=vocab_size)
-    return per_token.sum() / (shift_labels != -100).sum().clamp(min=1)
-
-
 class TensorParallelOutput(dict):
     """`.loss` and `.logits` (this rank's vocab slice), like a transformers model output."""
 
@@ -114,31 +103,27 @@ class TensorParallelCausalLM(nn.Module):
         self.loss_chunk_tokens: int | None = None  # models/loss.py use_chunked_loss: the loss in chunks
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                shift_labels: torch.Tensor | None = None, **kwargs: Any):
+                shift_labels: torch.Tensor | None = None, num_items_in_batch: Any = None, **kwargs: Any):
+        """`.loss` (models/loss.py's, with `shift_labels` the targets already shifted and
+        `num_items_in_batch` the count it divides by) and `.logits` (None when chunked)."""
         hidden = self.model.base_model(input_ids=input_ids, **{"use_cache": False, **kwargs}).last_hidden_state
-        if self.loss_chunk_tokens and (labels is not None or shift_labels is not None):
-            token_loss = partial(vocab_parallel_cross_entropy, group=self.group, vocab_size=self.config.vocab_size)
+        token_loss = vocab_parallel_token_loss(group=self.group, vocab_size=self.config.vocab_size)
+        if labels is None and shift_labels is None:
+            return TensorParallelOutput(loss=None, logits=self.model.lm_head(hidden))
+        if self.loss_chunk_tokens:
             return TensorParallelOutput(loss=chunked_causal_lm_loss(
                 self.model.lm_head, hidden, labels, shifted=shift_labels, chunk_tokens=self.loss_chunk_tokens,
-                token_loss=token_loss), logits=None)
+                token_loss=token_loss, over=num_items_in_batch), logits=None)
         logits = self.model.lm_head(hidden)
-        if shift_labels is not None:  # (a context-parallel shard's labels, already shifted)
-            per_token = vocab_parallel_cross_entropy(logits, shift_labels, group=self.group,
-                                                     vocab_size=self.config.vocab_size)
-            return TensorParallelOutput(loss=per_token.sum() / (shift_labels != -100).sum().clamp(min=1),
-                                        logits=logits)
-        loss = None
-        if labels is not None:
-            loss = vocab_parallel_causal_lm_loss(logits, labels, group=self.group,
-                                                 vocab_size=self.config.vocab_size)
-        return TensorParallelOutput(loss=loss, logits=logits)
+        return TensorParallelOutput(loss=causal_lm_loss(logits, labels, shifted=shift_labels, token_loss=token_loss,
+                                                        over=num_items_in_batch), logits=logits)
 
 
 def shard_model(model: Any, *, group: Any) -> Any:
     """Swap `model`'s dense layers for this rank's shards, in place (the plan above); returns it.
 
     The result keeps transformers' module tree and names, so the pipeline can cut it into
-    stages (tp x pp); `apply_tensor_parallel` wraps it for the loss instead (tp x dp).
+    stages (tp x pp); `TensorParallelCausalLM` wraps it for the loss instead (tp x dp).
     """
     plan = PLANS.get(family_of(model.config.model_type))
     if plan is None:
@@ -146,11 +131,6 @@ def shard_model(model: Any, *, group: Any) -> Any:
                         f"use tp=1 (ZeRO) or a supported architecture: {', '.join(SUPPORTED)}")
     plan(model, group)
     return model
-
-
-def apply_tensor_parallel(model: Any, *, group: Any) -> TensorParallelCausalLM:
-    """Shard `model` (a dense transformers causal LM, identical on every rank) across `group`."""
-    return TensorParallelCausalLM(shard_model(model, group=group), group=group)
 
 
 # --- merging shards back (dsf export) ------------------------------------------------------------
@@ -169,14 +149,6 @@ def shard_layouts(config: Any, tp: int) -> list[dict[str, tuple[int, torch.Tenso
                         for name, param in model.named_parameters(remove_duplicate=False)
                         if getattr(param, "tensor_model_parallel", False)})
     return layouts
-
-
-def _tied_copies(config: Any) -> set[str]:
-    """Parameter names that are a second name of another parameter (tied weights)."""
-    with torch.device("meta"):
-        model = causal_lm_class(config)(config)
-    unique = {name for name, _ in model.named_parameters()}
-    return {name for name, _ in model.named_parameters(remove_duplicate=False)} - unique
 
 
 def merge_tensor_parallel_tensor(name: str, parts: Sequence[torch.Tensor],
@@ -211,26 +183,3 @@ def merge_tensor_parallel_tensor(name: str, parts: Sequence[torch.Tensor],
     if not filled.all():
         raise ValueError(f"{name}: the shards cover {int(filled.sum())} of {size} slices")
     return dense.t().contiguous() if transposed else dense
-
-
-def merge_tensor_parallel_shards(shards: Sequence[Mapping[str, torch.Tensor]], config: Any) -> dict[str, torch.Tensor]:
-    """The dense state dict (transformers names and shapes) from the tp ranks' state dicts.
-
-        dense = merge_tensor_parallel_shards([rank0_state, rank1_state], config)
-        model.load_state_dict(dense)
-
-    Each tensor is merged by `merge_tensor_parallel_tensor` (slices back where `dense_index`
-    says; replicated tensors taken from rank 0, equal on every rank). A tied copy (lm_head.weight
-    of a tied model) that some rank's state lacks is left out: the embedding carries it, and the
-    exported model ties them again.
-    """
-    layouts = shard_layouts(config, len(shards))
-    everywhere = set.intersection(*(set(shard) for shard in shards))
-    merged: dict[str, torch.Tensor] = {}
-    for name in shards[0]:
-        if name not in everywhere:
-            if name in _tied_copies(config):
-                continue
-            raise ValueError(f"{name}: missing from the state of a tensor rank")
-        merged[name] = merge_tensor_parallel_tensor(name, [shard[name] for shard in shards], layouts)
-    return merged

@@ -24,6 +24,7 @@ How the pieces fit (DeepSpeed 0.19's "Arctic Long Sequence Training" components)
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +32,13 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.runtime.pipe.topology import PipelineParallelGrid
 
-from dsframework.parallel.tensor import vocab_parallel_cross_entropy
+from dsframework.models.loss import (
+    causal_lm_loss,
+    plain_token_loss,
+    shift_labels,
+    trained_tokens,
+    vocab_parallel_token_loss,
+)
 
 
 class ContextParallelGrid(PipelineParallelGrid):
@@ -113,21 +120,22 @@ def _ulysses_class():
 
 
 def use_ulysses_attention(model: Any, grid: ContextParallelGrid, *, micro_batch: int, seq_len: int,
-                          tp: int = 1) -> None:
+                          tp: int = 1) -> str:
     """Route `model`'s attention through DeepSpeed's Ulysses all-to-alls over the grid's context
-    group. As DeepSpeed's `register_with_transformers` does, the attention function the model
-    dispatches to (sdpa) is replaced in transformers' registry by a wrapper, so every code path
-    of the model that checks for sdpa still runs; this process trains one model, so the
-    replacement is for the process. With tensor parallelism each rank holds heads / tp."""
+    group; returns the attention implementation's name. The wrapper around sdpa is registered in
+    transformers' AttentionInterface under a name of its own ("dsf_ulysses_<n>", one per call),
+    and only this model's config names it: sdpa's entry stays as it was, so another model in
+    the process runs plain sdpa. (DeepSpeed's `register_with_transformers` replaces sdpa's entry
+    instead, for the whole process.) The name has no mask function registered, so transformers
+    builds no mask for the local shard (sdpa's causal flag covers the whole sequence after the
+    all-to-all; eager needs a 4D mask of the full sequence, which DeepSpeed refuses), and none of
+    these models' code paths asks for "sdpa" by name. With tensor parallelism each rank holds
+    heads / tp."""
+    from transformers import AttentionInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     config = model.config
-    implementation = config._attn_implementation or "sdpa"
-    if implementation != "sdpa":  # eager needs a 4D mask of the full sequence (DeepSpeed refuses it)
-        config._attn_implementation = implementation = "sdpa"
-    core = ALL_ATTENTION_FUNCTIONS[implementation]
-    if getattr(core, "dsf_ulysses", False):
-        core = core.dsf_core  # already routed (a second model in this process): wrap the original
+    core = ALL_ATTENTION_FUNCTIONS["sdpa"]
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     cp = grid.get_sequence_parallel_world_size()
@@ -137,18 +145,23 @@ def use_ulysses_attention(model: Any, grid: ContextParallelGrid, *, micro_batch:
         kv_head_count=kv_heads // tp, num_hidden_layers=config.num_hidden_layers,
         process_group=grid.get_sequence_parallel_group(), seq_length_is_variable=False,
         local_seq_length=seq_len // cp, global_seq_length=seq_len)
-    attention.core_attn_implementation = implementation
+    attention.core_attn_implementation = "sdpa"
 
     def ulysses(module, query, key, value, attention_mask, *args, **kwargs):
-        # The model built its mask for the local shard; sdpa's causal flag covers the whole
-        # sequence after the all-to-all (and a full 4D mask would cost O(seq_len^2)).
+        # The model built no mask for the local shard (see above); sdpa's causal flag covers the
+        # whole sequence after the all-to-all (and a full 4D mask would cost O(seq_len^2)).
         output, weights = attention(module, query, key, value, None, *args, **kwargs)
         # [batch, local tokens, heads * head_dim] -> [batch, local tokens, heads, head_dim], the shape
         # transformers' attention functions return (GPT-2 merges the last two dims itself).
         return output.view(*output.shape[:2], -1, query.shape[-1]), weights
 
-    ulysses.dsf_ulysses, ulysses.dsf_core = True, core
-    ALL_ATTENTION_FUNCTIONS[implementation] = ulysses
+    name = f"dsf_ulysses_{next(_ULYSSES_NAMES)}"
+    AttentionInterface.register(name, ulysses)
+    config._attn_implementation = name
+    return name
+
+
+_ULYSSES_NAMES = itertools.count()  # one registry name per use_ulysses_attention call
 
 
 # --- data and loss -------------------------------------------------------------------------------
@@ -156,7 +169,7 @@ def use_ulysses_attention(model: Any, grid: ContextParallelGrid, *, micro_batch:
 @dataclass(frozen=True)
 class SequenceShard:
     """This rank's slice of a micro-batch: its tokens, their global positions, and the label of
-    each (the next token; -100 after the last token of the sequence)."""
+    each (the next token; models/loss.py's IGNORE_INDEX after the last token of the sequence)."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
@@ -169,11 +182,11 @@ class SequenceShard:
         cp, rank = grid.get_sequence_parallel_world_size(), grid.get_sequence_parallel_rank()
         batch, seq_len = input_ids.shape
         local = seq_len // cp
-        labels = torch.nn.functional.pad(input_ids[:, 1:], (0, 1), value=-100)
+        labels = shift_labels(input_ids)
         positions = torch.arange(seq_len, device=input_ids.device).expand(batch, seq_len)
         mine = slice(rank * local, (rank + 1) * local)
         return cls(input_ids[:, mine].contiguous(), positions[:, mine].contiguous(), labels[:, mine].contiguous(),
-                   predicted=int((labels != -100).sum()))
+                   predicted=int(trained_tokens(labels)))
 
 
 def zero_gradient_scale(*, cp: int, zero_stage: int) -> float:
@@ -195,25 +208,17 @@ def sequence_shard_loss(engine: Any, shard: SequenceShard, *, grid: Any, tensor_
                         chunked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(this rank's share of the micro-batch loss, to backpropagate, times `gradient_scale`
     (`zero_gradient_scale`); the micro-batch's mean loss, detached, the same on every rank of the
-    context group). `chunked`: the model computes its loss in chunks (models/loss.py), handed
-    the shard's labels as they are (already shifted: its last token predicts the next shard's first)."""
-    if chunked:  # the mean over this shard's labelled tokens, back to their sum
-        local = (shard.labels != -100).sum()
-        total = engine(input_ids=shard.input_ids, position_ids=shard.position_ids,
-                       shift_labels=shard.labels).loss * local.clamp(min=1)
+    context group). The loss is models/loss.py's over the shard's targets (already shifted: its
+    last token predicts the next shard's first), summed and divided by the tokens the whole
+    micro-batch predicts; `chunked`: the model computes it in chunks (models/loss.py)."""
+    if chunked:  # the model's own (chunked) loss, handed the count to divide by as transformers names it
+        share = engine(input_ids=shard.input_ids, position_ids=shard.position_ids, shift_labels=shard.labels,
+                       num_items_in_batch=shard.predicted).loss
     else:
-        total = _shard_loss_sum(engine(input_ids=shard.input_ids, position_ids=shard.position_ids).logits,
-                                shard, tensor_group=tensor_group, vocab_size=vocab_size)
-    share = total / shard.predicted
+        logits = engine(input_ids=shard.input_ids, position_ids=shard.position_ids).logits
+        token_loss = (plain_token_loss if tensor_group is None  # vocab-parallel: the full vocabulary is never gathered
+                      else vocab_parallel_token_loss(group=tensor_group, vocab_size=vocab_size))
+        share = causal_lm_loss(logits, shifted=shard.labels, token_loss=token_loss, over=shard.predicted)
     mean = share.detach().clone()
     dist.all_reduce(mean, group=grid.get_sequence_parallel_group())
     return share * gradient_scale if gradient_scale != 1.0 else share, mean
-
-
-def _shard_loss_sum(logits: torch.Tensor, shard: SequenceShard, *, tensor_group: Any, vocab_size: int) -> torch.Tensor:
-    """The summed loss of the shard's labelled tokens from its whole logits."""
-    if tensor_group is not None:  # vocab-parallel logits: the full vocabulary is never gathered
-        token_losses = vocab_parallel_cross_entropy(logits, shard.labels, group=tensor_group, vocab_size=vocab_size)
-        return token_losses.sum()
-    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), shard.labels.flatten(),
-                                             ignore_index=-100, reduction="sum")

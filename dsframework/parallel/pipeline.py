@@ -18,8 +18,8 @@ The model becomes a flat list of layers, DeepSpeed cuts it into stages:
     N+2      lm_head (or the tied embedding)           lm_head = transformer.wte (tied)
 
 What travels between stages is one tensor, the hidden states [batch, seq, hidden]; the first stage
-takes the token ids, the last gives the logits, and `causal_lm_loss(logits, labels)` (HF's loss:
-shifted cross entropy, mean over tokens) runs on the last stage with labels = the token ids.
+takes the token ids, the last gives the logits, and models/loss.py's `causal_lm_loss(logits, labels)`
+(HF's loss: shifted cross entropy, mean over tokens) runs on the last stage with labels = the token ids.
 Each decoder layer rebuilds what HF's model computes once for all layers, from the sequence
 length alone: position_ids = arange(seq), the rotary cos/sin (Llama family) and the causal mask
 (`create_causal_mask`, None under sdpa, which then uses is_causal). Tied input/output embeddings
@@ -57,25 +57,11 @@ from torch.nn import functional as F
 from dsframework.errors import UserError
 from dsframework.models.families import SUPPORTED, family_of
 from dsframework.models.hf import causal_lm_class
-from dsframework.models.tensor_parallel import vocab_parallel_causal_lm_loss
+from dsframework.models.loss import causal_lm_loss, vocab_parallel_token_loss
 from dsframework.parallel.tensor import VocabParallelEmbedding, VocabParallelLMHead
 from dsframework.runtime_facts import partition_balanced, partition_uniform
 
 TIED_KEY = "embed"
-IGNORE_INDEX = -100  # HF's label for "no loss here"
-
-
-# --- the loss -----------------------------------------------------------------------------------
-
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """HF's `ForCausalLMLoss`: token t predicts label t+1, mean over tokens whose label is not -100.
-
-    Equal to `model(input_ids, labels=input_ids).loss` for the same logits.
-    """
-    logits = logits.float()
-    shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].contiguous()
-    return F.cross_entropy(logits.view(-1, logits.size(-1)), shift_labels.view(-1).to(logits.device),
-                           ignore_index=IGNORE_INDEX)
 
 
 # --- stage modules ------------------------------------------------------------------------------
@@ -253,12 +239,13 @@ def tied_lm_head(embedding: nn.Module, hidden_states: torch.Tensor) -> torch.Ten
 
 
 def pipeline_loss_fn(model: Any) -> Any:
-    """The last stage's loss: `causal_lm_loss`, or its vocab-parallel twin for a model whose
-    layers were sharded by `models.tensor_parallel.shard_model` (tp x pp)."""
+    """The last stage's loss(logits, labels): models/loss.py's `causal_lm_loss`, with the
+    vocab-parallel per-token loss for a model whose layers were sharded by
+    `models.tensor_parallel.shard_model` (tp x pp)."""
     embedding = model.get_input_embeddings() if model is not None else None
     if isinstance(embedding, VocabParallelEmbedding):
-        return functools.partial(vocab_parallel_causal_lm_loss, group=embedding.group,
-                                 vocab_size=embedding.num_embeddings)
+        token_loss = vocab_parallel_token_loss(group=embedding.group, vocab_size=embedding.num_embeddings)
+        return functools.partial(causal_lm_loss, token_loss=token_loss)
     return causal_lm_loss
 
 
@@ -519,16 +506,6 @@ def pipeline_state_dict_to_hf(layer_states: Mapping[int, Mapping[str, torch.Tens
             for prefix in names[child]:
                 out[f"{prefix}.{rest}"] = tensor
     return out
-
-
-def stage_state_dict_to_hf(module: Any) -> dict[str, torch.Tensor]:
-    """This rank's stage of a live PipelineModule, under HF parameter names."""
-    states = {int(name): child.state_dict() for name, child in module.named_children() if name.isdigit()}
-    for key, tied in module.tied_modules.items():
-        local = range(module._local_start, module._local_stop)
-        idx = next(i for i in local if getattr(module._layer_specs[i], "key", None) == key)
-        states[idx] = tied.state_dict()
-    return pipeline_state_dict_to_hf(states, module._layer_specs)
 
 
 _LAYER_FILE = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")

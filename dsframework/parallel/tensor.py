@@ -614,12 +614,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tensor, *,
                                  group: ProcessGroup | None, vocab_size: int,
-                                 ignore_index: int = -100) -> torch.Tensor:
+                                 ignore_index: int) -> torch.Tensor:
     """Per-token cross entropy (no reduction) from this rank's vocab slice of the logits.
 
     `logits_shard`: [..., padded_vocab / tp], rank r holding columns [r*part, (r+1)*part) (the
     layout of VocabParallelEmbedding / VocabParallelLMHead); columns >= `vocab_size` are padding
-    and never count. `target`: [...] ids in [0, vocab_size) or `ignore_index` (loss 0, no grad).
+    and never count. `target`: [...] ids in [0, vocab_size) or `ignore_index` (loss 0, no grad;
+    models/loss.py's IGNORE_INDEX, which `vocab_parallel_token_loss` passes).
     Returns fp32 losses of shape `target.shape`; the full logits are never gathered.
     forward: all-reduce max, all-reduce target logit, all-reduce sum of exp;
     backward: local (softmax - one_hot), no communication.

@@ -135,8 +135,7 @@ from dsframework.runtime_facts import (
     ZERO3_PREFETCH_BUCKET,
     ZERO_ALLGATHER_BUCKET,
     ZERO_REDUCE_BUCKET,
-    loss_chunk_tokens,
-    loss_is_chunked,
+    loss_chunking,
     padded_vocab,
     partition_balanced,
 )
@@ -402,13 +401,10 @@ def ulysses_buffer_bytes(desc: ModelDesc, *, micro_batch: int, seq_len: int, tp:
 
 def loss_chunk(desc: ModelDesc, layout: Layout, job: Job) -> int | None:
     """Tokens whose logits the last stage holds at once when its loss is chunked (Job.chunked_loss,
-    decided as the training loop decides it: runtime_facts.loss_is_chunked on this rank's tokens and
-    vocabulary rows), else None: the whole micro-batch's logits exist together."""
-    rows = _padded_vocab_rows(desc.vocab, layout.tp)
-    tokens = layout.micro_batch * job.seq_len // layout.cp
-    if not loss_is_chunked(job.chunked_loss, tokens=tokens, vocab_rows=rows, chunk_tokens=job.loss_chunk_tokens):
-        return None
-    return min(tokens, loss_chunk_tokens(rows, chunk_tokens=job.loss_chunk_tokens))
+    decided as the training loop decides it: runtime_facts.loss_chunking), else None: the whole
+    micro-batch's logits exist together."""
+    return loss_chunking(job.chunked_loss, vocab=desc.vocab, tp=layout.tp, pp=layout.pp, cp=layout.cp,
+                         micro_batch=layout.micro_batch, seq_len=job.seq_len, chunk_tokens=job.loss_chunk_tokens)
 
 
 def _edge_activation_bytes(desc: ModelDesc, shape: StageShape, *, micro_batch: int, seq_len: int, tp: int,

@@ -48,7 +48,7 @@ from dsframework.models.tensor_parallel import TensorParallelCausalLM
 from dsframework.parallel.context import use_ulysses_attention, zero_gradient_scale
 from dsframework.parallel.pipeline import build_pipeline_module, stage_table
 from dsframework.parallel.topology import build_grid, build_topology
-from dsframework.runtime_facts import loss_chunk_tokens, loss_is_chunked, padded_vocab
+from dsframework.runtime_facts import loss_chunking as rank_loss_chunking
 from dsframework.train.compiling import compile_engine, use_inductor_cache
 from dsframework.train.metrics import check_no_previous_outputs, remove_previous_outputs
 from dsframework.train.world import init_distributed, rank_zero_first
@@ -443,16 +443,11 @@ def _check_same_model(run: RunConfig, config: Any) -> None:
 
 
 def loss_chunking(run: RunConfig, config: Any, dims: ParallelDims, micro_batch: int) -> int | None:
-    """Tokens per chunk of the causal LM loss (train.chunked_loss), or None for the whole logits.
-    The pipeline's last stage gets its logits from its head layer and keeps the plain loss."""
-    if dims.pp_enabled:  # (true is refused before the run starts: check_chunked_loss_layout)
-        return None
-    rows = padded_vocab(config.vocab_size, tp=dims.tp) // dims.tp  # this rank's vocab slice
-    tokens = micro_batch * run.data.seq_len // dims.cp
-    if not loss_is_chunked(run.train.chunked_loss, tokens=tokens, vocab_rows=rows,
-                           chunk_tokens=run.train.loss_chunk_tokens):
-        return None
-    return loss_chunk_tokens(rows, chunk_tokens=run.train.loss_chunk_tokens)
+    """Tokens per chunk of the causal LM loss (train.chunked_loss), or None for the whole logits:
+    runtime_facts.loss_chunking, the decision the planner counts too."""
+    return rank_loss_chunking(run.train.chunked_loss, vocab=config.vocab_size, tp=dims.tp, pp=dims.pp, cp=dims.cp,
+                              micro_batch=micro_batch, seq_len=run.data.seq_len,
+                              chunk_tokens=run.train.loss_chunk_tokens)
 
 
 @dataclass

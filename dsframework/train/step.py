@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from dsframework.data import BlockSampler, eval_shard
-from dsframework.data.store import IGNORE_INDEX
+from dsframework.models.loss import shift_labels, trained_tokens
 from dsframework.parallel.context import SequenceShard, sequence_shard_loss
 
 
@@ -52,7 +52,7 @@ def micro_batch_loss(engine: Any, input_ids: Any, *, grid: Any = None, context: 
     each example; transformers then masks attention block-diagonally)."""
     if isinstance(input_ids, dict):
         # Counted on the host copy: no device sync. Never 0: every packed example keeps a trained label.
-        trained = int((input_ids["labels"][..., 1:] != IGNORE_INDEX).sum())
+        trained = int(trained_tokens(shift_labels(input_ids["labels"])))
         batch = {key: value.to(engine.device) for key, value in input_ids.items() if key != "loss_weight"}
         mean = engine(**batch, use_cache=False).loss  # over this micro-batch's trained tokens
         loss = mean * (trained * input_ids["loss_weight"])

@@ -253,7 +253,8 @@ def check_cross_entropy(ex: Expect, *, rank: int, tp: int, vocab: int, padded_to
     loss.backward(g)
 
     shard = leaf(part(logits, -1, rank, tp))
-    loss_tp = vocab_parallel_cross_entropy(shard, target, group=world(), vocab_size=vocab)
+    loss_tp = vocab_parallel_cross_entropy(shard, target, group=world(), vocab_size=vocab,
+                                           ignore_index=-100)
     loss_tp.backward(g)
     ex.close("per-token loss", loss_tp, loss)
     ignored = target == -100
@@ -277,7 +278,8 @@ def check_lm_head_tied(ex: Expect, *, rank: int, tp: int) -> None:
     emb_tp = VocabParallelEmbedding.from_dense(emb, group=world())
     head = VocabParallelLMHead.tied_to(emb_tp)
     ex.true("tied head shares the embedding's Parameter", head.weight is emb_tp.weight)
-    loss_tp = vocab_parallel_cross_entropy(head(torch.tanh(emb_tp(ids))), target, group=world(), vocab_size=vocab)
+    loss_tp = vocab_parallel_cross_entropy(head(torch.tanh(emb_tp(ids))), target, group=world(), vocab_size=vocab,
+                                           ignore_index=-100)
     loss_tp.backward(g)
     ex.close("per-token loss", loss_tp, loss)
     ex.close("tied weight grad shard (embedding + head)", emb_tp.weight.grad,
@@ -297,7 +299,8 @@ def check_lm_head_untied(ex: Expect, *, rank: int, tp: int) -> None:
     head = VocabParallelLMHead.from_dense(lm_head, group=world())
     padded = math.ceil(vocab / tp) * tp
     h_tp = leaf(h)
-    loss_tp = vocab_parallel_cross_entropy(head(h_tp), target, group=world(), vocab_size=vocab)
+    loss_tp = vocab_parallel_cross_entropy(head(h_tp), target, group=world(), vocab_size=vocab,
+                                           ignore_index=-100)
     loss_tp.backward(g)
     ex.close("per-token loss", loss_tp, loss)
     ex.close("hidden grad", h_tp.grad, h.grad)

@@ -2,6 +2,12 @@
 slice of each sequence, with global positions and the labels of the whole sequence."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -9,6 +15,8 @@ from dsframework.data import BlockSampler
 from dsframework.parallel.context import SequenceShard, zero_gradient_scale
 from dsframework.layout import ParallelDims
 from dsframework.parallel.topology import build_topology
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 class _Group:
@@ -84,3 +92,74 @@ def test_a_context_parallel_checkpoint_resumes_at_its_layout_only(tmp_path, now,
     same = build_run_config({}, [f"output_dir={tmp_path}", "parallel.zero_stage=3", "parallel.cp=2"])
     assert resume_tag(same, ParallelDims.of(same.parallel, world=4), {"layout": saved}, None) == ("global_step4", False)
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["checkpoints", "latest"]
+
+
+# --- Ulysses attention: for the model it was set up for only --------------------------------------
+
+def _ulysses_scope_worker() -> None:
+    """(Child process: a real one-rank gloo group) Ulysses set up on model A; model B, built after
+    it in the same process without cp, runs transformers' own sdpa: the registry's sdpa entry is
+    the one transformers started with, B never reaches the Ulysses wrapper, and B's logits equal
+    those of a model built before any of it."""
+    import os
+
+    import torch.distributed as tdist
+    from deepspeed import comm
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from dsframework.config import ModelSpec
+    from dsframework.jit import pin_build_tools
+    from dsframework.models.build import build_model, resolve_model
+    from dsframework.parallel.context import use_ulysses_attention
+
+    pin_build_tools()  # DeepSpeed's comm loads its shm op from dsf's prebuilt cache
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    tdist.init_process_group("gloo", rank=0, world_size=1)
+    comm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+
+    class Grid:  # what use_ulysses_attention asks of ContextParallelGrid
+        def get_sequence_parallel_world_size(self):
+            return 1
+
+        def get_sequence_parallel_group(self):
+            return tdist.group.WORLD
+
+    source = resolve_model(ModelSpec(name="tiny-llama"))
+    ids = torch.randint(0, source.config.vocab_size, (2, 16))
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    before = build_model(source, source.config, seed=1).eval()(input_ids=ids).logits
+    model_a = build_model(source, source.config, seed=1).eval()
+    name = use_ulysses_attention(model_a, Grid(), micro_batch=2, seq_len=16)
+    calls = []
+    wrapper = ALL_ATTENTION_FUNCTIONS[name]
+    ALL_ATTENTION_FUNCTIONS.register(name, lambda *a, **k: calls.append(1) or wrapper(*a, **k))
+    logits_a = model_a(input_ids=ids).logits
+    used_by_a = len(calls)
+    other = resolve_model(ModelSpec(name="tiny-llama"))  # a second model of its own (config and all)
+    model_b = build_model(other, other.config, seed=1).eval()
+    logits_b = model_b(input_ids=ids).logits
+    print(json.dumps({"name": name, "a_impl": model_a.config._attn_implementation,
+                      "b_impl": model_b.config._attn_implementation, "sdpa_untouched": ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa,
+                      "calls_a": used_by_a, "calls_b": len(calls) - used_by_a,
+                      "b_equals_fresh": bool(torch.equal(logits_b, before)),
+                      "a_close_to_fresh": bool(torch.allclose(logits_a, before, atol=1e-5))}))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_ulysses_attention_is_for_the_model_it_was_set_up_for_only():
+    proc = subprocess.run([sys.executable, "-c", "from tests.unit.test_context import _ulysses_scope_worker; "
+                           "_ulysses_scope_worker()"], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    layers = 2  # tiny-llama's decoder layers: A calls the wrapper once per layer, B never
+    assert got["a_impl"] == got["name"] != "sdpa" and got["b_impl"] == "sdpa", got
+    assert got["sdpa_untouched"] and got["calls_b"] == 0 and got["calls_a"] == layers, got
+    assert got["b_equals_fresh"] and got["a_close_to_fresh"], got  # one rank: Ulysses is sdpa

@@ -1,5 +1,5 @@
-"""Merging tensor-parallel shards (what `dsf export` does for tp > 1) gives back the dense
-weights exactly: the plans' shards of a dense model, merged, equal it bit for bit, including
+"""Merging tensor-parallel shards (what `dsf export` does for tp > 1, through its own reader)
+gives back the dense weights exactly: the plans' shards of a dense model, merged, equal it bit for bit, including
 vocab padding (a vocabulary not divisible by tp) and GPT-2's per-head q|k|v split."""
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import torch
 
 from dsframework.config import ModelSpec
 from dsframework.models.build import build_model, resolve_model
-from dsframework.models.tensor_parallel import merge_tensor_parallel_shards, shard_layouts, shard_model
+from dsframework.checkpoints.export import TensorParallelReader, TensorReader, weights_to_write
+from dsframework.models.tensor_parallel import shard_layouts, shard_model
 from dsframework.parallel.tensor import LayoutOnlyGroup
 
 
@@ -26,15 +27,23 @@ def shards_of(model, tp: int) -> list[dict[str, torch.Tensor]]:
             for rank in range(tp)]
 
 
+def export_merge(shards: list[dict[str, torch.Tensor]], model) -> dict[str, torch.Tensor]:
+    """What `dsf export` writes from the tp ranks' tensors: {name: dense tensor}, a tied weight once."""
+    reader = TensorParallelReader([TensorReader(shard, mapped=frozenset()) for shard in shards], model.config)
+    return {name: reader.read(found) for name, (found, _) in weights_to_write(model, reader, where="test").items()}
+
+
 @pytest.mark.parametrize("name,tp", [("tiny-llama", 2), ("tiny-gpt2", 2), ("tiny-gpt2", 4)])
 def test_merged_shards_equal_the_dense_model(name, tp):
     model = dense_model(name)
     shards = shards_of(model, tp)
     assert shards[0]["lm_head.weight"].shape[0] == -(-61 // tp), "each rank holds a padded vocab slice"
-    merged = merge_tensor_parallel_shards(shards, model.config)
+    merged = export_merge(shards, model)
     want = model.state_dict()
-    assert sorted(merged) == sorted(want)
-    for key, tensor in want.items():
+    left_out = set(want) - set(merged)  # only second names of a tied weight (written once, tied on load)
+    assert all(any(want[n].data_ptr() == want[m].data_ptr() for m in merged) for n in left_out), left_out
+    assert set(merged) <= set(want) and len(merged) == len({t.data_ptr() for t in want.values()})
+    for key, tensor in ((k, want[k]) for k in merged):
         assert merged[key].shape == tensor.shape, key
         assert torch.equal(merged[key], tensor), key
 
@@ -57,7 +66,7 @@ def test_ranks_disagreeing_on_a_replicated_tensor_is_an_error():
     shards = shards_of(model, 2)
     shards[1]["model.norm.weight"] = shards[1]["model.norm.weight"] + 1
     with pytest.raises(ValueError, match="model.norm.weight"):
-        merge_tensor_parallel_shards(shards, model.config)
+        export_merge(shards, model)
 
 
 def test_a_tied_copy_missing_from_a_rank_is_left_to_the_tie():
@@ -65,6 +74,6 @@ def test_a_tied_copy_missing_from_a_rank_is_left_to_the_tie():
     model = dense_model("tiny-gpt2")
     shards = shards_of(model, 2)
     del shards[1]["lm_head.weight"]
-    merged = merge_tensor_parallel_shards(shards, model.config)
+    merged = export_merge(shards, model)
     assert "lm_head.weight" not in merged
     assert torch.equal(merged["transformer.wte.weight"], model.state_dict()["transformer.wte.weight"])

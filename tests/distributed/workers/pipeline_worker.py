@@ -90,11 +90,22 @@ def micro_batches():
             yield micro, micro
 
 
+def live_layer_states(pipe) -> dict[int, dict[str, torch.Tensor]]:
+    """{layer index: state_dict} of a live PipelineModule's stage, as its layer files hold them
+    (a tied layer under its index on this stage)."""
+    states = {int(name): child.state_dict() for name, child in pipe.named_children() if name.isdigit()}
+    for key, tied in pipe.tied_modules.items():
+        local = range(pipe._local_start, pipe._local_stop)
+        idx = next(i for i in local if getattr(pipe._layer_specs[i], "key", None) == key)
+        states[idx] = tied.state_dict()
+    return states
+
+
 def run_case(case: Case, out_dir: Path) -> None:
     import deepspeed
 
     from dsframework.parallel.pipeline import (build_pipeline_module, partition_layers,
-                                               pipeline_layer_specs, stage_state_dict_to_hf,
+                                               pipeline_layer_specs, pipeline_state_dict_to_hf,
                                                stage_table)
 
     model = dense_model(case.model)
@@ -108,7 +119,8 @@ def run_case(case: Case, out_dir: Path) -> None:
     rank = engine.global_rank
     if case.save:  # the layer files DeepSpeed writes, and this stage's weights under HF names
         engine.save_checkpoint(str(out_dir / f"{case.name}-ckpt"), tag="final")
-        torch.save(stage_state_dict_to_hf(pipe), out_dir / f"{case.name}-stage{engine.stage_id}.pt")
+        live = live_layer_states(pipe)  # this stage's layers, mapped to HF names as export maps the files
+        torch.save(pipeline_state_dict_to_hf(live, pipe._layer_specs), out_dir / f"{case.name}-stage{engine.stage_id}.pt")
     result = {"losses": losses, "parts": [int(p) for p in pipe.parts], "expected_parts": expected_parts,
               "stage": engine.stage_id, "table": stage_table(pipe),
               "checkpointed": [bool(x) for x in pipe.is_checkpointable_results]}

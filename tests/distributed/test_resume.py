@@ -1,10 +1,12 @@
 """Resume is exact: 10 steps straight == 5 steps, a stop, and `--resume` for 5 more: ZeRO-3 on 2
-ranks, and tp2 x pp2 with ZeRO-1 on 4 ranks (per-layer files of each tensor rank)."""
+ranks, and tp2 x pp2 with ZeRO-1 on 4 ranks (per-layer files of each tensor rank). Per layout, the
+straight and the stopped run share one launch; the resume is a launch of its own (a new process
+group reading the checkpoint)."""
 from __future__ import annotations
 
 import pytest
 
-from tests.distributed.launcher import assert_close, read_metrics, train_run
+from tests.distributed.launcher import assert_close, read_metrics, train_run, train_runs
 
 
 LAYOUTS = {  # name: (overrides, ranks)
@@ -13,23 +15,36 @@ LAYOUTS = {  # name: (overrides, ranks)
 }
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_resume_is_exact(tmp_path, layout):
-    parallel, ranks = LAYOUTS[layout]
-    common = [*parallel, "train.steps=10", "train.micro_batch=2", "checkpoint.save_final=true"]
-    straight = train_run(tmp_path / "straight", common, num_ranks=ranks)
+def common(layout: str) -> list[str]:
+    return [*LAYOUTS[layout][0], "train.steps=10", "train.micro_batch=2", "checkpoint.save_final=true"]
 
-    stopped_dir = tmp_path / "stopped"
-    # train.stop_after saves its checkpoint even with checkpoint.save_final off
-    first = train_run(stopped_dir, [*common, "train.stop_after=5", "checkpoint.save_final=false"], num_ranks=ranks)
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """layout -> (its directory, step -> loss of straight / first (the stopped run) / resumed, latest tag at the stop)."""
+    out = {}
+    for layout, (_, ranks) in LAYOUTS.items():
+        root = tmp_path_factory.mktemp(layout)
+        # train.stop_after saves its checkpoint even with checkpoint.save_final off
+        got = train_runs(root, {"straight": common(layout),
+                                "stopped": [*common(layout), "train.stop_after=5", "checkpoint.save_final=false"]},
+                         num_ranks=ranks)
+        latest = (root / "stopped" / "checkpoints" / "latest").read_text().strip()
+        resumed = train_run(root / "stopped", common(layout), num_ranks=ranks, flags=("--resume",))
+        out[layout] = root, got["straight"], got["stopped"], resumed, latest
+    return out
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_resume_is_exact(runs, layout):
+    root, straight, first, resumed, latest_at_stop = runs[layout]
     assert sorted(first) == [1, 2, 3, 4, 5]
-    assert (stopped_dir / "checkpoints" / "latest").read_text().strip() == "global_step5"
-    resumed = train_run(stopped_dir, common, num_ranks=ranks, flags=("--resume",))
+    assert latest_at_stop == "global_step5"
 
     assert sorted(resumed) == list(range(1, 11)), "metrics.jsonl holds each step once"
     assert_close({s: resumed[s] for s in range(6, 11)}, {s: straight[s] for s in range(6, 11)},
                  rtol=1e-6, what=f"{layout}: resumed steps 6-10 vs straight")
     # The learning rate schedule continued too, not restarted.
-    lrs = {m["step"]: m["lr"] for m in read_metrics(stopped_dir) if "lr" in m}
-    straight_lrs = {m["step"]: m["lr"] for m in read_metrics(tmp_path / "straight") if "lr" in m}
+    lrs = {m["step"]: m["lr"] for m in read_metrics(root / "stopped") if "lr" in m}
+    straight_lrs = {m["step"]: m["lr"] for m in read_metrics(root / "straight") if "lr" in m}
     assert lrs == pytest.approx(straight_lrs, rel=1e-12)

@@ -6,6 +6,8 @@ Four runs of 6 steps on 4 ranks, one per layout, each saving global_step4, serve
 sources and the references: a transition copies the source run's output_dir, resumes it at the
 target layout for steps 5-6 and compares them with the target run's. The layouts are equivalent,
 so the four straight runs agree with each other too (within 1e-5: a check on the references).
+Two launches: the four straight runs in one, every transition's resume in another (each resume in a
+process group other than the one that wrote its checkpoint).
 A checkpoint lacking a file the conversion reads is named in one line, nothing written. Without
 processes: the dense <-> shard cuts agree with the shards the tensor-parallel plan makes, with
 vocab padding (vocab 17), grouped kv heads, tied embeddings and GPT-2's fused, transposed Conv1D.
@@ -18,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed.launcher import assert_close, read_metrics, train_run
+from tests.distributed.launcher import assert_close, read_metrics, train_runs
 
 COMMON = ["parallel.zero_stage=1", "train.steps=6", "train.micro_batch=2", "checkpoint.every=4"]
 LAYOUTS = {  # name: parallel settings on 4 ranks
@@ -37,12 +39,29 @@ TRANSITIONS = [  # (saved at, resumed at)
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory) -> dict[str, tuple[Path, dict[int, float]]]:
-    """Each layout's uninterrupted run: output_dir (with global_step4) and step -> loss."""
-    runs = {}
-    for name, parallel in LAYOUTS.items():
-        out = tmp_path_factory.mktemp(name)
-        runs[name] = out, train_run(out, [*COMMON, *parallel], num_ranks=4)
-    return runs
+    """Each layout's uninterrupted run: output_dir (with global_step4) and step -> loss (one launch)."""
+    root = tmp_path_factory.mktemp("straight")
+    got = train_runs(root, {name: [*COMMON, *parallel] for name, parallel in LAYOUTS.items()}, num_ranks=4)
+    return {name: (root / name, got[name]) for name in LAYOUTS}
+
+
+def transition(saved: str, target: str) -> str:
+    return f"{saved}-to-{target}"
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory, straight) -> dict[str, tuple[Path, str, list, dict[int, float]]]:
+    """transition -> (its output_dir: a copy of the saved run, resumed at the target layout; the latest
+    tag and the global_step4 files before the resume; step -> loss), every resume in one launch."""
+    root, before = tmp_path_factory.mktemp("resumed"), {}
+    for saved, target in TRANSITIONS:
+        ckpts = root / transition(saved, target) / "checkpoints"
+        shutil.copytree(straight[saved][0], ckpts.parent)
+        before[transition(saved, target)] = ((ckpts / "latest").read_text().strip(),
+                                             sorted(p.relative_to(ckpts) for p in (ckpts / "global_step4").rglob("*")))
+    runs = {transition(saved, target): [*COMMON, *LAYOUTS[target]] for saved, target in TRANSITIONS}
+    got = train_runs(root, runs, num_ranks=4, resume=tuple(runs))
+    return {name: (root / name, *before[name], got[name]) for name in runs}
 
 
 def test_layouts_agree_before_any_resume(straight):
@@ -52,14 +71,10 @@ def test_layouts_agree_before_any_resume(straight):
 
 
 @pytest.mark.parametrize("saved,target", TRANSITIONS, ids=[f"{a}-to-{b}" for a, b in TRANSITIONS])
-def test_resume_at_another_layout(tmp_path, straight, saved, target):
-    out = tmp_path / "run"
-    shutil.copytree(straight[saved][0], out)
+def test_resume_at_another_layout(straight, resumed, saved, target):
+    out, latest_before, before, resumed = resumed[transition(saved, target)]
     ckpts = out / "checkpoints"
-    assert (ckpts / "latest").read_text().strip() == "global_step4"
-    before = sorted(p.relative_to(ckpts) for p in (ckpts / "global_step4").rglob("*"))
-
-    resumed = train_run(out, [*COMMON, *LAYOUTS[target]], num_ranks=4, flags=("--resume",))
+    assert latest_before == "global_step4"
 
     assert sorted(resumed) == list(range(1, 7)), "metrics.jsonl holds each step once"
     want = straight[target][1]

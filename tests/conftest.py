@@ -10,6 +10,7 @@ node) is marked `distributed`: every test under tests/distributed and tests/clus
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 from pathlib import Path
 
@@ -17,6 +18,9 @@ import pytest
 import torch
 
 PROCESS_DIRS = ("distributed", "cluster")  # tests/<dir>: every test there launches ranks or nodes
+# Programs an unmarked test may not start: Python (and so `dsf`, the launchers, a worker) and the
+# shells and launchers that start it. Libraries' own probes (`file`, `uname`, a compiler) are no test's.
+REFUSED = {"dsf", "deepspeed", "torchrun", "bash", "sh", "pdsh", "ssh", "mpirun", "srun", "sbatch", "salloc"}
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +56,13 @@ def _processes_refused(item):
         return
     real = subprocess.Popen._execute_child
 
-    def refuse(self, args, *rest, **kw):
-        shown = args if isinstance(args, str) else " ".join(map(str, args))
-        raise AssertionError(f"{item.nodeid} starts a process ({shown[:200]}); mark it "
-                             "@pytest.mark.distributed, or keep it in this process (the fast tier has no processes)")
+    def refuse(self, args, executable, *rest):
+        shown = str(args) if isinstance(args, (str, bytes, os.PathLike)) else " ".join(map(str, args))
+        program = Path(str(executable or shown.split()[0])).name
+        if program in REFUSED or program.startswith("python"):
+            raise AssertionError(f"{item.nodeid} starts a process ({shown[:200]}); mark it @pytest.mark.distributed, "
+                                 "or keep it in this process (the fast tier has no processes)")
+        return real(self, args, executable, *rest)
 
     subprocess.Popen._execute_child = refuse
     try:

@@ -329,6 +329,7 @@ def test_check_names_the_unreachable_hosts_fast(tmp_path):
     assert "localhost: this node, not checked" in proc.stdout
 
 
+@pytest.mark.distributed
 def test_ssh_check_reports_ssh_own_reason():
     (result,) = check_hosts(["nohost-dsf-test.invalid"], ssh_reason)
     assert result[0] == "nohost-dsf-test.invalid"

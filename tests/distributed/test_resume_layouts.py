@@ -72,13 +72,13 @@ def test_layouts_agree_before_any_resume(straight):
 
 @pytest.mark.parametrize("saved,target", TRANSITIONS, ids=[f"{a}-to-{b}" for a, b in TRANSITIONS])
 def test_resume_at_another_layout(straight, resumed, saved, target):
-    out, latest_before, before, resumed = resumed[transition(saved, target)]
+    out, latest_before, before, got = resumed[transition(saved, target)]
     ckpts = out / "checkpoints"
     assert latest_before == "global_step4"
 
-    assert sorted(resumed) == list(range(1, 7)), "metrics.jsonl holds each step once"
+    assert sorted(got) == list(range(1, 7)), "metrics.jsonl holds each step once"
     want = straight[target][1]
-    assert_close({s: resumed[s] for s in (5, 6)}, {s: want[s] for s in (5, 6)}, rtol=1e-4,
+    assert_close({s: got[s] for s in (5, 6)}, {s: want[s] for s in (5, 6)}, rtol=1e-4,
                  what=f"{saved} -> {target}: steps 5-6 vs the straight {target} run")
     lrs = {m["step"]: m["lr"] for m in read_metrics(out) if "lr" in m}
     want_lrs = {m["step"]: m["lr"] for m in read_metrics(straight[target][0]) if "lr" in m}

@@ -6,8 +6,7 @@ Four runs of 6 steps on 4 ranks, one per layout, each saving global_step4, serve
 sources and the references: a transition copies the source run's output_dir, resumes it at the
 target layout for steps 5-6 and compares them with the target run's. The layouts are equivalent,
 so the four straight runs agree with each other too (within 1e-5: a check on the references).
-Two launches: the four straight runs in one, every transition's resume in another (each resume in a
-process group other than the one that wrote its checkpoint).
+The four straight runs share one launch; each transition's resume is a launch of its own.
 A checkpoint lacking a file the conversion reads is named in one line, nothing written. Without
 processes: the dense <-> shard cuts agree with the shards the tensor-parallel plan makes, with
 vocab padding (vocab 17), grouped kv heads, tied embeddings and GPT-2's fused, transposed Conv1D.
@@ -20,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed.launcher import assert_close, read_metrics, train_runs
+from tests.distributed.launcher import assert_close, read_metrics, train_run, train_runs
 
 COMMON = ["parallel.zero_stage=1", "train.steps=6", "train.micro_batch=2", "checkpoint.every=4"]
 LAYOUTS = {  # name: parallel settings on 4 ranks
@@ -45,25 +44,6 @@ def straight(tmp_path_factory) -> dict[str, tuple[Path, dict[int, float]]]:
     return {name: (root / name, got[name]) for name in LAYOUTS}
 
 
-def transition(saved: str, target: str) -> str:
-    return f"{saved}-to-{target}"
-
-
-@pytest.fixture(scope="module")
-def resumed(tmp_path_factory, straight) -> dict[str, tuple[Path, str, list, dict[int, float]]]:
-    """transition -> (its output_dir: a copy of the saved run, resumed at the target layout; the latest
-    tag and the global_step4 files before the resume; step -> loss), every resume in one launch."""
-    root, before = tmp_path_factory.mktemp("resumed"), {}
-    for saved, target in TRANSITIONS:
-        ckpts = root / transition(saved, target) / "checkpoints"
-        shutil.copytree(straight[saved][0], ckpts.parent)
-        before[transition(saved, target)] = ((ckpts / "latest").read_text().strip(),
-                                             sorted(p.relative_to(ckpts) for p in (ckpts / "global_step4").rglob("*")))
-    runs = {transition(saved, target): [*COMMON, *LAYOUTS[target]] for saved, target in TRANSITIONS}
-    got = train_runs(root, runs, num_ranks=4, resume=tuple(runs))
-    return {name: (root / name, *before[name], got[name]) for name in runs}
-
-
 def test_layouts_agree_before_any_resume(straight):
     reference = straight["tp1pp1dp4"][1]
     for name, (_, losses) in straight.items():
@@ -71,14 +51,18 @@ def test_layouts_agree_before_any_resume(straight):
 
 
 @pytest.mark.parametrize("saved,target", TRANSITIONS, ids=[f"{a}-to-{b}" for a, b in TRANSITIONS])
-def test_resume_at_another_layout(straight, resumed, saved, target):
-    out, latest_before, before, got = resumed[transition(saved, target)]
+def test_resume_at_another_layout(tmp_path, straight, saved, target):
+    out = tmp_path / "run"
+    shutil.copytree(straight[saved][0], out)
     ckpts = out / "checkpoints"
-    assert latest_before == "global_step4"
+    assert (ckpts / "latest").read_text().strip() == "global_step4"
+    before = sorted(p.relative_to(ckpts) for p in (ckpts / "global_step4").rglob("*"))
 
-    assert sorted(got) == list(range(1, 7)), "metrics.jsonl holds each step once"
+    resumed = train_run(out, [*COMMON, *LAYOUTS[target]], num_ranks=4, flags=("--resume",))
+
+    assert sorted(resumed) == list(range(1, 7)), "metrics.jsonl holds each step once"
     want = straight[target][1]
-    assert_close({s: got[s] for s in (5, 6)}, {s: want[s] for s in (5, 6)}, rtol=1e-4,
+    assert_close({s: resumed[s] for s in (5, 6)}, {s: want[s] for s in (5, 6)}, rtol=1e-4,
                  what=f"{saved} -> {target}: steps 5-6 vs the straight {target} run")
     lrs = {m["step"]: m["lr"] for m in read_metrics(out) if "lr" in m}
     want_lrs = {m["step"]: m["lr"] for m in read_metrics(straight[target][0]) if "lr" in m}

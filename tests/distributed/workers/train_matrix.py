@@ -3,12 +3,11 @@ process group, each with the torch.compile backend it names (tests/distributed/t
 or eager (launcher.train_runs: every module that trains several layouts at one world size).
 
     deepspeed --num_gpus 2 train_matrix.py OUT_ROOT 'z1|eager|parallel.zero_stage=1' \
-        'z1_compiled|aot_eager|parallel.zero_stage=1;train.compile=true' 'z3|eager|...|resume' ...
+        'z1_compiled|aot_eager|parallel.zero_stage=1;train.compile=true' ...
 
-Each spec is NAME|BACKEND|OVERRIDES[|resume] (OVERRIDES `;`-separated, on top of the tests'
-BASE_OVERRIDES), trained into OUT_ROOT/NAME with `dsframework.train.engine.train`, as `dsf train`
-(`--resume` with the fourth field) does. BACKEND patches `dsframework.train.compiling.BACKEND`
-(inductor in production): `aot_eager` traces the same dynamo and AOT autograd graphs through
+Each spec is NAME|BACKEND|OVERRIDES (OVERRIDES `;`-separated, on top of the tests' BASE_OVERRIDES),
+trained into OUT_ROOT/NAME with `dsframework.train.engine.train`, as `dsf train` does. BACKEND
+patches `dsframework.train.compiling.BACKEND` (inductor in production): `aot_eager` traces the same dynamo and AOT autograd graphs through
 DeepSpeed's hooks without generating kernels, which keeps a matrix of layouts cheap; `inductor` is
 the real thing. A NAME ending in `_auto` expects no compile time, so that train.compile=auto compiles
 mid-run. One launch saves each run its own start (imports and rendezvous, ~10-20 s).
@@ -26,11 +25,11 @@ from tests.distributed.launcher import TINY_YAML, run_overrides
 
 def main(root: str, specs: list[str]) -> None:
     for spec in specs:
-        name, backend, overrides, *flags = spec.split("|")
+        name, backend, overrides = spec.split("|")
         compiling.BACKEND = backend if backend != "eager" else compiling.BACKEND
         compiling.COMPILE_S = 0.0 if name.endswith("_auto") else 90.0
         run = load_run_config(TINY_YAML, run_overrides(Path(root) / name, [o for o in overrides.split(";") if o]))
-        train(run, resume=flags == ["resume"])
+        train(run)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,26 @@
-"""Fixtures shared by both test tiers."""
+"""Fixtures and markers shared by both test tiers.
+
+    pytest -m "not distributed" tests     # the fast tier: in-process tests only (a few minutes)
+    pytest tests                          # the full suite (CI): also every launched rank and `dsf` process
+
+A test that starts a process (the `deepspeed` launcher, a `dsf` or `python` subprocess, a cluster
+node) is marked `distributed`: every test under tests/distributed and tests/cluster by its path
+(below), a unit test explicitly. An unmarked test that starts one fails, naming the command.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
+
+PROCESS_DIRS = ("distributed", "cluster")  # tests/<dir>: every test there launches ranks or nodes
+# Programs an unmarked test may not start: Python (and so `dsf`, the launchers, a worker) and the
+# shells and launchers that start it. Libraries' own probes (`file`, `uname`, a compiler) are no test's.
+REFUSED = {"dsf", "deepspeed", "torchrun", "bash", "sh", "pdsh", "ssh", "mpirun", "srun", "sbatch", "salloc"}
 
 
 @pytest.fixture(scope="module")
@@ -15,3 +35,55 @@ def one_thread():
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: the one world-8 run (about a minute here); deselect with -m 'not slow'")
+    config.addinivalue_line("markers", "distributed: starts processes (launched ranks, a `dsf` or `python` "
+                                       "subprocess, cluster nodes); the fast tier is -m 'not distributed'")
+
+
+def pytest_collection_modifyitems(config, items):
+    tests_dir = Path(__file__).parent
+    for item in items:
+        parts = Path(item.fspath).relative_to(tests_dir).parts
+        if parts[0] in PROCESS_DIRS:
+            item.add_marker(pytest.mark.distributed)
+
+
+@contextlib.contextmanager
+def _processes_refused(item):
+    """Inside an unmarked test (its fixtures included), starting a subprocess fails the test: the
+    fast tier stays in-process, and a test that needs a process says so with its marker."""
+    if item.get_closest_marker("distributed"):
+        yield
+        return
+    real = subprocess.Popen._execute_child
+
+    def refuse(self, args, executable, *rest):
+        shown = str(args) if isinstance(args, (str, bytes, os.PathLike)) else " ".join(map(str, args))
+        program = Path(str(executable or shown.split()[0])).name
+        if program in REFUSED or program.startswith("python"):
+            raise AssertionError(f"{item.nodeid} starts a process ({shown[:200]}); mark it @pytest.mark.distributed, "
+                                 "or keep it in this process (the fast tier has no processes)")
+        return real(self, args, executable, *rest)
+
+    subprocess.Popen._execute_child = refuse
+    try:
+        yield
+    finally:
+        subprocess.Popen._execute_child = real
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    with _processes_refused(item):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    with _processes_refused(item):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item):
+    with _processes_refused(item):
+        yield

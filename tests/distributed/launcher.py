@@ -115,6 +115,23 @@ def startup_breakdown(stdout: str) -> tuple[float, dict[str, float]]:
     return float(match.group(1)), parts
 
 
+MATRIX = REPO / "tests" / "distributed" / "workers" / "train_matrix.py"
+
+
+def train_runs(root: Path, runs: dict[str, list[str]], *, num_ranks: int = 2,
+               timeout: int = 900) -> dict[str, dict[int, float]]:
+    """Several runs in one launch: train_run(root / name, overrides, num_ranks=...) for each, in order,
+    in one process group (workers/train_matrix.py), which saves every run after the first its start
+    (~10-20 s). Returns name -> (step -> loss). A resume stays a launch of its own (train_run with
+    --resume): a new process group reading the checkpoint, as a user's restart is.
+
+        got = train_runs(root, {"zero1": ["parallel.zero_stage=1"], "zero3": ["parallel.zero_stage=3"]})
+    """
+    specs = [f"{name}|eager|{';'.join(overrides)}" for name, overrides in runs.items()]
+    launch([str(MATRIX), str(root), *specs], num_ranks=num_ranks, timeout=timeout)
+    return {name: losses(root / name) for name in runs}
+
+
 def assert_close(got: dict[int, float], want: dict[int, float], *, rtol: float, what: str) -> None:
     assert sorted(got) == sorted(want), f"{what}: steps {sorted(got)} != {sorted(want)}"
     worst = max(abs(got[s] - want[s]) / abs(want[s]) for s in want)

@@ -4,9 +4,9 @@ reference that sees whole sequences, for ZeRO 0-3, the Llama family and GPT-2, a
 cp 2 x dp 2 and tp 2 x cp 2 (world 4): each stage and each family at least once, not every
 product (the suite's time); eval, resume and export work.
 
-Every run is a real `deepspeed --num_gpus N dsf train` (CPU ranks, gloo); the reference is the
-single-process plain PyTorch loop of reference.py over the same weights and global batches.
-Launches are shared: one run per layout, the resume and export checks reuse them.
+Every run is a real `dsf train` on N CPU ranks (gloo); the reference is the single-process plain
+PyTorch loop of reference.py over the same weights and global batches. Launches are shared: one run
+per layout, the runs of a world size in one launch; the resume and export checks reuse them.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from dsframework.config import build_run_config
-from tests.distributed.launcher import assert_close, read_metrics, run_overrides, train_run
+from tests.distributed.launcher import assert_close, read_metrics, run_overrides, train_run, train_runs
 from tests.distributed.reference import assert_export_matches, reference_train
 
 SAVE = ["checkpoint.every=4", "checkpoint.save_final=true"]
@@ -42,8 +42,9 @@ def cp_runs(tmp_path_factory):
     """name -> (step -> loss) of every run in RUNS; "reference-<family>" -> (losses, model)."""
     root = tmp_path_factory.mktemp("cp")
     runs = {"root": root}
-    for name, (ranks, settings) in RUNS.items():
-        runs[name] = train_run(root / name, settings, num_ranks=ranks)
+    for world in sorted({ranks for ranks, _ in RUNS.values()}):
+        runs.update(train_runs(root, {name: settings for name, (ranks, settings) in RUNS.items() if ranks == world},
+                               num_ranks=world))
     for family in ("llama", "gpt2"):
         name = next(n for n in RUNS if _family(n) == family)
         runs[f"reference-{family}"] = reference_train(build_run_config({}, run_overrides(root / name, RUNS[name][1])))

@@ -1,6 +1,7 @@
 """Export round trip: ZeRO-3 training at world 2, and tp2 x pp2 at world 4 -> `dsf export` ->
 `from_pretrained` gives the engine's logits; tensor-parallel and pipeline checkpoints export the
-reference-trained weights; the exported directory trains again as a local pretrained model."""
+reference-trained weights; the exported directory trains again as a local pretrained model.
+The world-2 trainings of this module share one launch (`trained`)."""
 from __future__ import annotations
 
 import json
@@ -10,19 +11,38 @@ import pytest
 import torch
 
 from dsframework.config import build_run_config
-from tests.distributed.launcher import TINY_YAML, dsf, launch, run_overrides, train_run
+from tests.distributed.launcher import TINY_YAML, dsf, launch, run_overrides, train_run, train_runs
 from tests.distributed.reference import reference_train
 
 WORKER = Path(__file__).parent / "workers" / "engine_logits.py"
+ZERO3 = ["parallel.zero_stage=3", "train.steps=4", "checkpoint.save_final=true"]
+TRAINED_WEIGHTS = {  # test_export_holds_the_trained_weights
+    "pp2_zero1": ["parallel.zero_stage=1", "parallel.pp=2", "train.micro_batch=2"],
+    "tp2_zero1": ["parallel.zero_stage=1", "parallel.tp=2"],
+    "tp2_zero3_gpt2": ["parallel.zero_stage=3", "parallel.tp=2", "model.name=tiny-gpt2"],
+}
+GPT2_FIRST = ["model.name=tiny-gpt2", "parallel.zero_stage=2", "train.steps=3", "checkpoint.save_final=true"]
 
 
-def export_and_compare_with_engine(tmp_path, overrides: list[str], *, num_ranks: int):
-    """Train, `dsf export`, rebuild the engine from the checkpoint (a worker under the launcher):
-    `from_pretrained` on the export gives the engine's logits within 1e-5. Returns the export."""
+def trained_weights_overrides(layout: str) -> list[str]:
+    return [*TRAINED_WEIGHTS[layout], "train.steps=3", "checkpoint.save_final=true"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """The root of this module's world-2 runs (zero3, the TRAINED_WEIGHTS layouts, gpt2_first): one launch."""
+    root = tmp_path_factory.mktemp("export")
+    train_runs(root, {"zero3": ZERO3, **{name: trained_weights_overrides(name) for name in TRAINED_WEIGHTS},
+                      "gpt2_first": GPT2_FIRST})
+    return root
+
+
+def export_and_compare_with_engine(tmp_path, run_dir: Path, overrides: list[str], *, num_ranks: int):
+    """`dsf export` the trained run in run_dir, rebuild the engine from the checkpoint (a worker under
+    the launcher): `from_pretrained` on the export gives the engine's logits within 1e-5. Returns the export."""
     from transformers import AutoModelForCausalLM
 
-    run_dir, hf_dir = tmp_path / "run", tmp_path / "hf"
-    train_run(run_dir, overrides, num_ranks=num_ranks)
+    hf_dir = tmp_path / "hf"
     dsf("export", str(run_dir / "checkpoints"), str(hf_dir))
     sets = [arg for o in run_overrides(run_dir, overrides) for arg in ("--set", o)]
     launch([str(WORKER), str(TINY_YAML), str(tmp_path / "engine.pt"), *sets], num_ranks=num_ranks)
@@ -37,11 +57,10 @@ def export_and_compare_with_engine(tmp_path, overrides: list[str], *, num_ranks:
     return hf_dir
 
 
-def test_zero3_export_round_trip(tmp_path):
+def test_zero3_export_round_trip(tmp_path, trained):
     from transformers import AutoTokenizer
 
-    hf_dir = export_and_compare_with_engine(
-        tmp_path, ["parallel.zero_stage=3", "train.steps=4", "checkpoint.save_final=true"], num_ranks=2)
+    hf_dir = export_and_compare_with_engine(tmp_path, trained / "zero3", ZERO3, num_ranks=2)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
     assert tokenizer.decode(tokenizer("17,18,19", add_special_tokens=False)["input_ids"]) == "17,18,19"
     assert json.loads((hf_dir / "config.json").read_text())["vocab_size"] == len(tokenizer)
@@ -51,41 +70,36 @@ def test_tp2_pp2_export_round_trip(tmp_path):
     """Four ranks, two tensor ranks per stage: the exported directory gives the logits of the
     engine rebuilt from the same checkpoint (its last stage, vocab slices gathered). (GPT-2's
     fused q|k|v merge through a real checkpoint is in the tp2_zero3_gpt2 case below.)"""
-    export_and_compare_with_engine(
-        tmp_path, ["model.name=tiny-llama", "parallel.tp=2", "parallel.pp=2", "parallel.zero_stage=1",
-                   "train.micro_batch=2", "train.steps=3", "checkpoint.save_final=true"], num_ranks=4)
+    overrides = ["model.name=tiny-llama", "parallel.tp=2", "parallel.pp=2", "parallel.zero_stage=1",
+                 "train.micro_batch=2", "train.steps=3", "checkpoint.save_final=true"]
+    train_run(tmp_path / "run", overrides, num_ranks=4)
+    export_and_compare_with_engine(tmp_path, tmp_path / "run", overrides, num_ranks=4)
 
 
-@pytest.mark.parametrize("layout", ["pp2_zero1", "tp2_zero1", "tp2_zero3_gpt2"])
-def test_export_holds_the_trained_weights(tmp_path, layout):
+@pytest.mark.parametrize("layout", list(TRAINED_WEIGHTS))
+def test_export_holds_the_trained_weights(tmp_path, trained, layout):
     """Two pipeline stages (per-layer files) and tensor-parallel shards (ZeRO-1 partitions of a
     Llama, ZeRO-3 partitions of a GPT-2 with its fused q|k|v, per tensor rank): the exported model
     equals the single-process reference after the same 3 steps. (Stages 0 and 1 without TP or PP:
     test_zero.py, on its own runs.)"""
     from transformers import AutoModelForCausalLM
 
-    parallel = {"pp2_zero1": ["parallel.zero_stage=1", "parallel.pp=2", "train.micro_batch=2"],
-                "tp2_zero1": ["parallel.zero_stage=1", "parallel.tp=2"],
-                "tp2_zero3_gpt2": ["parallel.zero_stage=3", "parallel.tp=2", "model.name=tiny-gpt2"]}[layout]
-    overrides = [*parallel, "train.steps=3", "checkpoint.save_final=true"]
-    train_run(tmp_path / "run", overrides)
-    dsf("export", str(tmp_path / "run" / "checkpoints"), str(tmp_path / "hf"))
+    overrides, run_dir = trained_weights_overrides(layout), trained / layout
+    dsf("export", str(run_dir / "checkpoints"), str(tmp_path / "hf"))
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True).eval()
-    _, reference = reference_train(build_run_config({}, run_overrides(tmp_path / "run", overrides)))
+    _, reference = reference_train(build_run_config({}, run_overrides(run_dir, overrides)))
     input_ids = torch.arange(32).remainder(exported.config.vocab_size).view(2, 16)
     with torch.no_grad():
         got, want = exported(input_ids=input_ids).logits, reference.eval()(input_ids=input_ids).logits
     assert (got - want).abs().max().item() < 1e-4 * want.abs().max().item()
 
 
-def test_gpt2_trains_from_a_local_pretrained_directory(tmp_path):
+def test_gpt2_trains_from_a_local_pretrained_directory(tmp_path, trained):
     """A different architecture (GPT-2, tied embeddings) on ZeRO-2, exported, then loaded back
     with from_pretrained under ZeRO-3: its first loss equals the exported model's loss."""
     from transformers import AutoModelForCausalLM
 
-    first_dir, hf_dir = tmp_path / "first", tmp_path / "hf"
-    train_run(first_dir, ["model.name=tiny-gpt2", "parallel.zero_stage=2", "train.steps=3",
-                          "checkpoint.save_final=true"])
+    first_dir, hf_dir = trained / "gpt2_first", tmp_path / "hf"
     dsf("export", str(first_dir / "checkpoints"), str(hf_dir))
     model = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True, dtype=torch.float32)
     assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr(), "ties survive export"

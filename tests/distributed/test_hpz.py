@@ -2,8 +2,8 @@
 cp 2 x dp 2 trains to plain ZeRO-3's losses and the single-process reference's, a stopped hpZ run
 resumes exactly and its checkpoint exports the reference's weights, weight all-gathers run inside
 groups of 2 ranks, and each rank holds the model states the planner predicts (the secondary
-partition included). Four training launches (plain ZeRO-3; hpZ stopped at step 4; hpZ resumed;
-cp 2 x dp 2 with hpZ) and one measuring launch for both hpZ layouts.
+partition included). Two training launches (plain ZeRO-3, hpZ stopped at step 4, and cp 2 x dp 2
+with hpZ in one; hpZ resumed in a new process group) and one measuring launch for both hpZ layouts.
 
 The model is tiny-llama widened so its weights lie above ZeRO-3's persistence threshold (100k
 elements; below it DeepSpeed keeps a weight whole on every rank after the first step and hpZ has
@@ -20,7 +20,7 @@ from dsframework.config import build_run_config, load_run_config
 from dsframework.dsconfig import resolve_batch
 from dsframework.planner.memory import Job, Layout, memory_per_rank
 from dsframework.planner.model import describe_model
-from tests.distributed.launcher import TINY_YAML, assert_close, launch, read_metrics, run_overrides, train_run
+from tests.distributed.launcher import TINY_YAML, assert_close, launch, read_metrics, run_overrides, train_run, train_runs
 from tests.distributed.reference import assert_export_matches, reference_train
 
 WORKER = Path(__file__).parent / "workers" / "hpz_states.py"
@@ -41,11 +41,11 @@ def runs(tmp_path_factory):
     checkpoint, `--resume` for 4 more and a final checkpoint) and of cp 2 x dp 2 with hpZ 2, the
     single-process reference's losses and model, and the run directories."""
     root = tmp_path_factory.mktemp("hpz")
-    out = {"root": root, "zero3": train_run(root / "zero3", COMMON, num_ranks=WORLD)}
-    out["hpz2_first"] = train_run(root / "hpz2", [*HPZ, "train.stop_after=4"], num_ranks=WORLD)
+    first = train_runs(root, {"zero3": COMMON, "hpz2": [*HPZ, "train.stop_after=4"], "cp2_hpz2": CP_HPZ},
+                       num_ranks=WORLD)
+    out = {"root": root, "zero3": first["zero3"], "hpz2_first": first["hpz2"], "cp2_hpz2": first["cp2_hpz2"]}
     out["hpz2_latest_at_stop"] = (root / "hpz2" / "checkpoints" / "latest").read_text().strip()
     out["hpz2"] = train_run(root / "hpz2", HPZ, num_ranks=WORLD, flags=("--resume",))
-    out["cp2_hpz2"] = train_run(root / "cp2_hpz2", CP_HPZ, num_ranks=WORLD)
     out["reference"], out["reference_model"] = reference_train(build_run_config({}, run_overrides(root / "hpz2", HPZ)))
     return out
 

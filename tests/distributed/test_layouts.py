@@ -1,13 +1,13 @@
 """Parallel layouts are exact: per-step losses of tp2 and pp2 (world 2), tp2 x dp2 and pp2 x dp2
 (world 4, ZeRO-1 over the data-parallel group), tp2 x pp2 (world 4) and tp2 x pp2 x dp2 (world 8,
 one slow test) equal the single-process reference, for a grouped-query Llama and a tied-embedding
-GPT-2."""
+GPT-2. The runs of each world size share one launch (launcher.train_runs)."""
 from __future__ import annotations
 
 import pytest
 
 from dsframework.config import build_run_config
-from tests.distributed.launcher import assert_close, run_overrides, train_run
+from tests.distributed.launcher import assert_close, run_overrides, train_run, train_runs
 from tests.distributed.reference import reference_losses
 
 LAYOUTS = {
@@ -25,12 +25,26 @@ CASES = [(model, layout) for layout in LAYOUTS for model in ("tiny-llama", "tiny
          if not (layout == "tp2_dp2_zero3" and model == "tiny-gpt2")]  # ZeRO-3 x TP: one model is enough
 
 
+def case_overrides(model: str, layout: str) -> list[str]:
+    return [f"model.name={model}", *LAYOUTS[layout][0]]
+
+
+@pytest.fixture(scope="module")
+def layout_runs(tmp_path_factory):
+    """(model, layout) -> (its run directory, step -> loss) of every case: one launch per world size."""
+    root = tmp_path_factory.mktemp("layouts")
+    out = {}
+    for world in sorted({LAYOUTS[layout][1] for _, layout in CASES}):
+        cases = {f"{model}-{layout}": (model, layout) for model, layout in CASES if LAYOUTS[layout][1] == world}
+        got = train_runs(root, {name: case_overrides(*case) for name, case in cases.items()}, num_ranks=world)
+        out.update({case: (root / name, got[name]) for name, case in cases.items()})
+    return out
+
+
 @pytest.mark.parametrize("model,layout", CASES)
-def test_tensor_parallel_layout_matches_reference(tmp_path, model, layout):
-    overrides, world = LAYOUTS[layout]
-    overrides = [f"model.name={model}", *overrides]
-    got = train_run(tmp_path / layout, overrides, num_ranks=world)
-    want = reference_losses(build_run_config({}, run_overrides(tmp_path / layout, overrides)))
+def test_tensor_parallel_layout_matches_reference(layout_runs, model, layout):
+    run_dir, got = layout_runs[model, layout]
+    want = reference_losses(build_run_config({}, run_overrides(run_dir, case_overrides(model, layout))))
     assert_close(got, want, rtol=1e-4, what=f"{model} {layout} vs single process")
 
 

@@ -2,7 +2,7 @@
 state and in checkpoints; a run equals a single-process peft reference, resumes exactly, and exports
 (merged into the base, or the adapter alone) to the logits of the engine that trained it.
 
-Every run is a real `deepspeed --num_gpus 2 dsf train` (2 CPU ranks, gloo). Each ZeRO stage trains 6 steps
+Every run is a real `dsf train` of 2 CPU ranks (gloo); the stages' runs share one launch. Each ZeRO stage trains 6 steps
 once, saving at steps 3 and 6, on a preset's seeded random init (ZeRO 0 and 2) or a local pretrained
 directory (ZeRO 1 and 3; under ZeRO-3 loaded partitioned); the reference is the plain PyTorch loop of
 reference.py over the same blocks with peft's adapters on the same base (`lora_reference`). A resume is checked by pointing a copy of
@@ -24,7 +24,8 @@ from dsframework.config import ModelSpec, build_run_config
 from dsframework.models.build import build_model, resolve_model
 from dsframework.models.lora import apply_lora, trainable_names
 from tests.distributed import reference
-from tests.distributed.launcher import BIN, TINY_YAML, assert_close, dsf, launch, rank_env, run_overrides, train_run
+from tests.distributed.launcher import (BIN, TINY_YAML, assert_close, dsf, launch, rank_env, run_overrides, train_run,
+                                        train_runs)
 
 ENGINE_LOGITS = Path(__file__).parent / "workers" / "engine_logits.py"
 COMMON = ["train.steps=6", "checkpoint.every=3", "model.lora.r=4", "model.lora.alpha=8"]
@@ -35,6 +36,7 @@ STAGES = {  # name: overrides (a list of layers for two stages, peft's all-linea
     "zero2": ["parallel.zero_stage=2", "model.lora.target_modules=all-linear"],
     "zero3": ["parallel.zero_stage=3", "model.lora.target_modules=all-linear", PRETRAINED],
 }
+FULL = ["parallel.zero_stage=3", "train.steps=2", "checkpoint.save_final=true", PRETRAINED]  # test_lora_is_small
 RESUMED = ("zero3",)  # partitioned, the frozen base rebuilt (ZeRO-0, restored whole, was checked by hand: identical)
 
 
@@ -103,23 +105,26 @@ class Run:
 
 @pytest.fixture(scope="module")
 def stage_runs(tmp_path_factory):
-    """name -> Run, for every stage in STAGES (ZeRO-3 also resumed from step 3)."""
+    """name -> Run, for every stage in STAGES (ZeRO-3 also resumed from step 3, in a launch of its own),
+    and "full": full fine-tuning of ZeRO-3's base (no adapters), trained in the stages' launch."""
     root = tmp_path_factory.mktemp("lora")
     source = resolve_model(ModelSpec(name="tiny-llama"))
     build_model(source, source.config, seed=7).save_pretrained(root / "pretrained")
+    stages = {name: [*COMMON, *stage] for name, stage in STAGES.items()}
+    overrides = {name: [o.format(pretrained=root / "pretrained") for o in settings]
+                 for name, settings in {**stages, "full": FULL}.items()}
+    trained = train_runs(root, overrides)
     runs = {}
-    for name, stage in STAGES.items():
-        overrides = [*COMMON, *(o.format(pretrained=root / "pretrained") for o in stage)]
-        losses = train_run(root / name, overrides)
-        resumed = resume_from_step3(root / name, root / f"{name}_resumed", overrides) if name in RESUMED else None
-        runs[name] = Run(root / name, overrides, losses, resumed)
+    for name, losses in trained.items():
+        resumed = resume_from_step3(root / name, root / f"{name}_resumed", overrides[name]) if name in RESUMED else None
+        runs[name] = Run(root / name, overrides[name], losses, resumed)
     return runs
 
 
 @pytest.fixture(scope="module")
 def references(stage_runs):
     """name -> (step -> loss, the trained peft model) of the single-process reference of that stage's run."""
-    return {name: lora_reference(run.config) for name, run in stage_runs.items()}
+    return {name: lora_reference(stage_runs[name].config) for name in STAGES}
 
 
 @pytest.mark.parametrize("name", list(STAGES))
@@ -217,9 +222,8 @@ def test_lora_is_small(stage_runs, tmp_path):
     from transformers import AutoConfig
 
     lora_run = stage_runs["zero3"]
-    lora_dir, full_dir = lora_run.dir, tmp_path / "full"
-    model_name = next(o for o in lora_run.overrides if o.startswith("model.name="))  # the same base
-    train_run(full_dir, ["parallel.zero_stage=3", "train.steps=2", "checkpoint.save_final=true", model_name])
+    lora_dir, full_dir = lora_run.dir, stage_runs["full"].dir
+    assert stage_runs["full"].overrides[-1] in lora_run.overrides  # model.name: the same base
     sizes, optimizer, trainable = {}, {}, {}
     for what, run_dir in (("lora", lora_dir), ("full", full_dir)):
         tag_dir = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()

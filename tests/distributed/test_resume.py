@@ -1,11 +1,13 @@
 """Resume is exact: 10 steps straight == 5 steps, a stop, and `--resume` for 5 more: ZeRO-3 on 2
-ranks, and tp2 x pp2 with ZeRO-1 on 4 ranks (per-layer files of each tensor rank). The resumed
-run's start-up line names every phase, restore included, and its parts sum to its total."""
+ranks, and tp2 x pp2 with ZeRO-1 on 4 ranks (per-layer files of each tensor rank). Per layout, the
+straight and the stopped run share one launch; the resume is a launch of its own (a new process
+group reading the checkpoint). The resumed run's start-up line names every phase, restore included,
+and its parts sum to its total."""
 from __future__ import annotations
 
 import pytest
 
-from tests.distributed.launcher import assert_close, losses, read_metrics, startup_breakdown, train_launch, train_run
+from tests.distributed.launcher import assert_close, losses, read_metrics, startup_breakdown, train_launch, train_runs
 
 
 LAYOUTS = {  # name: (overrides, ranks)
@@ -14,20 +16,33 @@ LAYOUTS = {  # name: (overrides, ranks)
 }
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_resume_is_exact(tmp_path, layout):
-    parallel, ranks = LAYOUTS[layout]
-    common = [*parallel, "train.steps=10", "train.micro_batch=2", "checkpoint.save_final=true"]
-    straight = train_run(tmp_path / "straight", common, num_ranks=ranks)
+def common(layout: str) -> list[str]:
+    return [*LAYOUTS[layout][0], "train.steps=10", "train.micro_batch=2", "checkpoint.save_final=true"]
 
-    stopped_dir = tmp_path / "stopped"
-    # train.stop_after saves its checkpoint even with checkpoint.save_final off
-    first = train_run(stopped_dir, [*common, "train.stop_after=5", "checkpoint.save_final=false"], num_ranks=ranks)
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """layout -> (its directory, step -> loss of straight / first (the stopped run) / resumed, latest tag at the
+    stop, the resumed run's stdout)."""
+    out = {}
+    for layout, (_, ranks) in LAYOUTS.items():
+        root = tmp_path_factory.mktemp(layout)
+        # train.stop_after saves its checkpoint even with checkpoint.save_final off
+        got = train_runs(root, {"straight": common(layout),
+                                "stopped": [*common(layout), "train.stop_after=5", "checkpoint.save_final=false"]},
+                         num_ranks=ranks)
+        latest = (root / "stopped" / "checkpoints" / "latest").read_text().strip()
+        proc = train_launch(root / "stopped", common(layout), num_ranks=ranks, flags=("--resume",))
+        out[layout] = root, got["straight"], got["stopped"], losses(root / "stopped"), latest, proc.stdout
+    return out
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_resume_is_exact(runs, layout):
+    root, straight, first, resumed, latest_at_stop, stdout = runs[layout]
     assert sorted(first) == [1, 2, 3, 4, 5]
-    assert (stopped_dir / "checkpoints" / "latest").read_text().strip() == "global_step5"
-    proc = train_launch(stopped_dir, common, num_ranks=ranks, flags=("--resume",))
-    resumed = losses(stopped_dir)
-    total, parts = startup_breakdown(proc.stdout)
+    assert latest_at_stop == "global_step5"
+    total, parts = startup_breakdown(stdout)
     assert list(parts) == ["imports", "checks", "rendezvous", "tokenizer", "data", "outputs", "model",
                            "deepspeed.initialize", "restore"], parts
     assert parts["imports"] > 0 and parts["deepspeed.initialize"] > 0 and min(parts.values()) >= 0, parts
@@ -37,6 +52,6 @@ def test_resume_is_exact(tmp_path, layout):
     assert_close({s: resumed[s] for s in range(6, 11)}, {s: straight[s] for s in range(6, 11)},
                  rtol=1e-6, what=f"{layout}: resumed steps 6-10 vs straight")
     # The learning rate schedule continued too, not restarted.
-    lrs = {m["step"]: m["lr"] for m in read_metrics(stopped_dir) if "lr" in m}
-    straight_lrs = {m["step"]: m["lr"] for m in read_metrics(tmp_path / "straight") if "lr" in m}
+    lrs = {m["step"]: m["lr"] for m in read_metrics(root / "stopped") if "lr" in m}
+    straight_lrs = {m["step"]: m["lr"] for m in read_metrics(root / "straight") if "lr" in m}
     assert lrs == pytest.approx(straight_lrs, rel=1e-12)

@@ -6,6 +6,7 @@ Four runs of 6 steps on 4 ranks, one per layout, each saving global_step4, serve
 sources and the references: a transition copies the source run's output_dir, resumes it at the
 target layout for steps 5-6 and compares them with the target run's. The layouts are equivalent,
 so the four straight runs agree with each other too (within 1e-5: a check on the references).
+The four straight runs share one launch; each transition's resume is a launch of its own.
 A checkpoint lacking a file the conversion reads is named in one line, nothing written. Without
 processes: the dense <-> shard cuts agree with the shards the tensor-parallel plan makes, with
 vocab padding (vocab 17), grouped kv heads, tied embeddings and GPT-2's fused, transposed Conv1D.
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed.launcher import assert_close, read_metrics, train_run
+from tests.distributed.launcher import assert_close, read_metrics, train_run, train_runs
 
 COMMON = ["parallel.zero_stage=1", "train.steps=6", "train.micro_batch=2", "checkpoint.every=4"]
 LAYOUTS = {  # name: parallel settings on 4 ranks
@@ -37,12 +38,10 @@ TRANSITIONS = [  # (saved at, resumed at)
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory) -> dict[str, tuple[Path, dict[int, float]]]:
-    """Each layout's uninterrupted run: output_dir (with global_step4) and step -> loss."""
-    runs = {}
-    for name, parallel in LAYOUTS.items():
-        out = tmp_path_factory.mktemp(name)
-        runs[name] = out, train_run(out, [*COMMON, *parallel], num_ranks=4)
-    return runs
+    """Each layout's uninterrupted run: output_dir (with global_step4) and step -> loss (one launch)."""
+    root = tmp_path_factory.mktemp("straight")
+    got = train_runs(root, {name: [*COMMON, *parallel] for name, parallel in LAYOUTS.items()}, num_ranks=4)
+    return {name: (root / name, got[name]) for name in LAYOUTS}
 
 
 def test_layouts_agree_before_any_resume(straight):

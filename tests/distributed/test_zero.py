@@ -1,8 +1,8 @@
 """ZeRO 0-3 (and CPU optimizer offload) and gradient accumulation are exact at world size 2; the
 stage 0 and 1 checkpoints export to the reference's weights; no run leaves shm buffers behind.
 
-Every run is a real `deepspeed --num_gpus 2 dsf train` (2 CPU ranks, gloo); the reference is a
-single-process plain PyTorch loop over the same weights and global batches (reference.py).
+Every run is a real `dsf train` of 2 CPU ranks (gloo), all of them in one launch (launcher.train_runs);
+the reference is a single-process plain PyTorch loop over the same weights and global batches (reference.py).
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from dsframework.config import build_run_config
-from tests.distributed.launcher import BASE_OVERRIDES, assert_close, read_metrics, run_overrides, train_run
+from tests.distributed.launcher import BASE_OVERRIDES, assert_close, read_metrics, run_overrides, train_runs
 from tests.distributed.reference import assert_export_matches, reference_train
 
 SHM_BUFFERS = "deepspeed_allreduce_buffer_*"
@@ -24,14 +24,15 @@ STAGES = {
     "zero3_offload": ["parallel.zero_stage=3", "parallel.offload_optimizer=cpu"],
     "zero3_checkpointing": ["parallel.zero_stage=3", "parallel.activation_checkpointing=full"],
 }
+ACCUM = ["parallel.zero_stage=1", "train.micro_batch=2", "train.grad_accum=2"]  # test_gradient_accumulation_is_exact
 
 
 @pytest.fixture(scope="module")
 def stage_runs(tmp_path_factory):
-    """name -> (step -> loss) for every layout in STAGES, plus the reference of the first."""
+    """name -> (step -> loss) for every layout in STAGES and "accum" (one launch), plus the reference of the first."""
     root = tmp_path_factory.mktemp("zero")
     shm_before = set(Path("/dev/shm").glob(SHM_BUFFERS))
-    runs = {name: train_run(root / name, overrides) for name, overrides in STAGES.items()}
+    runs = train_runs(root, {**STAGES, "accum": ACCUM})
     runs["shm_left"] = set(Path("/dev/shm").glob(SHM_BUFFERS)) - shm_before
     run = build_run_config({}, run_overrides(root / "zero0", STAGES["zero0"]))
     runs["reference"], runs["reference_model"] = reference_train(run)
@@ -54,10 +55,9 @@ def test_stage_matches_single_process_reference(stage_runs, name):
     assert_close(stage_runs[name], stage_runs["reference"], rtol=1e-4, what=f"{name} vs reference")
 
 
-def test_gradient_accumulation_is_exact(tmp_path, stage_runs):
+def test_gradient_accumulation_is_exact(stage_runs):
     """micro 2 x accum 2 x dp 2 == micro 4 x accum 1 x dp 2 == one process with batch 8."""
-    accum = train_run(tmp_path / "accum", ["parallel.zero_stage=1", "train.micro_batch=2",
-                                           "train.grad_accum=2"])
+    accum = stage_runs["accum"]
     no_accum = stage_runs["zero1"]  # global batch 8 at dp 2: micro 4 x accum 1 (derived)
     assert_close(accum, no_accum, rtol=1e-5, what="2x2x2 vs 4x1x2")
     assert_close(accum, stage_runs["reference"], rtol=1e-5, what="2x2x2 vs single process batch 8")

@@ -483,6 +483,8 @@ def cpu_has_fp16() -> bool:
 def _param(case: Case):
     marks = [pytest.mark.xfail(strict=True, reason=case.xfail)] if case.xfail else []
     marks += [pytest.mark.skipif(case.skipif, reason=case.skipif)] if case.skipif else []
+    # A real `dsf` process, or the module's trained run (one `dsf train`): the full tier's.
+    marks += [pytest.mark.distributed] if case.process or case.needs_ckpt or case.needs_run_copy else []
     return pytest.param(case, id=case.id, marks=marks)
 
 

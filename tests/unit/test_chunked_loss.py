@@ -155,6 +155,7 @@ PEAK_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.distributed
 def test_peak_memory_of_a_step_is_lower_at_a_32k_vocabulary():
     """Peak RSS growth of one forward + backward in a fresh process (VmHWM, reset before the
     step, less VmRSS then: what start-up peaked at does not hide it): the plain loss holds the

@@ -79,6 +79,7 @@ def ckpt_dir(tmp_path_factory) -> Path:
     return out / "checkpoints"
 
 
+@pytest.mark.distributed
 def test_export_dir_prints_prompt_and_continuation(export_dir, tiny):
     model, tokenizer = tiny
     (sample,) = generate(model, tokenizer, PROMPT, SampleSpec(max_new_tokens=8))
@@ -128,6 +129,7 @@ def test_greedy_is_deterministic_and_sampling_is_seeded(tiny):
     assert sampled(2) != first
 
 
+@pytest.mark.distributed
 def test_checkpoint_generates_what_its_export_does(ckpt_dir, tmp_path, one_thread):
     from dsframework.checkpoints.export import export_checkpoint
 
@@ -165,6 +167,7 @@ def test_empty_prompt_is_a_user_error(tiny):
     (["--num-samples", "2"], "--num-samples=2"),  # greedy has one answer
     (["--max-new-tokens", "many"], "--max-new-tokens"),  # click's own one line
 ])
+@pytest.mark.distributed
 def test_bad_flags_are_one_line_exit_2(export_dir, flags, field):
     proc = run_generate(str(export_dir), "--prompt", PROMPT, *flags)
     assert_one_line_error(proc, field)
@@ -177,6 +180,7 @@ def test_bad_flags_are_one_line_exit_2(export_dir, flags, field):
     (lambda root: (root / "checkpoints").mkdir() or root, "DIR=", "did you mean"),  # a run's output_dir
     (lambda root: (root / "latest").write_text("global_step9") and root, "CKPT_DIR=", "global_step"),
 ])
+@pytest.mark.distributed
 def test_bad_dirs_are_one_line_exit_2(tmp_path, make, field, fix):
     proc = run_generate(str(make(tmp_path)), "--prompt", PROMPT)
     assert_one_line_error(proc, field, fix)

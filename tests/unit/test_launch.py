@@ -276,6 +276,7 @@ def test_dry_run_shows_the_env_file_with_the_users_lines_first(in_tmp):
     assert (in_tmp / ".deepspeed_env").read_text() == "MINE=1"  # a dry run writes nothing
 
 
+@pytest.mark.distributed
 def test_launch_writes_the_env_file_named_by_ds_env_file_and_forwards_deepspeeds_exit_code(tmp_path):
     """A real (non-dry) launch with stand-ins for ssh (every host answers) and pdsh (exits 99): the
     env file gets dsf's lines appended before deepspeed's runner starts, and the runner's exit code
@@ -313,6 +314,7 @@ def test_launch_writes_the_env_file_named_by_ds_env_file_and_forwards_deepspeeds
 
 # --- --check, the memory refusal, the scripts ---------------------------------------------------------
 
+@pytest.mark.distributed
 def test_check_names_the_unreachable_hosts_fast(tmp_path):
     (tmp_path / "hostfile").write_text("localhost slots=1\nnohost-dsf-test.invalid slots=1\n")
     start = time.monotonic()
@@ -327,6 +329,7 @@ def test_check_names_the_unreachable_hosts_fast(tmp_path):
     assert "localhost: this node, not checked" in proc.stdout
 
 
+@pytest.mark.distributed
 def test_ssh_check_reports_ssh_own_reason():
     (result,) = check_hosts(["nohost-dsf-test.invalid"], ssh_reason)
     assert result[0] == "nohost-dsf-test.invalid"
@@ -409,6 +412,7 @@ def test_fit_agrees_with_the_planners_search():
         assert check_fit(desc, c.layout, plan.job, cluster).fits == c.fits
 
 
+@pytest.mark.distributed
 def test_launch_scripts_parse_and_multi_node_sh_runs_dsf_launch(tmp_path):
     for script in ("multi_node.sh", "slurm.sbatch"):
         subprocess.run(["bash", "-n", str(REPO / "launch" / script)], check=True)
@@ -436,6 +440,7 @@ def refused_launch(tmp_path, *flags: str, drop_env: str) -> str:
     return line
 
 
+@pytest.mark.distributed
 def test_slurm_outside_an_allocation_is_one_line_and_starts_nothing(tmp_path):
     line = refused_launch(tmp_path, "--launcher", "slurm", drop_env="SLURM_")
     assert line.startswith("dsf: error: --launcher='slurm': ") and ("SLURM_JOB_ID is not set" in line
@@ -454,6 +459,7 @@ def test_resume_and_overwrite_reach_every_nodes_dsf_train(in_tmp):
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mpirun's refusal of root applies to root only")
+@pytest.mark.distributed
 def test_openmpi_as_root_without_openmpis_consent_is_one_line(tmp_path):
     line = refused_launch(tmp_path, "--launcher", "openmpi", drop_env="OMPI_")
     assert line.startswith("dsf: error: --launcher='openmpi': ") and "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1" in line

@@ -46,6 +46,7 @@ def test_a_target_matching_no_layer_is_one_line_naming_the_closest(case):
         assert part in message, message
 
 
+@pytest.mark.distributed
 def test_dsf_train_refuses_a_bad_target_and_writes_nothing(tmp_path):
     """The real command line, a world of one: exit 2, one line on stderr, no output_dir made."""
     out = tmp_path / "out"

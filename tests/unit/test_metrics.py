@@ -222,6 +222,7 @@ def test_open_sinks_sends_the_same_records_everywhere(tmp_path):
     assert open_sinks(run, resume_step=None, enabled=False).sinks == [], "ranks other than 0 write nothing"
 
 
+@pytest.mark.distributed
 def test_a_sink_library_is_imported_only_when_configured(tmp_path):
     code = ("import sys; from dsframework.config import build_run_config; from dsframework.train.metrics import open_sinks\n"
             f"run = build_run_config({{}}, ['output_dir={tmp_path}', 'logging.csv={tmp_path}'])\n"
@@ -269,6 +270,7 @@ def test_previous_outputs_refused_then_removed_on_overwrite(tmp_path):
 # --- bad input: one line, exit 2, nothing started ---------------------------------------------------
 
 @pytest.mark.parametrize("field", ["tensorboard", "csv", "wandb.dir"])
+@pytest.mark.distributed
 def test_sink_directory_that_is_a_file_is_one_line_exit_2(tmp_path, field):
     taken = tmp_path / "taken.txt"
     taken.write_text("a file\n")

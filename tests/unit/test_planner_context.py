@@ -150,6 +150,7 @@ CP_CASES = [(1, 64), (2, 128), (1, 512)]
 
 # tiny-llama: 4 heads, 2 kv heads (cp 4 repeats each kv head); tiny-gpt2: fused QKV
 @pytest.mark.parametrize("name,cp", [("tiny-llama", 2), ("tiny-llama", 4), ("tiny-gpt2", 2)])
+@pytest.mark.distributed
 def test_ulysses_rank_saves_what_the_planner_counts(name, cp):
     """Measured here: predicted / saved 0.99 (Llama, cp 2 and 4) and 1.00 (GPT-2)."""
     desc = describe_model(resolve_model(ModelSpec(name=name, overrides={"vocab_size": 97})).config, name=name)

@@ -127,6 +127,7 @@ def test_matmul_efficiency_has_one_home():
                                                                                                   h100).compute)
 
 
+@pytest.mark.distributed
 def test_the_planner_imports_no_torch_distributed():
     import subprocess
     import sys

@@ -21,6 +21,9 @@ from tests.unit.test_bad_input import dsf_command, dsf_env
 TIMEOUT_S = 120
 
 
+pytestmark = pytest.mark.distributed  # every test runs the real `dsf` in a subprocess
+
+
 def dsf(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([*dsf_command(), *args], capture_output=True, text=True, timeout=TIMEOUT_S, cwd=cwd,
                           env=dsf_env(cwd / "home"))

@@ -16,12 +16,14 @@ def run_python(body: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("code, want", [(0, 0), (3, 3), (None, 0), (143, 143)])
+@pytest.mark.distributed
 def test_exit_process_keeps_the_code_and_flushes_piped_output(code, want):
     # Piped stdout is block-buffered: without the flush, os._exit would drop both lines.
     proc = run_python(f"print('out', end=''); print('err', file=sys.stderr, end=''); exit_process({code!r})")
     assert (proc.returncode, proc.stdout, proc.stderr) == (want, "out", "err")
 
 
+@pytest.mark.distributed
 def test_exit_process_with_a_message_prints_it_and_exits_1():
     proc = run_python("exit_process('dsf: stopped')")
     assert (proc.returncode, proc.stderr.strip()) == (1, "dsf: stopped")

@@ -1,15 +1,16 @@
 """Worker (run under the deepspeed launcher): several `dsf train` runs one after the other in one
-process group, each with the torch.compile backend it names (tests/distributed/test_compile.py).
+process group, each with the torch.compile backend it names (tests/distributed/test_compile.py),
+or eager (launcher.train_runs: every module that trains several layouts at one world size).
 
     deepspeed --num_gpus 2 train_matrix.py OUT_ROOT 'z1|eager|parallel.zero_stage=1' \
         'z1_compiled|aot_eager|parallel.zero_stage=1;train.compile=true' ...
 
-Each spec is NAME|BACKEND|OVERRIDES (`;`-separated, on top of the tests' BASE_OVERRIDES), trained
-into OUT_ROOT/NAME with `dsframework.train.engine.train`, as `dsf train` does. BACKEND patches
-`dsframework.train.compiling.BACKEND` (inductor in production): `aot_eager` traces the same dynamo and
-AOT autograd graphs through DeepSpeed's hooks without generating kernels, which keeps a matrix of
-layouts cheap; `inductor` is the real thing. A NAME ending in `_auto` expects no compile time, so
-that train.compile=auto compiles mid-run. One launch saves each run its own start (~15 s).
+Each spec is NAME|BACKEND|OVERRIDES (OVERRIDES `;`-separated, on top of the tests' BASE_OVERRIDES),
+trained into OUT_ROOT/NAME with `dsframework.train.engine.train`, as `dsf train` does. BACKEND
+patches `dsframework.train.compiling.BACKEND` (inductor in production): `aot_eager` traces the same dynamo and AOT autograd graphs through
+DeepSpeed's hooks without generating kernels, which keeps a matrix of layouts cheap; `inductor` is
+the real thing. A NAME ending in `_auto` expects no compile time, so that train.compile=auto compiles
+mid-run. One launch saves each run its own start (imports and rendezvous, ~10-20 s).
 """
 import sys
 from pathlib import Path

@@ -1,14 +1,14 @@
 """Bytes per rank of a layout: parameters, gradients, optimizer states, activations, buffers;
 and the host memory a node needs to build the model, hold what is offloaded, and export it.
 
-    layout = Layout(dp=8, tp=2, pp=1, zero_stage=3, micro_batch=2, grad_accum=4)   # cp=, zero_hpz= too
+    layout = Layout(ParallelDims(world=16, tp=2, zero_stage=3), micro_batch=2, grad_accum=4)   # dp 8
     mem = memory_per_rank(desc, layout, Job(seq_len=4096, global_batch=64, precision="bf16"))
     mem.total / 2**30                  # GiB on the busiest rank
     mem.cpu_per_rank                   # offloaded bytes in host memory, per rank
     host = host_memory_per_node(desc, layout, mem, ranks_per_node=8)
     host.build, host.offload, host.export, host.peak   # bytes of one node's RAM
     lora = Job(seq_len=4096, global_batch=64, trainable_params=103_546_880)  # LoRA: the adapters alone train
-    Layout(dp=8, zero_stage=3, knobs=Knobs(persistence_threshold=4_194_304))  # ZeRO's knobs (parallel.zero_knobs)
+    Layout(ParallelDims(world=8, zero_stage=3), knobs=Knobs(persistence_threshold=4_194_304))  # ZeRO's knobs (parallel.zero_knobs)
     Job(seq_len=4096, global_batch=64, chunked_loss=True)   # the loss over chunks (train.chunked_loss; "auto")
 
 Model states follow what DeepSpeed (0.19) really allocates, which is more than the ZeRO paper's
@@ -33,7 +33,7 @@ ZeRO-3's persistent tensors are those of at most `Layout.knobs.persistence_thres
 (DeepSpeed's stage3_param_persistence_threshold, 1e5 unless chosen): each is whole on every rank
 beside its partition, and never gathered.
 
-d is the ranks ZeRO shards over: data x context parallel (`Layout.zero_ranks`; the context ranks
+d is the ranks ZeRO shards over: data x context parallel (`ParallelDims.zero_ranks`; the context ranks
 of a replica hold the same weights, DeepSpeed's sequence-data-parallel group). ZeRO++ hpZ
 (`zero_hpz` = N) keeps a secondary copy of the weight partitions inside each group of N ranks,
 w P / N bytes, so backward's all-gathers stay inside the group; gradients and optimizer states
@@ -206,35 +206,16 @@ DEFAULT_KNOBS = Knobs()
 
 @dataclass(frozen=True)
 class Layout:
-    """One way to run the job: the rank grid, ZeRO, offload, batch split and checkpointing.
-    `dims` is the same grid as the ParallelDims dsf train checks (world = dp x tp x pp x cp)."""
+    """One way to run the job: the rank grid and ZeRO (`dims`, the ParallelDims dsf train checks),
+    and what only the plan chooses: offload, the batch split, checkpointing and ZeRO's knobs."""
 
-    dp: int  # data-parallel replicas (each sees its own sequences)
-    tp: int = 1
-    pp: int = 1
-    zero_stage: int = 0
+    dims: ParallelDims
     offload_optimizer: bool = False
     offload_param: bool = False
     micro_batch: int = 1
     grad_accum: int = 1
     activation_checkpointing: Literal["none", "full"] = "none"
-    cp: int = 1  # context parallel (Ulysses): each rank of a group holds seq_len / cp tokens
-    zero_hpz: int = 1  # ZeRO-3 hpZ: a secondary weight partition within groups of this many ranks
     knobs: Knobs = DEFAULT_KNOBS  # ZeRO's buckets and ZeRO-3's persistence / prefetch settings
-
-    @property
-    def world(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
-
-    @property
-    def zero_ranks(self) -> int:
-        """Ranks ZeRO shards states over: data x context (ParallelDims.zero_ranks)."""
-        return self.dp * self.cp
-
-    @property
-    def dims(self) -> ParallelDims:
-        return ParallelDims(world=self.world, tp=self.tp, pp=self.pp, cp=self.cp, zero_stage=self.zero_stage,
-                            zero_hpz=self.zero_hpz)
 
 
 @dataclass(frozen=True)
@@ -404,8 +385,8 @@ def loss_chunk(desc: ModelDesc, layout: Layout, job: Job) -> int | None:
     """Tokens whose logits the last stage holds at once when its loss is chunked (Job.chunked_loss,
     decided as the training loop decides it: runtime_facts.loss_is_chunked on this rank's tokens and
     vocabulary rows), else None: the whole micro-batch's logits exist together."""
-    rows = _padded_vocab_rows(desc.vocab, layout.tp)
-    tokens = layout.micro_batch * job.seq_len // layout.cp
+    rows = _padded_vocab_rows(desc.vocab, layout.dims.tp)
+    tokens = layout.micro_batch * job.seq_len // layout.dims.cp
     if not loss_is_chunked(job.chunked_loss, tokens=tokens, vocab_rows=rows, chunk_tokens=job.loss_chunk_tokens):
         return None
     return min(tokens, loss_chunk_tokens(rows, chunk_tokens=job.loss_chunk_tokens))
@@ -454,17 +435,17 @@ def trained(desc: ModelDesc, shape: StageShape, job: Job) -> Trained:
 
 def _model_states(shape: StageShape, layout: Layout, job: Job, train: Trained) -> dict[str, float]:
     """Bytes of params, grads, optimizer (on the device) and cpu_* (offloaded) for one rank.
-    ZeRO partitions over data x context ranks (`Layout.zero_ranks`); hpZ adds its secondary
+    ZeRO partitions over data x context ranks (`ParallelDims.zero_ranks`); hpZ adds its secondary
     partition of the weights, w P / zero_hpz (`hpz_secondary`, counted in params). Parameters
     count the stage's and any adapters (P + A); gradients and optimizer states what trains (T)."""
-    P, d, w, z = shape.params + train.added, layout.zero_ranks, job.param_bytes, layout.zero_stage
+    P, d, w, z = shape.params + train.added, layout.dims.zero_ranks, job.param_bytes, layout.dims.zero_stage
     T = train.elements
     persistent = shape.persistent + train.persistent
     if z == 3:  # the partition, plus gathered copies of the persistent ones (one rank: the same)
         params = w * P / d + (w * persistent if d > 1 else 0)
     else:
         params = w * P
-    hpz_secondary = w * P / layout.zero_hpz if z == 3 and layout.zero_hpz > 1 else 0.0
+    hpz_secondary = w * P / layout.dims.zero_hpz if z == 3 and layout.dims.zero_hpz > 1 else 0.0
     params += hpz_secondary
     if z == 0:
         grads = w * T + (4 * T if job.precision == "bf16" else 0)
@@ -503,7 +484,7 @@ def zero3_gathered(desc: ModelDesc, shape: StageShape, layout: Layout) -> float:
     live-parameter limit (prefetch stops when max_live_parameters are gathered) and by what the
     stage has to gather."""
     knobs = layout.knobs
-    layer = layer_gathered(desc, tp=layout.tp, threshold=knobs.persistence_threshold)
+    layer = layer_gathered(desc, tp=layout.dims.tp, threshold=knobs.persistence_threshold)
     ahead = min(knobs.prefetch_bucket, max(knobs.max_live_parameters - layer, 0), shape.params - shape.persistent)
     return 2 * layer + max(ahead, 0)
 
@@ -514,9 +495,9 @@ def _buffers(desc: ModelDesc, shape: StageShape, layout: Layout, job: Job, layer
     the fp32 gradient partition) follow what trains (T); ZeRO-3's gathered layers, the weights.
     Bucket sizes are the layout's knobs; ZeRO-3 allocates its reduce bucket whole at start
     (contiguous gradients), stages 1-2 only as much as there is to reduce."""
-    T, d, w, z = train.elements, layout.zero_ranks, job.param_bytes, layout.zero_stage
+    T, d, w, z = train.elements, layout.dims.zero_ranks, job.param_bytes, layout.dims.zero_stage
     knobs = layout.knobs
-    bs = layout.micro_batch * job.seq_len / layout.cp  # this rank's tokens
+    bs = layout.micro_batch * job.seq_len / layout.dims.cp  # this rank's tokens
     total = 0.0
     if z == 0 and d > 1:
         total += min(STAGE0_ALLREDUCE_BUCKET, T) * w
@@ -525,16 +506,16 @@ def _buffers(desc: ModelDesc, shape: StageShape, layout: Layout, job: Job, layer
     if z == 3:
         total += knobs.reduce_bucket * w + zero3_gathered(desc, shape, layout) * w + 4 * T / d
     if shape.last:
-        rows = _padded_vocab_rows(desc.vocab, layout.tp)
+        rows = _padded_vocab_rows(desc.vocab, layout.dims.tp)
         chunk = loss_chunk(desc, layout, job)
         if chunk is None:  # the logits (w bytes) and their fp32 gradient in the backward
             total += bs * rows * (w + 4)
         else:  # one chunk's fp32 logits and their fp32 gradient at a time
             total += chunk * rows * (4 + 4)
-    if layout.pp > 1:
+    if layout.dims.pp > 1:
         total += 2 * bs * desc.hidden * w
-    total += ulysses_buffer_bytes(desc, micro_batch=layout.micro_batch, seq_len=job.seq_len, tp=layout.tp,
-                                  precision=job.precision, cp=layout.cp)
+    total += ulysses_buffer_bytes(desc, micro_batch=layout.micro_batch, seq_len=job.seq_len, tp=layout.dims.tp,
+                                  precision=job.precision, cp=layout.dims.cp)
     if layout.activation_checkpointing == "full" and shape.layers:
         total += layer_act  # one layer recomputed at a time
     return total
@@ -542,16 +523,16 @@ def _buffers(desc: ModelDesc, shape: StageShape, layout: Layout, job: Job, layer
 
 def stage_memories(desc: ModelDesc, layout: Layout, job: Job) -> list[Memory]:
     """The memory of a rank of each pipeline stage (one entry without a pipeline)."""
-    layer_act = layer_activation_bytes(desc, micro_batch=layout.micro_batch, seq_len=job.seq_len, tp=layout.tp,
-                                       precision=job.precision, cp=layout.cp)
-    kept_per_layer = (layout.micro_batch * job.seq_len / layout.cp * desc.hidden * job.param_bytes
+    layer_act = layer_activation_bytes(desc, micro_batch=layout.micro_batch, seq_len=job.seq_len, tp=layout.dims.tp,
+                                       precision=job.precision, cp=layout.dims.cp)
+    kept_per_layer = (layout.micro_batch * job.seq_len / layout.dims.cp * desc.hidden * job.param_bytes
                       if layout.activation_checkpointing == "full" else layer_act)
     memories = []
     chunk = loss_chunk(desc, layout, job)
-    for index, shape in enumerate(stage_shapes(desc, layout.tp, layout.pp, layout.knobs.persistence_threshold)):
-        in_flight = min(layout.pp - index, layout.grad_accum) if layout.pp > 1 else 1
+    for index, shape in enumerate(stage_shapes(desc, layout.dims.tp, layout.dims.pp, layout.knobs.persistence_threshold)):
+        in_flight = min(layout.dims.pp - index, layout.grad_accum) if layout.dims.pp > 1 else 1
         edge = _edge_activation_bytes(desc, shape, micro_batch=layout.micro_batch, seq_len=job.seq_len,
-                                      tp=layout.tp, precision=job.precision, cp=layout.cp, chunked=chunk is not None)
+                                      tp=layout.dims.tp, precision=job.precision, cp=layout.dims.cp, chunked=chunk is not None)
         train = trained(desc, shape, job)
         states = _model_states(shape, layout, job, train)
         hpz = states.pop("hpz_secondary")
@@ -604,9 +585,9 @@ def largest_tensor(desc: ModelDesc) -> int:
 
 def build_bytes_per_rank(desc: ModelDesc, layout: Layout) -> float:
     """Host bytes a rank peaks at while it builds or loads its share (busiest stage, fp32)."""
-    share = max(shape.params for shape in stage_shapes(desc, layout.tp, layout.pp))
-    if layout.zero_stage == 3:
-        share = share / layout.zero_ranks
+    share = max(shape.params for shape in stage_shapes(desc, layout.dims.tp, layout.dims.pp))
+    if layout.dims.zero_stage == 3:
+        share = share / layout.dims.zero_ranks
     return BUILD_BYTES * (share + largest_tensor(desc))
 
 

@@ -94,7 +94,7 @@ def zero3_gather_overlap(desc: ModelDesc, layout: Layout) -> float:
     """Share of ZeRO-3's all-gathers hidden behind compute: ZERO3_GATHER_OVERLAP scaled by how much
     of the next layer's gathered weights the prefetch covers (all of it: the full share), the prefetch
     being the bucket, or less where max_live_parameters stops it."""
-    layer = layer_gathered(desc, tp=layout.tp, threshold=layout.knobs.persistence_threshold)
+    layer = layer_gathered(desc, tp=layout.dims.tp, threshold=layout.knobs.persistence_threshold)
     if layer == 0:
         return ZERO3_GATHER_OVERLAP
     knobs = layout.knobs
@@ -105,19 +105,19 @@ def zero3_gather_overlap(desc: ModelDesc, layout: Layout) -> float:
 def step_time(desc: ModelDesc, layout: Layout, job: Job, cluster: Cluster) -> StepTime:
     """Seconds per optimizer step (see the module docstring for the model)."""
     w = job.param_bytes
-    tokens_per_rank = job.global_batch * job.seq_len / (layout.dp * layout.cp)  # each rank's share
-    flops = desc.flops_per_token(job.seq_len) * tokens_per_rank / (layout.tp * layout.pp)
+    tokens_per_rank = job.global_batch * job.seq_len / (layout.dims.dp * layout.dims.cp)  # each rank's share
+    flops = desc.flops_per_token(job.seq_len) * tokens_per_rank / (layout.dims.tp * layout.dims.pp)
     if layout.activation_checkpointing == "full":
         flops *= RECOMPUTE_FACTOR
-    if layout.tp > 1:  # the part every tensor rank repeats in full
-        flops *= (1 - REPLICATED_FRACTION) + REPLICATED_FRACTION * layout.tp
+    if layout.dims.tp > 1:  # the part every tensor rank repeats in full
+        flops *= (1 - REPLICATED_FRACTION) + REPLICATED_FRACTION * layout.dims.tp
     compute = flops / (cluster.flops(job.precision) * cluster.matmul_efficiency)
 
     knobs = layout.knobs
-    stages = stage_shapes(desc, layout.tp, layout.pp, knobs.persistence_threshold)
+    stages = stage_shapes(desc, layout.dims.tp, layout.dims.pp, knobs.persistence_threshold)
     busiest = max(stages, key=lambda s: s.params)
     micro_batches = layout.grad_accum
-    local_tokens = layout.micro_batch * job.seq_len / layout.cp
+    local_tokens = layout.micro_batch * job.seq_len / layout.dims.cp
     activation_bytes = local_tokens * desc.hidden * w
     lat = cluster.collective_latency_s
     recompute = layout.activation_checkpointing == "full"
@@ -125,35 +125,35 @@ def step_time(desc: ModelDesc, layout: Layout, job: Job, cluster: Cluster) -> St
     # Tensor parallel: 2 all-reduces forward, 2 backward per layer and micro-batch (+2 recompute),
     # and 4 more for the vocab-parallel embedding and loss.
     tp_calls = ((4 + 2 * recompute) * busiest.layers + 4) * micro_batches
-    tp_comm = (1 - TP_OVERLAP) * tp_calls * _ring(activation_bytes, layout.tp,
-                                                   _bandwidth(cluster, layout.tp), all_reduce=True,
+    tp_comm = (1 - TP_OVERLAP) * tp_calls * _ring(activation_bytes, layout.dims.tp,
+                                                   _bandwidth(cluster, layout.dims.tp), all_reduce=True,
                                                    latency=lat)
 
     # Context parallel (Ulysses): per layer, q, k, v and the output each cross the context group
     # once forward (again with recompute) and their gradients once backward.
     cp_comm = 0.0
-    if layout.cp > 1:
-        kv = ulysses_kv_heads(desc, tp=layout.tp, cp=layout.cp) * desc.head_dim
-        cp_bw = _bandwidth(cluster, layout.tp * layout.cp)
-        per_pass = sum(_all_to_all(local_tokens * width * w, layout.cp, cp_bw, latency=lat)
-                       for width in (desc.hidden / layout.tp, kv, kv, desc.hidden / layout.tp))
+    if layout.dims.cp > 1:
+        kv = ulysses_kv_heads(desc, tp=layout.dims.tp, cp=layout.dims.cp) * desc.head_dim
+        cp_bw = _bandwidth(cluster, layout.dims.tp * layout.dims.cp)
+        per_pass = sum(_all_to_all(local_tokens * width * w, layout.dims.cp, cp_bw, latency=lat)
+                       for width in (desc.hidden / layout.dims.tp, kv, kv, desc.hidden / layout.dims.tp))
         forwards = 1 + recompute  # each forward also all-gathers the position ids (small)
         cp_comm = (1 - CP_OVERLAP) * ((2 + recompute) * per_pass + forwards * lat) * busiest.layers * micro_batches
 
     # Data parallel: ZeRO's group is data x context; its ranks sit tp apart (tensor ranks are
     # innermost), and an hpZ group is zero_hpz consecutive ranks.
-    d = layout.zero_ranks
-    dp_bw = _bandwidth(cluster, d * layout.tp)
+    d = layout.dims.zero_ranks
+    dp_bw = _bandwidth(cluster, d * layout.dims.tp)
     grad_bytes = busiest.params * w
     # One latency per bucket: bigger buckets, fewer collectives.
     reduce_lat = lat * _buckets(busiest.params, knobs.reduce_bucket)
-    if layout.zero_stage == 0:  # one all-reduce, bucketed behind the backward pass
+    if layout.dims.zero_stage == 0:  # one all-reduce, bucketed behind the backward pass
         reduce = _ring(grad_bytes, d, dp_bw, all_reduce=True, latency=lat * _buckets(busiest.params,
                                                                                      STAGE0_ALLREDUCE_BUCKET))
         gather = 0.0
-    elif layout.zero_stage in (1, 2):  # gradients reduced to their owners, updated params gathered after
+    elif layout.dims.zero_stage in (1, 2):  # gradients reduced to their owners, updated params gathered after
         reduce = _ring(grad_bytes, d, dp_bw, all_reduce=False, latency=reduce_lat)
-        if layout.zero_stage == 2:  # reduce-scattered at every micro-batch
+        if layout.dims.zero_stage == 2:  # reduce-scattered at every micro-batch
             reduce *= micro_batches
         gather = _ring(grad_bytes, d, dp_bw, all_reduce=False,
                        latency=lat * _buckets(busiest.params, knobs.allgather_bucket))
@@ -161,8 +161,8 @@ def step_time(desc: ModelDesc, layout: Layout, job: Job, cluster: Cluster) -> St
         reduce = micro_batches * _ring(grad_bytes, d, dp_bw, all_reduce=False, latency=reduce_lat)
         gathered_bytes = (busiest.params - busiest.persistent) * w  # persistent tensors are never gathered
         forward = _ring(gathered_bytes, d, dp_bw, all_reduce=False, latency=lat)
-        if layout.zero_hpz > 1:  # backward's from the secondary partition, inside the hpZ group
-            backward = _ring(gathered_bytes, layout.zero_hpz, _bandwidth(cluster, layout.zero_hpz),
+        if layout.dims.zero_hpz > 1:  # backward's from the secondary partition, inside the hpZ group
+            backward = _ring(gathered_bytes, layout.dims.zero_hpz, _bandwidth(cluster, layout.dims.zero_hpz),
                              all_reduce=False, latency=lat)
         else:
             backward = forward
@@ -170,14 +170,14 @@ def step_time(desc: ModelDesc, layout: Layout, job: Job, cluster: Cluster) -> St
     dp_comm = (1 - DP_OVERLAP) * reduce + gather
 
     # Pipeline: (p - 1) idle micro-batch slots of the 1F1B schedule, and activations sent across.
-    bubble = compute * (layout.pp - 1) / micro_batches if layout.pp > 1 else 0.0
+    bubble = compute * (layout.dims.pp - 1) / micro_batches if layout.dims.pp > 1 else 0.0
     if cluster.is_cpu and cluster.gpus_per_node > cluster.cores_per_node:
         # CPU ranks sharing cores: in the bubble the busy ranks get the idle ones' share.
         bubble /= cluster.gpus_per_node / cluster.cores_per_node
     pp_comm = 0.0
-    if layout.pp > 1:
-        pp_bw = _bandwidth(cluster, layout.tp * layout.dp * 2)
-        pp_comm = 2 * micro_batches * (activation_bytes / layout.tp / pp_bw + lat)
+    if layout.dims.pp > 1:
+        pp_bw = _bandwidth(cluster, layout.dims.tp * layout.dims.dp * 2)
+        pp_comm = 2 * micro_batches * (activation_bytes / layout.dims.tp / pp_bw + lat)
 
     # Offload: the optimizer step on the CPU, gradients down and parameters up over PCIe.
     offload = 0.0
@@ -191,15 +191,15 @@ def step_time(desc: ModelDesc, layout: Layout, job: Job, cluster: Cluster) -> St
     passes = 1 + (layout.activation_checkpointing == "full") / 3
     calls = OPS_PER_LAYER * passes * busiest.layers * micro_batches + OPS_PER_STEP
     overhead = calls * cluster.op_overhead_s
-    if layout.zero_stage == 3:  # hooks on every module with parameters (+ the layer itself)
+    if layout.dims.zero_stage == 3:  # hooks on every module with parameters (+ the layer itself)
         modules = len(desc.layer_tensors) + 1
         overhead += (2 * modules * busiest.layers * micro_batches * ZERO3_OPS_PER_MODULE_PASS
                      * cluster.op_overhead_s)
-    if layout.zero_stage == 3 and d > 1:
-        fetched = sum(1 for n, s in desc.layer_tensors if (n // layout.tp if s else n) > knobs.persistence_threshold)
+    if layout.dims.zero_stage == 3 and d > 1:
+        fetched = sum(1 for n, s in desc.layer_tensors if (n // layout.dims.tp if s else n) > knobs.persistence_threshold)
         fetches = 2 * fetched * busiest.layers * micro_batches
         overhead += fetches * (lat + ZERO3_OPS_PER_FETCH * cluster.op_overhead_s)
-    if layout.cp > 1:  # Ulysses' reshapes and copies around its 8 all-to-alls (and the position gather)
+    if layout.dims.cp > 1:  # Ulysses' reshapes and copies around its 8 all-to-alls (and the position gather)
         overhead += ULYSSES_OPS_PER_LAYER * passes * busiest.layers * micro_batches * cluster.op_overhead_s
     if not cluster.is_cpu:  # a GPU: the host issues work while the device computes
         overhead = max(0.0, overhead - compute)

@@ -333,7 +333,7 @@ def launch_cmd(run_yaml: Path, hostfile: Path | None, include: str, exclude: str
     if check:
         return how.check(job)
     if dry_run:
-        click.echo(f"# {dims.world} ranks = tp {dims.tp} x pp {dims.pp} x dp {dims.dp} on {len(active)} node(s); "
+        click.echo(f"# {dims.world} ranks = {dims} on {len(active)} node(s); "
                    f"master {job.master}:{master_port}; launcher {launcher}")
         click.echo(f"# memory per rank: {memory}")
         for line in how.dry_run(job):

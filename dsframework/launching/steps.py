@@ -76,7 +76,7 @@ def memory_check(run, config, dims, active, cluster_name: str | None, *, force: 
             f"--gpus-per-node {ranks_per_node} --seq-len {job.seq_len} --global-batch {job.global_batch} "
             f"--precision {job.precision}")
     error = UserError("memory per rank" if fit.need > fit.available else "host memory per node", None,
-                      f"{fit.why_not} ({source}) for tp {layout.dims.tp} x pp {layout.dims.pp} x cp {layout.dims.cp} x dp {layout.dims.dp}, "
+                      f"{fit.why_not} ({source}) for {layout.dims}, "
                       f"ZeRO-{layout.dims.zero_stage}, micro-batch {layout.micro_batch}",
                       f"find a layout that fits with `{plan}`"
                       + (" (it plans full fine-tuning: LoRA needs less)" if lora else "")

@@ -18,7 +18,7 @@ from typing import Any
 
 from dsframework.planner.cluster import GiB
 from dsframework.planner.memory import loss_chunk
-from dsframework.planner.search import Candidate, Plan, describe_grid, family_of
+from dsframework.planner.search import Candidate, Plan, family_of
 
 
 def _gib(x: float) -> str:
@@ -73,13 +73,13 @@ def plan_table(plan: Plan, *, top: int = 5) -> str:
     best = plan.best
     if best is not None:
         out.append("")
-        out.append(f"best: {family_of(best.layout)}, {describe_grid(best.layout)}, "
+        out.append(f"best: {family_of(best.layout)}, {best.layout.dims}, "
                    f"micro-batch {best.layout.micro_batch} x {best.layout.grad_accum}, checkpointing "
                    f"{best.layout.activation_checkpointing}: {best.tokens_per_s:,.0f} tokens/s predicted")
         if best.layout.dims.cp > 1:
             flat = next((c for c in plan.fitting if c.layout.dims.cp == 1), None)
             if flat is not None:  # (when none fits, `dropped` says why)
-                out.append(f"  fastest without context parallelism: {describe_grid(flat.layout)}, "
+                out.append(f"  fastest without context parallelism: {flat.layout.dims}, "
                            f"{flat.tokens_per_s:,.0f} tokens/s ({flat.tokens_per_s / best.tokens_per_s:.0%} of the best)")
         out += knobs_lines(best)
     return "\n".join(out)

@@ -166,14 +166,8 @@ def evaluate(desc: ModelDesc, layout: Layout, job: Job, cluster: Cluster, *, kno
                      host=fit.host, over=over, knobs=choice, _ranks_per_node=ranks_per_node)
 
 
-def describe_grid(layout: Layout) -> str:
-    """'tp 2 pp 1 dp 4', 'tp 1 pp 1 cp 8 dp 2, hpZ 8': the axes in use (cp and hpZ when > 1)."""
-    grid = f"tp {layout.dims.tp} pp {layout.dims.pp}" + (f" cp {layout.dims.cp}" if layout.dims.cp > 1 else "") + f" dp {layout.dims.dp}"
-    return grid + (f", hpZ {layout.dims.zero_hpz}" if layout.dims.zero_hpz > 1 else "")
-
-
 def _describe(layout: Layout) -> str:
-    return f"{describe_grid(layout)}, micro-batch {layout.micro_batch}, checkpointing {layout.activation_checkpointing}"
+    return f"{layout.dims}, micro-batch {layout.micro_batch}, checkpointing {layout.activation_checkpointing}"
 
 
 NO_CONTEXT_PARALLEL = "cp 1 (no context parallelism)"
@@ -225,5 +219,5 @@ def suggestions(desc: ModelDesc, cluster: Cluster, job: Job, candidates: list[Ca
     return out
 
 
-__all__ = ["Candidate", "Plan", "search", "evaluate", "enumerate_layouts", "family_of", "describe_grid",
+__all__ = ["Candidate", "Plan", "search", "evaluate", "enumerate_layouts", "family_of",
            "NO_CONTEXT_PARALLEL"]

@@ -17,6 +17,7 @@ DeepSpeed's output on random and real weights.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 
@@ -72,9 +73,21 @@ def partition_balanced(weights: list[int] | list[float], num_parts: int) -> list
     partition_method 'parameters' and 'type:...'): the linear-partition dynamic programme that
     minimises the heaviest part minus the lightest, ties going to the last split point, as
     DeepSpeed breaks them. Same result; the inner loop over split points is a numpy row."""
-    n, m = len(weights), num_parts
-    if n <= m:
-        return partition_uniform(n, m)
+    if len(weights) <= num_parts:
+        return partition_uniform(len(weights), num_parts)
+    return balanced_partitions(weights, num_parts)(num_parts)
+
+
+def balanced_partitions(weights: list[int] | list[float], max_parts: int) -> Callable[[int], list[int]]:
+    """partition_balanced's table, computed once for every part count up to `max_parts` (< the
+    weights): the returned function gives the bounds for one of them. Column j of the programme
+    depends only on the columns before it, so one table serves every smaller count (the planner
+    asks for each pipeline size of one model).
+
+        bounds = balanced_partitions(weights, 64)
+        bounds(8) == partition_balanced(weights, 8)
+    """
+    n, m = len(weights), max_parts
     prefix = np.zeros(n + 1)
     prefix[1:] = np.cumsum(np.asarray(weights, dtype=np.float64))
     dp_max = np.full((n + 1, m + 1), np.inf)
@@ -96,11 +109,15 @@ def partition_balanced(weights: list[int] | list[float], num_parts: int) -> list
         position[j:, j] = last
         dp_max[j:, j] = hi[np.arange(len(last)), last]
         dp_min[j:, j] = lo[np.arange(len(last)), last]
-    parts = [n]
-    for j in range(m, 0, -1):
-        parts.append(int(position[parts[-1], j]))
-    return parts[::-1]
+
+    def bounds(num_parts: int) -> list[int]:
+        parts = [n]
+        for j in range(num_parts, 0, -1):
+            parts.append(int(position[parts[-1], j]))
+        return parts[::-1]
+    return bounds
 
 
 __all__ = ["ZERO_REDUCE_BUCKET", "ZERO_ALLGATHER_BUCKET", "ZERO3_PREFETCH_BUCKET", "ZERO3_PERSISTENCE_THRESHOLD",
-           "ZERO3_MAX_LIVE_PARAMETERS", "STAGE0_ALLREDUCE_BUCKET", "padded_vocab", "partition_uniform", "partition_balanced"]
+           "ZERO3_MAX_LIVE_PARAMETERS", "STAGE0_ALLREDUCE_BUCKET", "padded_vocab", "partition_uniform", "partition_balanced",
+           "balanced_partitions"]

@@ -122,6 +122,7 @@ pipeline send/receive buffers, and the recompute working set.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Literal
@@ -135,6 +136,7 @@ from dsframework.runtime_facts import (
     ZERO3_PREFETCH_BUCKET,
     ZERO_ALLGATHER_BUCKET,
     ZERO_REDUCE_BUCKET,
+    balanced_partitions,
     loss_chunk_tokens,
     loss_is_chunked,
     padded_vocab,
@@ -282,6 +284,14 @@ def _items(desc: ModelDesc, tp: int, threshold: int = ZERO3_PERSISTENCE_THRESHOL
             + [(desc.final_norm_params, desc.final_norm_params, "norm"), (head, head_persistent, "head")])
 
 
+@lru_cache(maxsize=64)
+def _balanced_bounds(desc: ModelDesc, tp: int) -> Callable[[int], list[int]]:
+    """partition_balanced's stage bounds of the pipeline's items at every pipeline size (one table
+    per model and tensor-parallel size: the search asks for many pipeline sizes)."""
+    items = _items(desc, tp)
+    return balanced_partitions([n for n, _, _ in items], len(items) - 1)
+
+
 @lru_cache(maxsize=4096)
 def stage_shapes(desc: ModelDesc, tp: int, pp: int,
                  threshold: int = ZERO3_PERSISTENCE_THRESHOLD) -> tuple[StageShape, ...]:
@@ -292,7 +302,10 @@ def stage_shapes(desc: ModelDesc, tp: int, pp: int,
     items = _items(desc, tp, threshold)
     if desc.tied and pp == 1:
         items[-1] = (0, 0, "head")
-    bounds = partition_balanced([n for n, _, _ in items], pp)
+    if 1 < pp < len(items):  # (the elements of each item are the same at any threshold)
+        bounds = _balanced_bounds(desc, tp)(pp)
+    else:
+        bounds = partition_balanced([n for n, _, _ in items], pp)
     shapes = []
     for s in range(pp):
         chunk = items[bounds[s]:bounds[s + 1]]
@@ -521,18 +534,22 @@ def _buffers(desc: ModelDesc, shape: StageShape, layout: Layout, job: Job, layer
     return total
 
 
-def stage_memories(desc: ModelDesc, layout: Layout, job: Job) -> list[Memory]:
-    """The memory of a rank of each pipeline stage (one entry without a pipeline)."""
-    layer_act = layer_activation_bytes(desc, micro_batch=layout.micro_batch, seq_len=job.seq_len, tp=layout.dims.tp,
-                                       precision=job.precision, cp=layout.dims.cp)
-    kept_per_layer = (layout.micro_batch * job.seq_len / layout.dims.cp * desc.hidden * job.param_bytes
+def stage_memories(desc: ModelDesc, layout: Layout, job: Job, *, distinct: bool = False) -> list[Memory]:
+    """The memory of a rank of each pipeline stage (one entry without a pipeline). With `distinct`,
+    only the first stage of each shape: a later stage of the same shape holds no more micro-batches
+    in flight (1F1B: min(pp - index, grad_accum)), so never more memory (what memory_per_rank needs)."""
+    dims = layout.dims
+    layer_act = layer_activation_bytes(desc, micro_batch=layout.micro_batch, seq_len=job.seq_len, tp=dims.tp,
+                                       precision=job.precision, cp=dims.cp)
+    kept_per_layer = (layout.micro_batch * job.seq_len / dims.cp * desc.hidden * job.param_bytes
                       if layout.activation_checkpointing == "full" else layer_act)
     memories = []
     chunk = loss_chunk(desc, layout, job)
-    for index, shape in enumerate(stage_shapes(desc, layout.dims.tp, layout.dims.pp, layout.knobs.persistence_threshold)):
-        in_flight = min(layout.dims.pp - index, layout.grad_accum) if layout.dims.pp > 1 else 1
+    stages = (_distinct_stages if distinct else _all_stages)(desc, dims.tp, dims.pp, layout.knobs.persistence_threshold)
+    for index, shape in stages:
+        in_flight = min(dims.pp - index, layout.grad_accum) if dims.pp > 1 else 1
         edge = _edge_activation_bytes(desc, shape, micro_batch=layout.micro_batch, seq_len=job.seq_len,
-                                      tp=layout.dims.tp, precision=job.precision, cp=layout.dims.cp, chunked=chunk is not None)
+                                      tp=dims.tp, precision=job.precision, cp=dims.cp, chunked=chunk is not None)
         train = trained(desc, shape, job)
         states = _model_states(shape, layout, job, train)
         hpz = states.pop("hpz_secondary")
@@ -544,9 +561,27 @@ def stage_memories(desc: ModelDesc, layout: Layout, job: Job) -> list[Memory]:
     return memories
 
 
+def _all_stages(desc: ModelDesc, tp: int, pp: int, threshold: int) -> list[tuple[int, StageShape]]:
+    return list(enumerate(stage_shapes(desc, tp, pp, threshold)))
+
+
+@lru_cache(maxsize=4096)  # (asked for by every layout the search costs)
+def _distinct_stages(desc: ModelDesc, tp: int, pp: int, threshold: int) -> tuple[tuple[int, StageShape], ...]:
+    """(index, shape) of the first stage of each shape."""
+    first: dict[StageShape, int] = {}
+    for index, shape in enumerate(stage_shapes(desc, tp, pp, threshold)):
+        first.setdefault(shape, index)
+    return tuple((index, shape) for shape, index in first.items())
+
+
 def memory_per_rank(desc: ModelDesc, layout: Layout, job: Job) -> Memory:
-    """The busiest stage's rank: the one whose total is largest."""
-    return max(stage_memories(desc, layout, job), key=lambda memory: memory.total)
+    """The busiest stage's rank: the one whose total is largest (the first such stage)."""
+    return max(stage_memories(desc, layout, job, distinct=True), key=lambda memory: memory.total)
+
+
+@lru_cache(maxsize=4096)  # (asked for by every layout the search costs)
+def _busiest_stage_params(desc: ModelDesc, tp: int, pp: int) -> int:
+    return max(shape.params for shape in stage_shapes(desc, tp, pp))
 
 
 # --- host memory per node -------------------------------------------------------------------------
@@ -585,7 +620,7 @@ def largest_tensor(desc: ModelDesc) -> int:
 
 def build_bytes_per_rank(desc: ModelDesc, layout: Layout) -> float:
     """Host bytes a rank peaks at while it builds or loads its share (busiest stage, fp32)."""
-    share = max(shape.params for shape in stage_shapes(desc, layout.dims.tp, layout.dims.pp))
+    share = _busiest_stage_params(desc, layout.dims.tp, layout.dims.pp)
     if layout.dims.zero_stage == 3:
         share = share / layout.dims.zero_ranks
     return BUILD_BYTES * (share + largest_tensor(desc))

@@ -130,12 +130,10 @@ from typing import Literal
 from dsframework.layout import ParallelDims
 from dsframework.planner.model import ModelDesc
 from dsframework.runtime_facts import (
+    DEFAULT_KNOBS,
     STAGE0_ALLREDUCE_BUCKET,
-    ZERO3_MAX_LIVE_PARAMETERS,
     ZERO3_PERSISTENCE_THRESHOLD,
-    ZERO3_PREFETCH_BUCKET,
-    ZERO_ALLGATHER_BUCKET,
-    ZERO_REDUCE_BUCKET,
+    Knobs,
     balanced_partitions,
     loss_chunk_tokens,
     loss_is_chunked,
@@ -168,42 +166,6 @@ class Job:
     @property
     def param_bytes(self) -> int:
         return 4 if self.precision == "fp32" else 2
-
-
-@dataclass(frozen=True)
-class Knobs:
-    """DeepSpeed's ZeRO settings that trade memory for fewer, larger or earlier collectives, in
-    elements (the run config's parallel.zero_knobs; planner/knobs.py chooses them from the memory a
-    plan leaves free). The defaults are the values dsf writes without a choice (runtime_facts).
-
-        Knobs()                                          # dsf's defaults
-        Knobs(persistence_threshold=4_194_304)           # tensors <= 4.2M elements stay whole
-        Knobs.of(run.parallel.zero_knobs)                # a run config's, None -> the default
-    """
-
-    persistence_threshold: int = ZERO3_PERSISTENCE_THRESHOLD  # ZeRO-3: tensors this small are never partitioned
-    prefetch_bucket: int = ZERO3_PREFETCH_BUCKET  # ZeRO-3: elements gathered ahead of the module that needs them
-    max_live_parameters: int = ZERO3_MAX_LIVE_PARAMETERS  # ZeRO-3: gathered elements beyond which prefetch stops
-    reduce_bucket: int = ZERO_REDUCE_BUCKET  # ZeRO 1-3: gradient elements per reduce(-scatter)
-    allgather_bucket: int = ZERO_ALLGATHER_BUCKET  # ZeRO 1-2: updated-weight elements per all-gather
-
-    @classmethod
-    def of(cls, spec: object) -> "Knobs":
-        """From a config.ZeroKnobsSpec (or anything with its fields); a field left None keeps the default."""
-        default = cls()
-        return cls(**{name: getattr(spec, name, None) if getattr(spec, name, None) is not None
-                      else getattr(default, name) for name in cls.__dataclass_fields__})
-
-    def changed(self, zero_stage: int) -> dict[str, int]:
-        """The knobs that differ from the defaults and that `zero_stage` uses, as parallel.zero_knobs
-        fields: what a run config needs to say."""
-        used = {0: (), 1: ("reduce_bucket", "allgather_bucket"), 2: ("reduce_bucket", "allgather_bucket"),
-                3: ("persistence_threshold", "prefetch_bucket", "max_live_parameters", "reduce_bucket")}[zero_stage]
-        default = Knobs()
-        return {name: getattr(self, name) for name in used if getattr(self, name) != getattr(default, name)}
-
-
-DEFAULT_KNOBS = Knobs()
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from dsframework import runtime_facts
+from dsframework import dsconfig, runtime_facts
 from dsframework.config import ModelSpec, build_run_config
 from dsframework.dsconfig import build_ds_config
 from dsframework.layout import ParallelDims
@@ -79,9 +79,9 @@ def test_zero_settings_dsf_writes_are_the_ones_the_planner_counts():
     assert zero3["stage3_prefetch_bucket_size"] == runtime_facts.ZERO3_PREFETCH_BUCKET
     assert zero3["stage3_param_persistence_threshold"] == runtime_facts.ZERO3_PERSISTENCE_THRESHOLD
     assert "stage3_max_live_parameters" not in zero3  # DeepSpeed's own default unless a plan chooses one
-    for name in ("ZERO_REDUCE_BUCKET", "ZERO_ALLGATHER_BUCKET", "ZERO3_PREFETCH_BUCKET", "STAGE0_ALLREDUCE_BUCKET",
-                 "ZERO3_PERSISTENCE_THRESHOLD", "ZERO3_MAX_LIVE_PARAMETERS"):
+    for name in ("STAGE0_ALLREDUCE_BUCKET", "ZERO3_PERSISTENCE_THRESHOLD", "Knobs", "DEFAULT_KNOBS"):
         assert getattr(memory, name) is getattr(runtime_facts, name)  # imported, not copied
+    assert dsconfig.Knobs is runtime_facts.Knobs  # the JSON's knobs and their defaults: Knobs.of, one source
     # The planner's default knobs (memory and speed both read Layout.knobs) are those same values.
     assert memory.Knobs() == memory.Knobs(runtime_facts.ZERO3_PERSISTENCE_THRESHOLD, runtime_facts.ZERO3_PREFETCH_BUCKET,
                                           runtime_facts.ZERO3_MAX_LIVE_PARAMETERS, runtime_facts.ZERO_REDUCE_BUCKET,

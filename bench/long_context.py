@@ -38,6 +38,7 @@ def planner_longest(cp: int, budget: float, grain: int, limit: int) -> int:
     """The longest multiple of `grain` (<= limit) whose predicted activations fit `budget`."""
     from dsframework.config import ModelSpec
     from dsframework.models.build import resolve_model
+    from dsframework.layout import ParallelDims
     from dsframework.planner.memory import Job, Layout, memory_per_rank
     from dsframework.planner.model import describe_model
 
@@ -46,7 +47,7 @@ def planner_longest(cp: int, budget: float, grain: int, limit: int) -> int:
     desc = describe_model(config, name=MODEL)
 
     def fits(seq_len: int) -> bool:
-        layout = Layout(dp=RANKS // cp, cp=cp, zero_stage=1, micro_batch=1)
+        layout = Layout(ParallelDims(world=RANKS, cp=cp, zero_stage=1), micro_batch=1)
         return memory_per_rank(desc, layout, Job(seq_len=seq_len, global_batch=RANKS // cp, precision="fp32")
                                ).activations <= budget
 

@@ -62,21 +62,21 @@ def layouts_to_measure(plan, axes: set[str] = frozenset({"hpz", "cp"})) -> list:
         lay = c.layout
         if lay.offload_optimizer or lay.activation_checkpointing != "none":
             continue
-        if (lay.cp > 1 and "cp" not in axes) or (lay.zero_hpz > 1 and "hpz" not in axes):
+        if (lay.dims.cp > 1 and "cp" not in axes) or (lay.dims.zero_hpz > 1 and "hpz" not in axes):
             continue
-        chosen.setdefault((lay.tp, lay.pp, lay.cp, lay.zero_stage, lay.zero_hpz), c)
+        chosen.setdefault((lay.dims.tp, lay.dims.pp, lay.dims.cp, lay.dims.zero_stage, lay.dims.zero_hpz), c)
     return sorted(chosen.values(), key=lambda c: -c.tokens_per_s)
 
 
 def measure(candidate, args, work: Path) -> float:
     lay = candidate.layout
-    out = work / f"tp{lay.tp}_pp{lay.pp}_cp{lay.cp}_z{lay.zero_stage}_hpz{lay.zero_hpz}_mb{lay.micro_batch}"
+    out = work / f"tp{lay.dims.tp}_pp{lay.dims.pp}_cp{lay.dims.cp}_z{lay.dims.zero_stage}_hpz{lay.dims.zero_hpz}_mb{lay.micro_batch}"
     sets = [f"model.name={args.model}", "model.overrides.vocab_size=512", "data.dataset=counting",
             "data.num_examples=3000", f"data.seq_len={args.seq_len}", f"train.steps={args.steps}",
             f"train.global_batch={args.global_batch}", f"train.micro_batch={lay.micro_batch}",
             "train.grad_accum=null", "train.precision=fp32", "train.warmup_steps=1",
-            f"parallel.tp={lay.tp}", f"parallel.pp={lay.pp}", f"parallel.cp={lay.cp}",
-            f"parallel.zero_stage={lay.zero_stage}", f"parallel.zero_hpz={lay.zero_hpz}",
+            f"parallel.tp={lay.dims.tp}", f"parallel.pp={lay.dims.pp}", f"parallel.cp={lay.dims.cp}",
+            f"parallel.zero_stage={lay.dims.zero_stage}", f"parallel.zero_hpz={lay.dims.zero_hpz}",
             "logging.every=1", "logging.eval_every=0", "logging.progress=false", "checkpoint.every=0",
             "checkpoint.save_final=false", f"output_dir={out}"]
     cmd = [str(BIN / "deepspeed"), "--num_gpus", str(args.ranks), "--master_port", str(free_port()),
@@ -124,8 +124,8 @@ def main(argv: list[str] | None = None) -> None:
     rho = spearman(predicted, measured)
     best_measured = max(measured)
     first_choice = measured[0] / best_measured  # chosen[0] is the planner's first choice
-    rows = [{"tp": c.layout.tp, "pp": c.layout.pp, "cp": c.layout.cp, "dp": c.layout.dp,
-             "zero_stage": c.layout.zero_stage, "zero_hpz": c.layout.zero_hpz,
+    rows = [{"tp": c.layout.dims.tp, "pp": c.layout.dims.pp, "cp": c.layout.dims.cp, "dp": c.layout.dims.dp,
+             "zero_stage": c.layout.dims.zero_stage, "zero_hpz": c.layout.dims.zero_hpz,
              "micro_batch": c.layout.micro_batch, "grad_accum": c.layout.grad_accum,
              "predicted_tokens_per_s": p, "measured_tokens_per_s": m} for c, p, m in zip(chosen, predicted, measured)]
     if args.json:

@@ -84,11 +84,12 @@ def predict(fields: dict) -> dict:
     (its breakdown) and the build share, and the dense build's bytes."""
     from transformers import LlamaConfig
 
+    from dsframework.layout import ParallelDims
     from dsframework.planner.memory import Job, Layout, build_bytes_per_rank, stage_memories
     from dsframework.planner.model import describe_model
 
     desc = describe_model(LlamaConfig(**fields), name="scale")
-    layout = Layout(dp=WORLD // (TP * PP), tp=TP, pp=PP, zero_stage=ZERO, micro_batch=MICRO_BATCH,
+    layout = Layout(ParallelDims(world=WORLD, tp=TP, pp=PP, zero_stage=ZERO), micro_batch=MICRO_BATCH,
                     grad_accum=GLOBAL_BATCH // (MICRO_BATCH * WORLD // (TP * PP)))
     job = Job(seq_len=SEQ_LEN, global_batch=GLOBAL_BATCH, precision="fp32")
     return {"params": desc.total_params, "dense_build": 4 * desc.total_params,

@@ -94,7 +94,7 @@ def run_ours(args: argparse.Namespace, work: Path, tokenizer_dir: Path, index: i
     proc = launch([str(BIN / "dsf"), "train", str(TINY_YAML), *sets])
     if proc.returncode:
         sys.exit(f"dsf train failed (exit {proc.returncode}): {last_error(proc)}")
-    banner = re.search(r"world (\d+) = tp (\d+) x pp (\d+) x dp (\d+)", proc.stdout)
+    banner = re.search(r"world (\d+) = tp (\d+) x pp (\d+) x cp (\d+) x dp (\d+)", proc.stdout)
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line]
     return {"steps": steps, "layout": banner.group(0) if banner else "?",
             "tp": int(banner.group(2)) if banner else 0}

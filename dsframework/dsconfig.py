@@ -22,12 +22,7 @@ from dsframework.config import ParallelSpec, TrainSpec
 from dsframework.errors import UserError, raised_in
 from dsframework.jit import pin_build_tools, release_shm_buffers
 from dsframework.ports import free_port
-from dsframework.runtime_facts import (
-    ZERO3_PERSISTENCE_THRESHOLD,
-    ZERO3_PREFETCH_BUCKET,
-    ZERO_ALLGATHER_BUCKET,
-    ZERO_REDUCE_BUCKET,
-)
+from dsframework.runtime_facts import Knobs
 
 # Large enough that DeepSpeed never prints its own per-step line; dsf logs progress itself.
 _STEPS_PER_PRINT = 1_000_000_000
@@ -109,26 +104,20 @@ def _zero_section(parallel: ParallelSpec) -> dict[str, Any]:
     """zero_optimization: the stage, dsf's bucket / persistence / prefetch sizes (runtime_facts, or
     parallel.zero_knobs where set: the planner counts the same ones), offload, hpZ."""
     zero: dict[str, Any] = {"stage": parallel.zero_stage}
-    knobs = parallel.zero_knobs
-
-    def knob(name: str, default: int) -> int:
-        value = getattr(knobs, name)
-        return default if value is None else value
-
+    knobs = Knobs.of(parallel.zero_knobs)  # (the defaults where a field is None: one source, runtime_facts)
     if parallel.zero_stage >= 1:
         # Overlap communication with compute, and contiguous gradients to avoid fragmentation:
         # the settings DeepSpeed's own tutorials recommend for stages 1-3.
         zero.update(overlap_comm=True, contiguous_gradients=True,
-                    reduce_bucket_size=knob("reduce_bucket", ZERO_REDUCE_BUCKET),
-                    allgather_bucket_size=knob("allgather_bucket", ZERO_ALLGATHER_BUCKET))
+                    reduce_bucket_size=knobs.reduce_bucket, allgather_bucket_size=knobs.allgather_bucket)
     if parallel.zero_stage >= 1 and parallel.pp > 1:
         zero["overlap_comm"] = False  # the pipeline engine turns it off anyway, with a warning
     if parallel.zero_stage == 3:
         zero.pop("allgather_bucket_size")
-        zero.update(stage3_prefetch_bucket_size=knob("prefetch_bucket", ZERO3_PREFETCH_BUCKET),
-                    stage3_param_persistence_threshold=knob("persistence_threshold", ZERO3_PERSISTENCE_THRESHOLD),
+        zero.update(stage3_prefetch_bucket_size=knobs.prefetch_bucket,
+                    stage3_param_persistence_threshold=knobs.persistence_threshold,
                     stage3_gather_16bit_weights_on_model_save=False)
-        if knobs.max_live_parameters is not None:  # else DeepSpeed's own default (1e9), as before
+        if parallel.zero_knobs.max_live_parameters is not None:  # else DeepSpeed's own default (1e9), as before
             zero["stage3_max_live_parameters"] = knobs.max_live_parameters
     if parallel.zero_stage == 3 and parallel.cp > 1:
         # ZeRO-3's reduce-scatter path: the one parallel.context.zero_gradient_scale corrects for.

@@ -2,11 +2,12 @@
 
     dims = ParallelDims(world=8, tp=2, pp=2)          # dp = 8 / (2 * 2) = 2
     dims = ParallelDims(world=8, cp=2, zero_stage=3, zero_hpz=2)   # dp 4; ZeRO over cp x dp = 8
+    dims = ParallelDims.of(run.parallel, world=8)      # a run config's
+    str(dims)                                          # 'tp 1 x pp 1 x cp 2 x dp 4, hpZ 2': the one rendering
+    ParallelDims.from_dict(manifest["layout"])         # what a checkpoint was saved at (dims.as_dict())
     check_layout(dims, num_heads=32, num_kv_heads=8, num_layers=32, seq_len=4096, ranks_per_node=8)
-    topo = build_topology(dims)                        # PipeModelDataParallelTopology
-    topo.get_coord(rank=3)                             # ProcessCoord(pipe=0, data=1, model=1)
-    grid = build_grid(dims)                            # needs torch.distributed: the mpu for
-                                                       # deepspeed.initialize(mpu=grid)
+
+(parallel/topology.py builds the process groups of a layout: build_topology, build_grid.)
 
 `ParallelDims` is the one description of a layout: the four axes Accelerate's ParallelismConfig
 names (dp_replicate x dp_shard x cp x tp) map onto it as dp x cp x tp plus ZeRO's stage and
@@ -63,6 +64,28 @@ class ParallelDims:
         """The layout of a run config's `parallel` section on `world` ranks."""
         return cls(world=world, tp=parallel.tp, pp=parallel.pp, cp=parallel.cp,
                    zero_stage=parallel.zero_stage, zero_hpz=parallel.zero_hpz)
+
+    def as_dict(self) -> dict[str, int]:
+        """The layout as a checkpoint manifest stores it (dp too, for a reader's eye; `from_dict` derives it)."""
+        return {"world": self.world, "tp": self.tp, "pp": self.pp, "cp": self.cp, "dp": self.dp,
+                "zero_stage": self.zero_stage, "zero_hpz": self.zero_hpz}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, int], *, zero_stage: int = 0) -> "ParallelDims":
+        """A manifest's layout (`as_dict`), also in its older forms: {world, tp, pp, dp} only, later
+        with cp, zero_stage and zero_hpz; an axis a manifest lacks is 1, and a stage it lacks is
+        `zero_stage` (the caller's: the resuming run's).
+
+            ParallelDims.from_dict({"world": 4, "tp": 2, "pp": 1, "dp": 2}, zero_stage=1)
+        """
+        return cls(world=data["world"], tp=data["tp"], pp=data["pp"], cp=data.get("cp", 1),
+                   zero_stage=data.get("zero_stage", zero_stage), zero_hpz=data.get("zero_hpz", 1))
+
+    def __str__(self) -> str:
+        """The layout as every message shows it: 'tp 2 x pp 1 x cp 1 x dp 4' (', hpZ 2' with hpZ);
+        the ZeRO stage is shown by each message where it matters."""
+        return (f"tp {self.tp} x pp {self.pp} x cp {self.cp} x dp {self.dp}"
+                + (f", hpZ {self.zero_hpz}" if self.hpz_enabled else ""))
 
     @property
     def model_parallel(self) -> int:

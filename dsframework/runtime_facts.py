@@ -1,6 +1,7 @@
 """Facts about what the run does that the planner must count the same way: one copy of each.
 
     ZERO_REDUCE_BUCKET                   # elements; dsconfig.py writes it, planner/memory.py counts it
+    Knobs.of(run.parallel.zero_knobs)    # the ZeRO knobs a run writes: its own, else these defaults
     padded_vocab(50257, tp=2)            # 50258: rows the vocab-parallel embedding holds, all ranks
     partition_balanced([5, 1, 1, 5], 2)  # [0, 2, 4]: DeepSpeed's pipeline stage boundaries
 
@@ -17,6 +18,8 @@ DeepSpeed's output on random and real weights.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -77,6 +80,43 @@ def padded_vocab(num_embeddings: int, *, tp: int, multiple: int | None = None) -
     return -(-num_embeddings // step) * step
 
 
+@dataclass(frozen=True)
+class Knobs:
+    """DeepSpeed's ZeRO settings that trade memory for fewer, larger or earlier collectives, in
+    elements (the run config's parallel.zero_knobs; planner/knobs.py chooses them from the memory a
+    plan leaves free). The one source of dsf's defaults: the values dsconfig writes without a choice
+    (Knobs.of a run's zero_knobs) and the planner counts.
+
+        Knobs()                                          # dsf's defaults
+        Knobs(persistence_threshold=4_194_304)           # tensors <= 4.2M elements stay whole
+        Knobs.of(run.parallel.zero_knobs)                # a run config's, None -> the default
+    """
+
+    persistence_threshold: int = ZERO3_PERSISTENCE_THRESHOLD  # ZeRO-3: tensors this small are never partitioned
+    prefetch_bucket: int = ZERO3_PREFETCH_BUCKET  # ZeRO-3: elements gathered ahead of the module that needs them
+    max_live_parameters: int = ZERO3_MAX_LIVE_PARAMETERS  # ZeRO-3: gathered elements beyond which prefetch stops
+    reduce_bucket: int = ZERO_REDUCE_BUCKET  # ZeRO 1-3: gradient elements per reduce(-scatter)
+    allgather_bucket: int = ZERO_ALLGATHER_BUCKET  # ZeRO 1-2: updated-weight elements per all-gather
+
+    @classmethod
+    def of(cls, spec: object) -> "Knobs":
+        """From a config.ZeroKnobsSpec (or anything with its fields); a field left None keeps the default."""
+        default = cls()
+        return cls(**{name: getattr(spec, name, None) if getattr(spec, name, None) is not None
+                      else getattr(default, name) for name in cls.__dataclass_fields__})
+
+    def changed(self, zero_stage: int) -> dict[str, int]:
+        """The knobs that differ from the defaults and that `zero_stage` uses, as parallel.zero_knobs
+        fields: what a run config needs to say."""
+        used = {0: (), 1: ("reduce_bucket", "allgather_bucket"), 2: ("reduce_bucket", "allgather_bucket"),
+                3: ("persistence_threshold", "prefetch_bucket", "max_live_parameters", "reduce_bucket")}[zero_stage]
+        default = Knobs()
+        return {name: getattr(self, name) for name in used if getattr(self, name) != getattr(default, name)}
+
+
+DEFAULT_KNOBS = Knobs()
+
+
 # --- pipeline stage boundaries ---------------------------------------------------------------------
 
 def partition_uniform(num_items: int, num_parts: int) -> list[int]:
@@ -92,9 +132,21 @@ def partition_balanced(weights: list[int] | list[float], num_parts: int) -> list
     partition_method 'parameters' and 'type:...'): the linear-partition dynamic programme that
     minimises the heaviest part minus the lightest, ties going to the last split point, as
     DeepSpeed breaks them. Same result; the inner loop over split points is a numpy row."""
-    n, m = len(weights), num_parts
-    if n <= m:
-        return partition_uniform(n, m)
+    if len(weights) <= num_parts:
+        return partition_uniform(len(weights), num_parts)
+    return balanced_partitions(weights, num_parts)(num_parts)
+
+
+def balanced_partitions(weights: list[int] | list[float], max_parts: int) -> Callable[[int], list[int]]:
+    """partition_balanced's table, computed once for every part count up to `max_parts` (< the
+    weights): the returned function gives the bounds for one of them. Column j of the programme
+    depends only on the columns before it, so one table serves every smaller count (the planner
+    asks for each pipeline size of one model).
+
+        bounds = balanced_partitions(weights, 64)
+        bounds(8) == partition_balanced(weights, 8)
+    """
+    n, m = len(weights), max_parts
     prefix = np.zeros(n + 1)
     prefix[1:] = np.cumsum(np.asarray(weights, dtype=np.float64))
     dp_max = np.full((n + 1, m + 1), np.inf)
@@ -116,11 +168,15 @@ def partition_balanced(weights: list[int] | list[float], num_parts: int) -> list
         position[j:, j] = last
         dp_max[j:, j] = hi[np.arange(len(last)), last]
         dp_min[j:, j] = lo[np.arange(len(last)), last]
-    parts = [n]
-    for j in range(m, 0, -1):
-        parts.append(int(position[parts[-1], j]))
-    return parts[::-1]
+
+    def bounds(num_parts: int) -> list[int]:
+        parts = [n]
+        for j in range(num_parts, 0, -1):
+            parts.append(int(position[parts[-1], j]))
+        return parts[::-1]
+    return bounds
 
 
 __all__ = ["ZERO_REDUCE_BUCKET", "ZERO_ALLGATHER_BUCKET", "ZERO3_PREFETCH_BUCKET", "ZERO3_PERSISTENCE_THRESHOLD",
-           "ZERO3_MAX_LIVE_PARAMETERS", "STAGE0_ALLREDUCE_BUCKET", "padded_vocab", "partition_uniform", "partition_balanced"]
+           "ZERO3_MAX_LIVE_PARAMETERS", "STAGE0_ALLREDUCE_BUCKET", "padded_vocab", "partition_uniform", "partition_balanced",
+           "balanced_partitions", "Knobs", "DEFAULT_KNOBS"]

@@ -10,8 +10,9 @@
         tokenizer/               the run's tokenizer
         run.yaml                 the resolved run config
 
-    save(engine, ckpt_dir, step=100, consumed_samples=3200, layout={"dp": 2, ...})
-    verify(ckpt_dir, "global_step100")  # UserError naming a missing or truncated file
+    save(engine, ckpt_dir, step=100, consumed_samples=3200, layout=dims)   # dims: the run's ParallelDims
+    manifest = verify(ckpt_dir, "global_step100")  # UserError naming a missing or truncated file
+    saved_layout(manifest)               # the ParallelDims it was saved at (None: no manifest)
     state = load(engine, ckpt_dir)       # {"step": 100, "consumed_samples": 3200}
 
 A run with frozen parameters (a LoRA run's base, models/lora.py) saves only the trainable ones
@@ -39,6 +40,7 @@ from typing import Any
 
 from dsframework.errors import UserError, raised_in
 from dsframework.files import written_then_renamed
+from dsframework.layout import ParallelDims
 from dsframework.models.lora import has_frozen_parameters
 
 TOKENIZER_DIR = "tokenizer"
@@ -127,7 +129,7 @@ def write_shards(engine: Any, partial: Path, *, client_state: dict[str, Any], ex
     torch.save(_rng_states(), partial / f"rng_rank{engine.global_rank}.pt")
 
 
-def save(engine: Any, ckpt_dir: Path, *, step: int, consumed_samples: int, layout: dict[str, int]) -> str:
+def save(engine: Any, ckpt_dir: Path, *, step: int, consumed_samples: int, layout: ParallelDims) -> str:
     """Save a checkpoint of every rank at `step` (all ranks call it); returns its tag. Frozen parameters
     are left out (the manifest's `trainable` names what is in)."""
     import torch.distributed as dist
@@ -153,7 +155,7 @@ def save(engine: Any, ckpt_dir: Path, *, step: int, consumed_samples: int, layou
     dist.barrier()  # every rank's files are on disk
     if dist.get_rank() == 0:
         files = {str(p.relative_to(partial)): p.stat().st_size for p in sorted(partial.rglob("*")) if p.is_file()}
-        manifest = {"step": step, "layout": layout, "files": files, **({"trainable": trainable} if frozen else {})}
+        manifest = {"step": step, "layout": layout.as_dict(), "files": files, **({"trainable": trainable} if frozen else {})}
         _write_atomically(partial / MANIFEST, json.dumps(manifest, indent=1))
         if final.exists():  # a later checkpoint of an abandoned branch of this run (latest is older)
             shutil.rmtree(final)
@@ -175,6 +177,17 @@ def read_manifest(ckpt_dir: Path, tag: str) -> dict[str, Any] | None:
     except ValueError:
         raise UserError("checkpoint file", str(path), "is corrupt (not JSON)",
                         "restore it, or point latest at an earlier checkpoint") from None
+
+
+def saved_layout(manifest: dict[str, Any] | None, *, zero_stage: int = 0) -> ParallelDims | None:
+    """The layout a checkpoint was saved at, from its manifest (any of its forms, ParallelDims.from_dict:
+    a manifest from before the ZeRO stage was recorded has `zero_stage`); None without a manifest.
+
+        saved_layout(read_manifest(ckpt_dir, tag))   # ParallelDims(world=4, tp=1, ..., zero_stage=1)
+    """
+    if manifest is None or manifest.get("layout") is None:
+        return None
+    return ParallelDims.from_dict(manifest["layout"], zero_stage=zero_stage)
 
 
 def verify(ckpt_dir: Path, tag: str) -> dict[str, Any] | None:

@@ -66,10 +66,15 @@ def _has_model_states(tag_dir: Path) -> bool:
     return any(tag_dir.glob(f"*{MODEL_STATES}"))
 
 
-def tensor_parallel_size(ckpt_dir: Path) -> int:
-    """The run's parallel.tp, from the run.yaml dsf train saved beside the checkpoints."""
+def tensor_parallel_size(ckpt_dir: Path, tag: str) -> int:
+    """The tensor-parallel size `tag` was saved at: its manifest's layout (a resume at another layout
+    writes the new one there, and never rewrites run.yaml); for a checkpoint without a manifest, the
+    run's parallel.tp from the run.yaml dsf train saved beside the checkpoints."""
     import yaml
 
+    saved = ckpt.saved_layout(ckpt.read_manifest(ckpt_dir, tag))
+    if saved is not None:
+        return saved.tp
     run_yaml = ckpt_dir / ckpt.RUN_YAML
     if not run_yaml.is_file():
         return 1
@@ -91,7 +96,7 @@ def locate(path: str | Path, tag: str | None = None) -> tuple[Path, str]:
     if not _has_model_states(path / tag):
         raise UserError("CKPT_DIR", str(path / tag), f"has no {MODEL_STATES}",
                         "the checkpoint is incomplete; export an earlier tag with --tag")
-    tp = tensor_parallel_size(path)
+    tp = tensor_parallel_size(path, tag)
     missing = [r for r in range(tp) if not any((path / tag).glob(f"*mp_rank_{r:02d}_model_states.pt"))]
     if missing:
         raise UserError("CKPT_DIR", str(path / tag), f"lacks the files of tensor rank {missing[0]} "
@@ -475,7 +480,7 @@ def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path, *, tag: str | 
     where = str(ckpt_dir / tag)
     with tempfile.TemporaryDirectory(prefix="dsf-export-") as scratch:
         if lora is None:
-            reader = open_checkpoint(ckpt_dir, tag, config, tp=tensor_parallel_size(ckpt_dir), scratch=Path(scratch))
+            reader = open_checkpoint(ckpt_dir, tag, config, tp=tensor_parallel_size(ckpt_dir, tag), scratch=Path(scratch))
             plan = weights_to_write(model, reader, where=where)
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))

@@ -1,8 +1,8 @@
 """Resume at another layout: a ZeRO-1/2 checkpoint saved at one tp x pp x dp, resharded for another.
 
     from dsframework.checkpoints.reshard import reshard
-    tag = reshard(ckpt_dir, "global_step4", config, saved=ParallelDims(world=4, tp=2, pp=2),
-                  target=ParallelDims(world=4))              # -> "global_step4.universal-tp1pp1dp4"
+    tag = reshard(ckpt_dir, "global_step4", config, target=ParallelDims(world=4, zero_stage=1))
+    # -> "global_step4.universal-tp1pp1dp4"; the saved layout (tp 2 x pp 2) is read from its manifest
     ds_config["checkpoint"] = {"load_universal": True}        # every rank, before deepspeed.initialize
     engine.load_checkpoint(ckpt_dir, tag=tag)                 # weights, Adam moments, step, lr schedule
 
@@ -61,7 +61,7 @@ from deepspeed.checkpoint.constants import (
     SINGLE_PARTITION_OF_FP32_GROUPS,
 )
 
-from dsframework.checkpoints.checkpoint import MANIFEST, PARTIAL, UNIVERSAL
+from dsframework.checkpoints.checkpoint import MANIFEST, PARTIAL, UNIVERSAL, read_manifest, saved_layout
 from dsframework.errors import UserError
 from dsframework.layout import ParallelDims
 from dsframework.models.hf import causal_lm_class
@@ -74,10 +74,6 @@ States = dict[str, torch.Tensor]  # state name ("fp32", "exp_avg", ...) -> tenso
 def universal_tag(tag: str, dims: ParallelDims) -> str:
     """The name `tag` resharded for `dims` is cached under: global_step4.universal-tp1pp1dp4."""
     return f"{tag}{UNIVERSAL}-tp{dims.tp}pp{dims.pp}dp{dims.dp}"
-
-
-def describe(dims: ParallelDims) -> str:
-    return f"tp {dims.tp} x pp {dims.pp} x dp {dims.dp}"
 
 
 # --- names: one layout's parameter names <-> transformers names ---------------------------------
@@ -269,10 +265,16 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         shutil.copy2(src, dst)
 
 
-def reshard(ckpt_dir: str | Path, tag: str, config: Any, *, saved: ParallelDims, target: ParallelDims) -> str:
-    """Write `tag` (saved at `saved`, ZeRO-1/2) as a universal checkpoint for `target`, once;
-    returns its tag. `config`: the transformers config of the model (the checkpoint's)."""
+def reshard(ckpt_dir: str | Path, tag: str, config: Any, *, target: ParallelDims,
+            saved: ParallelDims | None = None) -> str:
+    """Write `tag` (ZeRO-1/2) as a universal checkpoint for `target`, once; returns its tag.
+    `config`: the transformers config of the model (the checkpoint's); `saved`: the layout it was
+    saved at, read from its manifest when None."""
     ckpt_dir = Path(ckpt_dir)
+    saved = saved or saved_layout(read_manifest(ckpt_dir, tag), zero_stage=target.zero_stage)
+    if saved is None:
+        raise UserError("checkpoint", str(ckpt_dir / tag), f"has no {MANIFEST}, so the layout it was saved at is "
+                        "unknown", "resume it at the layout it was saved at")
     name = universal_tag(tag, target)
     out = ckpt_dir / name
     if out.is_dir():  # renamed into place only when complete

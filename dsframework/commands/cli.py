@@ -167,7 +167,7 @@ def _auto_knobs(sections: dict, run, dims, *, model_name: str, cluster_name: str
     desc = describe_model(resolve_model(ModelSpec(name=model_name)).config, name=model_name)
     train = run.train
     batch = resolve_batch(train.micro_batch, train.grad_accum, train.global_batch, dp_size=dims.dp)
-    layout = run_layout(run.parallel, dp=dims.dp, micro_batch=batch.micro_batch, grad_accum=batch.grad_accum)
+    layout = run_layout(run.parallel, dims, micro_batch=batch.micro_batch, grad_accum=batch.grad_accum)
     job = replace(run_job(run, global_batch=batch.global_batch), seq_len=seq_len)
     notes = []
     if train.global_batch is not None and train.micro_batch is None and train.grad_accum is None:
@@ -180,7 +180,7 @@ def _auto_knobs(sections: dict, run, dims, *, model_name: str, cluster_name: str
     if choice is None:
         notes.append(f"knobs: dsf's defaults: {fit.why_not} for {desc.name} at micro-batch {layout.micro_batch}")
         return notes
-    sections["parallel"]["zero_knobs"] = layout.knobs.changed(layout.zero_stage)
+    sections["parallel"]["zero_knobs"] = layout.knobs.changed(layout.dims.zero_stage)
     chosen = ", ".join(f"{k} {v:,}" for k, v in sections["parallel"]["zero_knobs"].items()) or "dsf's defaults"
     notes.append(f"knobs: {chosen} (predicted {fit.need / GiB:.1f} of {fit.available / GiB:.1f} GiB per rank)")
     return notes + [f"  {line}" for line in choice.why]
@@ -257,13 +257,13 @@ def _write_plan_files(plan, output_dir: Path, *, model_name: str) -> None:
     run = build_run_config(run_config_dict(best, model_name=model_name, seq_len=job.seq_len,
                                            global_batch=job.global_batch, precision=job.precision,
                                            output_dir=str(output_dir / "run"), plan=plan))
-    ds = build_ds_config(run.train, run.parallel, dp_size=best.layout.dp)
-    validate_ds_config(ds, dp_size=best.layout.dp)
+    ds = build_ds_config(run.train, run.parallel, dp_size=best.layout.dims.dp)
+    validate_ds_config(ds, dp_size=best.layout.dims.dp)
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "ds_config.json").write_text(dumps(ds))
     (output_dir / "run.yaml").write_text(dump_run_config(run))
     click.echo(f"dsf: wrote {output_dir / 'ds_config.json'} and {output_dir / 'run.yaml'} "
-               f"(run: deepspeed --num_gpus {best.layout.world} $(which dsf) train {output_dir / 'run.yaml'})",
+               f"(run: deepspeed --num_gpus {best.layout.dims.world} $(which dsf) train {output_dir / 'run.yaml'})",
                err=True)
 
 
@@ -339,7 +339,7 @@ def launch_cmd(run_yaml: Path, hostfile: Path | None, include: str, exclude: str
     if check:
         return how.check(job)
     if dry_run:
-        click.echo(f"# {dims.world} ranks = tp {dims.tp} x pp {dims.pp} x dp {dims.dp} on {len(active)} node(s); "
+        click.echo(f"# {dims.world} ranks = {dims} on {len(active)} node(s); "
                    f"master {job.master}:{master_port}; launcher {launcher}")
         click.echo(f"# memory per rank: {memory}")
         for line in how.dry_run(job):

@@ -59,7 +59,7 @@ def memory_check(run, config, dims, active, cluster_name: str | None, *, force: 
     else:
         cluster, source = local_cluster(nodes=len(active), ranks_per_node=ranks_per_node)
     batch = resolve_batch(run.train.micro_batch, run.train.grad_accum, run.train.global_batch, dp_size=dims.dp)
-    layout = run_layout(run.parallel, dp=dims.dp, micro_batch=batch.micro_batch, grad_accum=batch.grad_accum)
+    layout = run_layout(run.parallel, dims, micro_batch=batch.micro_batch, grad_accum=batch.grad_accum)
     job = run_job(run, global_batch=batch.global_batch)
     lora = ""
     if run.model.lora is not None:  # only the adapters have gradients and optimizer states
@@ -76,8 +76,8 @@ def memory_check(run, config, dims, active, cluster_name: str | None, *, force: 
             f"--gpus-per-node {ranks_per_node} --seq-len {job.seq_len} --global-batch {job.global_batch} "
             f"--precision {job.precision}")
     error = UserError("memory per rank" if fit.need > fit.available else "host memory per node", None,
-                      f"{fit.why_not} ({source}) for tp {layout.tp} x pp {layout.pp} x cp {layout.cp} x dp {layout.dp}, "
-                      f"ZeRO-{layout.zero_stage}, micro-batch {layout.micro_batch}",
+                      f"{fit.why_not} ({source}) for {layout.dims}, "
+                      f"ZeRO-{layout.dims.zero_stage}, micro-batch {layout.micro_batch}",
                       f"find a layout that fits with `{plan}`"
                       + (" (it plans full fine-tuning: LoRA needs less)" if lora else "")
                       + ", or pass --force to launch anyway")

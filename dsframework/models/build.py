@@ -22,7 +22,7 @@ from typing import Any
 from dsframework.config import ModelSpec
 from dsframework.errors import UserError, did_you_mean
 from dsframework.models.construct import check_pretrained_files
-from dsframework.models.hf import causal_lm_class, check_causal_lm, count_parameters, skip_transformers_init
+from dsframework.models.hf import causal_lm_class, check_causal_lm, skip_transformers_init
 from dsframework.models.lora import check_lora_targets
 from dsframework.models.presets import PRESETS
 

@@ -1,6 +1,6 @@
 """Will one given run fit? The planner's memory model and fit rule, for a layout already chosen.
 
-    layout = run_layout(run.parallel, dp=dims.dp, micro_batch=batch.micro_batch, grad_accum=batch.grad_accum)
+    layout = run_layout(run.parallel, dims, micro_batch=batch.micro_batch, grad_accum=batch.grad_accum)
     job = run_job(run, global_batch=batch.global_batch)   # or Job(seq_len=512, global_batch=32, precision="bf16")
     fit = check_fit(describe_model(config), layout, job, cluster)
     fit.fits, fit.need / GiB, fit.available / GiB      # busiest rank (with headroom) vs usable per rank
@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from dsframework.layout import ParallelDims
 from dsframework.planner.cluster import Cluster, GiB
 from dsframework.planner.memory import (EXPORT_SHARD_BYTES, HostMemory, Job, Knobs, Layout, Memory, host_memory_per_node,
                                         memory_per_rank)
@@ -63,12 +64,10 @@ class Fit:
         return ""
 
 
-def run_layout(parallel: Any, *, dp: int, micro_batch: int, grad_accum: int) -> Layout:
-    """The planner's Layout of a run config's `parallel` section (nvme offload counts as
-    offloaded; its zero_knobs, where set, replace dsf's defaults); `dp` is the replicas,
-    world / (tp x pp x cp) (ParallelDims.dp)."""
-    return Layout(dp=dp, tp=parallel.tp, pp=parallel.pp, cp=parallel.cp, zero_stage=parallel.zero_stage,
-                  zero_hpz=parallel.zero_hpz, offload_optimizer=parallel.offload_optimizer != "none",
+def run_layout(parallel: Any, dims: ParallelDims, *, micro_batch: int, grad_accum: int) -> Layout:
+    """The planner's Layout of a run config's `parallel` section at `dims` (its ParallelDims.of;
+    nvme offload counts as offloaded; its zero_knobs, where set, replace dsf's defaults)."""
+    return Layout(dims, offload_optimizer=parallel.offload_optimizer != "none",
                   offload_param=parallel.offload_param != "none", micro_batch=micro_batch,
                   grad_accum=grad_accum, activation_checkpointing=parallel.activation_checkpointing,
                   knobs=Knobs.of(getattr(parallel, "zero_knobs", None)))

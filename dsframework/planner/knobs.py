@@ -68,22 +68,22 @@ def _gib(x: float) -> str:
 def _persistence(desc: ModelDesc, layout: Layout, w: int, budget: float) -> tuple[int, float, str]:
     """(threshold, extra bytes, reason): the largest tensor size whose tensors, kept whole, fit."""
     default = DEFAULT_KNOBS.persistence_threshold
-    base = stage_shapes(desc, layout.tp, layout.pp, default)[0].persistent
-    rows = _padded_vocab_rows(desc.vocab, layout.tp)  # the embedding's and a head's tensor, one tensor rank
-    sizes = sorted({rows * desc.hidden, desc.position_params} | {n // layout.tp if s else n
+    base = stage_shapes(desc, layout.dims.tp, layout.dims.pp, default)[0].persistent
+    rows = _padded_vocab_rows(desc.vocab, layout.dims.tp)  # the embedding's and a head's tensor, one tensor rank
+    sizes = sorted({rows * desc.hidden, desc.position_params} | {n // layout.dims.tp if s else n
                                                                  for n, s in desc.layer_tensors})
     best, extra = default, 0.0
-    if layout.zero_ranks > 1:  # (one rank: nothing is partitioned, so nothing to keep whole)
+    if layout.dims.zero_ranks > 1:  # (one rank: nothing is partitioned, so nothing to keep whole)
         for size in (s for s in sizes if s > default):
-            cost = w * (stage_shapes(desc, layout.tp, layout.pp, size)[0].persistent - base)
+            cost = w * (stage_shapes(desc, layout.dims.tp, layout.dims.pp, size)[0].persistent - base)
             if cost > budget:
                 break
             best, extra = size, cost
-    per_layer = [n // layout.tp if s else n for n, s in desc.layer_tensors]
+    per_layer = [n // layout.dims.tp if s else n for n, s in desc.layer_tensors]
     gathered = sum(n > best for n in per_layer)
     if best == default:
         return best, 0.0, (f"persistence threshold {best:,} (default: the next tensor size would not fit)"
-                           if layout.zero_ranks > 1 else f"persistence threshold {best:,} (default: one rank)")
+                           if layout.dims.zero_ranks > 1 else f"persistence threshold {best:,} (default: one rank)")
     return best, extra, (f"persistence threshold {best:,}: tensors of <= {best:,} elements stay whole on every "
                          f"rank (+{_gib(extra)}) and are never gathered; {gathered} of {len(per_layer)} tensors "
                          f"per layer still are")
@@ -91,8 +91,8 @@ def _persistence(desc: ModelDesc, layout: Layout, w: int, budget: float) -> tupl
 
 def _prefetch(desc: ModelDesc, layout: Layout, w: int, budget: float) -> tuple[int, int, float, str]:
     """(prefetch bucket, max live parameters, extra bytes, reason): k whole layers that fit."""
-    shape = stage_shapes(desc, layout.tp, layout.pp, layout.knobs.persistence_threshold)[0]
-    layer = layer_gathered(desc, tp=layout.tp, threshold=layout.knobs.persistence_threshold)
+    shape = stage_shapes(desc, layout.dims.tp, layout.dims.pp, layout.knobs.persistence_threshold)[0]
+    layer = layer_gathered(desc, tp=layout.dims.tp, threshold=layout.knobs.persistence_threshold)
     default = DEFAULT_KNOBS.prefetch_bucket
     if layer == 0:
         return default, DEFAULT_KNOBS.max_live_parameters, 0.0, "prefetch bucket: default (nothing is gathered)"
@@ -128,7 +128,7 @@ def _bucket(name: str, default: int, elements: float, w: int, budget: float, *, 
 
 def choose_knobs(desc: ModelDesc, layout: Layout, job: Job, *, free: float) -> KnobChoice:
     """The knobs of `layout` from `free` bytes (see the module docstring for the rule)."""
-    z, w = layout.zero_stage, job.param_bytes
+    z, w = layout.dims.zero_stage, job.param_bytes
     if z == 0:
         return KnobChoice(DEFAULT_KNOBS, free, 0.0, ("ZeRO-0: no ZeRO buckets to choose",))
     if free <= 0:
@@ -136,7 +136,7 @@ def choose_knobs(desc: ModelDesc, layout: Layout, job: Job, *, free: float) -> K
     count = 3 if z == 3 else 2
     budget = KNOB_SHARE * free / count
     why = [f"{_gib(free)} free per rank; the knobs may take {KNOB_SHARE:.0%} of it, {_gib(budget)} each"]
-    shapes = stage_shapes(desc, layout.tp, layout.pp)
+    shapes = stage_shapes(desc, layout.dims.tp, layout.dims.pp)
     moved = max(trained(desc, s, job).elements for s in shapes)  # the busiest stage's gradients
     knobs, extra = DEFAULT_KNOBS, 0.0
     if z == 3:

@@ -1,14 +1,14 @@
 """Bytes per rank of a layout: parameters, gradients, optimizer states, activations, buffers;
 and the host memory a node needs to build the model, hold what is offloaded, and export it.
 
-    layout = Layout(dp=8, tp=2, pp=1, zero_stage=3, micro_batch=2, grad_accum=4)   # cp=, zero_hpz= too
+    layout = Layout(ParallelDims(world=16, tp=2, zero_stage=3), micro_batch=2, grad_accum=4)   # dp 8
     mem = memory_per_rank(desc, layout, Job(seq_len=4096, global_batch=64, precision="bf16"))
     mem.total / 2**30                  # GiB on the busiest rank
     mem.cpu_per_rank                   # offloaded bytes in host memory, per rank
     host = host_memory_per_node(desc, layout, mem, ranks_per_node=8)
     host.build, host.offload, host.export, host.peak   # bytes of one node's RAM
     lora = Job(seq_len=4096, global_batch=64, trainable_params=103_546_880)  # LoRA: the adapters alone train
-    Layout(dp=8, zero_stage=3, knobs=Knobs(persistence_threshold=4_194_304))  # ZeRO's knobs (parallel.zero_knobs)
+    Layout(ParallelDims(world=8, zero_stage=3), knobs=Knobs(persistence_threshold=4_194_304))  # ZeRO's knobs (parallel.zero_knobs)
     Job(seq_len=4096, global_batch=64, chunked_loss=True)   # the loss over chunks (train.chunked_loss; "auto")
 
 Model states follow what DeepSpeed (0.19) really allocates, which is more than the ZeRO paper's
@@ -33,7 +33,7 @@ ZeRO-3's persistent tensors are those of at most `Layout.knobs.persistence_thres
 (DeepSpeed's stage3_param_persistence_threshold, 1e5 unless chosen): each is whole on every rank
 beside its partition, and never gathered.
 
-d is the ranks ZeRO shards over: data x context parallel (`Layout.zero_ranks`; the context ranks
+d is the ranks ZeRO shards over: data x context parallel (`ParallelDims.zero_ranks`; the context ranks
 of a replica hold the same weights, DeepSpeed's sequence-data-parallel group). ZeRO++ hpZ
 (`zero_hpz` = N) keeps a secondary copy of the weight partitions inside each group of N ranks,
 w P / N bytes, so backward's all-gathers stay inside the group; gradients and optimizer states
@@ -122,6 +122,7 @@ pipeline send/receive buffers, and the recompute working set.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Literal
@@ -129,12 +130,11 @@ from typing import Literal
 from dsframework.layout import ParallelDims
 from dsframework.planner.model import ModelDesc
 from dsframework.runtime_facts import (
+    DEFAULT_KNOBS,
     STAGE0_ALLREDUCE_BUCKET,
-    ZERO3_MAX_LIVE_PARAMETERS,
     ZERO3_PERSISTENCE_THRESHOLD,
-    ZERO3_PREFETCH_BUCKET,
-    ZERO_ALLGATHER_BUCKET,
-    ZERO_REDUCE_BUCKET,
+    Knobs,
+    balanced_partitions,
     loss_chunking,
     padded_vocab,
     partition_balanced,
@@ -168,72 +168,17 @@ class Job:
 
 
 @dataclass(frozen=True)
-class Knobs:
-    """DeepSpeed's ZeRO settings that trade memory for fewer, larger or earlier collectives, in
-    elements (the run config's parallel.zero_knobs; planner/knobs.py chooses them from the memory a
-    plan leaves free). The defaults are the values dsf writes without a choice (runtime_facts).
-
-        Knobs()                                          # dsf's defaults
-        Knobs(persistence_threshold=4_194_304)           # tensors <= 4.2M elements stay whole
-        Knobs.of(run.parallel.zero_knobs)                # a run config's, None -> the default
-    """
-
-    persistence_threshold: int = ZERO3_PERSISTENCE_THRESHOLD  # ZeRO-3: tensors this small are never partitioned
-    prefetch_bucket: int = ZERO3_PREFETCH_BUCKET  # ZeRO-3: elements gathered ahead of the module that needs them
-    max_live_parameters: int = ZERO3_MAX_LIVE_PARAMETERS  # ZeRO-3: gathered elements beyond which prefetch stops
-    reduce_bucket: int = ZERO_REDUCE_BUCKET  # ZeRO 1-3: gradient elements per reduce(-scatter)
-    allgather_bucket: int = ZERO_ALLGATHER_BUCKET  # ZeRO 1-2: updated-weight elements per all-gather
-
-    @classmethod
-    def of(cls, spec: object) -> "Knobs":
-        """From a config.ZeroKnobsSpec (or anything with its fields); a field left None keeps the default."""
-        default = cls()
-        return cls(**{name: getattr(spec, name, None) if getattr(spec, name, None) is not None
-                      else getattr(default, name) for name in cls.__dataclass_fields__})
-
-    def changed(self, zero_stage: int) -> dict[str, int]:
-        """The knobs that differ from the defaults and that `zero_stage` uses, as parallel.zero_knobs
-        fields: what a run config needs to say."""
-        used = {0: (), 1: ("reduce_bucket", "allgather_bucket"), 2: ("reduce_bucket", "allgather_bucket"),
-                3: ("persistence_threshold", "prefetch_bucket", "max_live_parameters", "reduce_bucket")}[zero_stage]
-        default = Knobs()
-        return {name: getattr(self, name) for name in used if getattr(self, name) != getattr(default, name)}
-
-
-DEFAULT_KNOBS = Knobs()
-
-
-@dataclass(frozen=True)
 class Layout:
-    """One way to run the job: the rank grid, ZeRO, offload, batch split and checkpointing.
-    `dims` is the same grid as the ParallelDims dsf train checks (world = dp x tp x pp x cp)."""
+    """One way to run the job: the rank grid and ZeRO (`dims`, the ParallelDims dsf train checks),
+    and what only the plan chooses: offload, the batch split, checkpointing and ZeRO's knobs."""
 
-    dp: int  # data-parallel replicas (each sees its own sequences)
-    tp: int = 1
-    pp: int = 1
-    zero_stage: int = 0
+    dims: ParallelDims
     offload_optimizer: bool = False
     offload_param: bool = False
     micro_batch: int = 1
     grad_accum: int = 1
     activation_checkpointing: Literal["none", "full"] = "none"
-    cp: int = 1  # context parallel (Ulysses): each rank of a group holds seq_len / cp tokens
-    zero_hpz: int = 1  # ZeRO-3 hpZ: a secondary weight partition within groups of this many ranks
     knobs: Knobs = DEFAULT_KNOBS  # ZeRO's buckets and ZeRO-3's persistence / prefetch settings
-
-    @property
-    def world(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
-
-    @property
-    def zero_ranks(self) -> int:
-        """Ranks ZeRO shards states over: data x context (ParallelDims.zero_ranks)."""
-        return self.dp * self.cp
-
-    @property
-    def dims(self) -> ParallelDims:
-        return ParallelDims(world=self.world, tp=self.tp, pp=self.pp, cp=self.cp, zero_stage=self.zero_stage,
-                            zero_hpz=self.zero_hpz)
 
 
 @dataclass(frozen=True)
@@ -300,6 +245,14 @@ def _items(desc: ModelDesc, tp: int, threshold: int = ZERO3_PERSISTENCE_THRESHOL
             + [(desc.final_norm_params, desc.final_norm_params, "norm"), (head, head_persistent, "head")])
 
 
+@lru_cache(maxsize=64)
+def _balanced_bounds(desc: ModelDesc, tp: int) -> Callable[[int], list[int]]:
+    """partition_balanced's stage bounds of the pipeline's items at every pipeline size (one table
+    per model and tensor-parallel size: the search asks for many pipeline sizes)."""
+    items = _items(desc, tp)
+    return balanced_partitions([n for n, _, _ in items], len(items) - 1)
+
+
 @lru_cache(maxsize=4096)
 def stage_shapes(desc: ModelDesc, tp: int, pp: int,
                  threshold: int = ZERO3_PERSISTENCE_THRESHOLD) -> tuple[StageShape, ...]:
@@ -310,7 +263,10 @@ def stage_shapes(desc: ModelDesc, tp: int, pp: int,
     items = _items(desc, tp, threshold)
     if desc.tied and pp == 1:
         items[-1] = (0, 0, "head")
-    bounds = partition_balanced([n for n, _, _ in items], pp)
+    if 1 < pp < len(items):  # (the elements of each item are the same at any threshold)
+        bounds = _balanced_bounds(desc, tp)(pp)
+    else:
+        bounds = partition_balanced([n for n, _, _ in items], pp)
     shapes = []
     for s in range(pp):
         chunk = items[bounds[s]:bounds[s + 1]]
@@ -403,7 +359,7 @@ def loss_chunk(desc: ModelDesc, layout: Layout, job: Job) -> int | None:
     """Tokens whose logits the last stage holds at once when its loss is chunked (Job.chunked_loss,
     decided as the training loop decides it: runtime_facts.loss_chunking), else None: the whole
     micro-batch's logits exist together."""
-    return loss_chunking(job.chunked_loss, vocab=desc.vocab, tp=layout.tp, pp=layout.pp, cp=layout.cp,
+    return loss_chunking(job.chunked_loss, vocab=desc.vocab, tp=layout.dims.tp, pp=layout.dims.pp, cp=layout.dims.cp,
                          micro_batch=layout.micro_batch, seq_len=job.seq_len, chunk_tokens=job.loss_chunk_tokens)
 
 
@@ -450,17 +406,17 @@ def trained(desc: ModelDesc, shape: StageShape, job: Job) -> Trained:
 
 def _model_states(shape: StageShape, layout: Layout, job: Job, train: Trained) -> dict[str, float]:
     """Bytes of params, grads, optimizer (on the device) and cpu_* (offloaded) for one rank.
-    ZeRO partitions over data x context ranks (`Layout.zero_ranks`); hpZ adds its secondary
+    ZeRO partitions over data x context ranks (`ParallelDims.zero_ranks`); hpZ adds its secondary
     partition of the weights, w P / zero_hpz (`hpz_secondary`, counted in params). Parameters
     count the stage's and any adapters (P + A); gradients and optimizer states what trains (T)."""
-    P, d, w, z = shape.params + train.added, layout.zero_ranks, job.param_bytes, layout.zero_stage
+    P, d, w, z = shape.params + train.added, layout.dims.zero_ranks, job.param_bytes, layout.dims.zero_stage
     T = train.elements
     persistent = shape.persistent + train.persistent
     if z == 3:  # the partition, plus gathered copies of the persistent ones (one rank: the same)
         params = w * P / d + (w * persistent if d > 1 else 0)
     else:
         params = w * P
-    hpz_secondary = w * P / layout.zero_hpz if z == 3 and layout.zero_hpz > 1 else 0.0
+    hpz_secondary = w * P / layout.dims.zero_hpz if z == 3 and layout.dims.zero_hpz > 1 else 0.0
     params += hpz_secondary
     if z == 0:
         grads = w * T + (4 * T if job.precision == "bf16" else 0)
@@ -499,7 +455,7 @@ def zero3_gathered(desc: ModelDesc, shape: StageShape, layout: Layout) -> float:
     live-parameter limit (prefetch stops when max_live_parameters are gathered) and by what the
     stage has to gather."""
     knobs = layout.knobs
-    layer = layer_gathered(desc, tp=layout.tp, threshold=knobs.persistence_threshold)
+    layer = layer_gathered(desc, tp=layout.dims.tp, threshold=knobs.persistence_threshold)
     ahead = min(knobs.prefetch_bucket, max(knobs.max_live_parameters - layer, 0), shape.params - shape.persistent)
     return 2 * layer + max(ahead, 0)
 
@@ -510,9 +466,9 @@ def _buffers(desc: ModelDesc, shape: StageShape, layout: Layout, job: Job, layer
     the fp32 gradient partition) follow what trains (T); ZeRO-3's gathered layers, the weights.
     Bucket sizes are the layout's knobs; ZeRO-3 allocates its reduce bucket whole at start
     (contiguous gradients), stages 1-2 only as much as there is to reduce."""
-    T, d, w, z = train.elements, layout.zero_ranks, job.param_bytes, layout.zero_stage
+    T, d, w, z = train.elements, layout.dims.zero_ranks, job.param_bytes, layout.dims.zero_stage
     knobs = layout.knobs
-    bs = layout.micro_batch * job.seq_len / layout.cp  # this rank's tokens
+    bs = layout.micro_batch * job.seq_len / layout.dims.cp  # this rank's tokens
     total = 0.0
     if z == 0 and d > 1:
         total += min(STAGE0_ALLREDUCE_BUCKET, T) * w
@@ -521,33 +477,37 @@ def _buffers(desc: ModelDesc, shape: StageShape, layout: Layout, job: Job, layer
     if z == 3:
         total += knobs.reduce_bucket * w + zero3_gathered(desc, shape, layout) * w + 4 * T / d
     if shape.last:
-        rows = _padded_vocab_rows(desc.vocab, layout.tp)
+        rows = _padded_vocab_rows(desc.vocab, layout.dims.tp)
         chunk = loss_chunk(desc, layout, job)
         if chunk is None:  # the logits (w bytes) and their fp32 gradient in the backward
             total += bs * rows * (w + 4)
         else:  # one chunk's fp32 logits and their fp32 gradient at a time
             total += chunk * rows * (4 + 4)
-    if layout.pp > 1:
+    if layout.dims.pp > 1:
         total += 2 * bs * desc.hidden * w
-    total += ulysses_buffer_bytes(desc, micro_batch=layout.micro_batch, seq_len=job.seq_len, tp=layout.tp,
-                                  precision=job.precision, cp=layout.cp)
+    total += ulysses_buffer_bytes(desc, micro_batch=layout.micro_batch, seq_len=job.seq_len, tp=layout.dims.tp,
+                                  precision=job.precision, cp=layout.dims.cp)
     if layout.activation_checkpointing == "full" and shape.layers:
         total += layer_act  # one layer recomputed at a time
     return total
 
 
-def stage_memories(desc: ModelDesc, layout: Layout, job: Job) -> list[Memory]:
-    """The memory of a rank of each pipeline stage (one entry without a pipeline)."""
-    layer_act = layer_activation_bytes(desc, micro_batch=layout.micro_batch, seq_len=job.seq_len, tp=layout.tp,
-                                       precision=job.precision, cp=layout.cp)
-    kept_per_layer = (layout.micro_batch * job.seq_len / layout.cp * desc.hidden * job.param_bytes
+def stage_memories(desc: ModelDesc, layout: Layout, job: Job, *, distinct: bool = False) -> list[Memory]:
+    """The memory of a rank of each pipeline stage (one entry without a pipeline). With `distinct`,
+    only the first stage of each shape: a later stage of the same shape holds no more micro-batches
+    in flight (1F1B: min(pp - index, grad_accum)), so never more memory (what memory_per_rank needs)."""
+    dims = layout.dims
+    layer_act = layer_activation_bytes(desc, micro_batch=layout.micro_batch, seq_len=job.seq_len, tp=dims.tp,
+                                       precision=job.precision, cp=dims.cp)
+    kept_per_layer = (layout.micro_batch * job.seq_len / dims.cp * desc.hidden * job.param_bytes
                       if layout.activation_checkpointing == "full" else layer_act)
     memories = []
     chunk = loss_chunk(desc, layout, job)
-    for index, shape in enumerate(stage_shapes(desc, layout.tp, layout.pp, layout.knobs.persistence_threshold)):
-        in_flight = min(layout.pp - index, layout.grad_accum) if layout.pp > 1 else 1
+    stages = (_distinct_stages if distinct else _all_stages)(desc, dims.tp, dims.pp, layout.knobs.persistence_threshold)
+    for index, shape in stages:
+        in_flight = min(dims.pp - index, layout.grad_accum) if dims.pp > 1 else 1
         edge = _edge_activation_bytes(desc, shape, micro_batch=layout.micro_batch, seq_len=job.seq_len,
-                                      tp=layout.tp, precision=job.precision, cp=layout.cp, chunked=chunk is not None)
+                                      tp=dims.tp, precision=job.precision, cp=dims.cp, chunked=chunk is not None)
         train = trained(desc, shape, job)
         states = _model_states(shape, layout, job, train)
         hpz = states.pop("hpz_secondary")
@@ -559,9 +519,27 @@ def stage_memories(desc: ModelDesc, layout: Layout, job: Job) -> list[Memory]:
     return memories
 
 
+def _all_stages(desc: ModelDesc, tp: int, pp: int, threshold: int) -> list[tuple[int, StageShape]]:
+    return list(enumerate(stage_shapes(desc, tp, pp, threshold)))
+
+
+@lru_cache(maxsize=4096)  # (asked for by every layout the search costs)
+def _distinct_stages(desc: ModelDesc, tp: int, pp: int, threshold: int) -> tuple[tuple[int, StageShape], ...]:
+    """(index, shape) of the first stage of each shape."""
+    first: dict[StageShape, int] = {}
+    for index, shape in enumerate(stage_shapes(desc, tp, pp, threshold)):
+        first.setdefault(shape, index)
+    return tuple((index, shape) for shape, index in first.items())
+
+
 def memory_per_rank(desc: ModelDesc, layout: Layout, job: Job) -> Memory:
-    """The busiest stage's rank: the one whose total is largest."""
-    return max(stage_memories(desc, layout, job), key=lambda memory: memory.total)
+    """The busiest stage's rank: the one whose total is largest (the first such stage)."""
+    return max(stage_memories(desc, layout, job, distinct=True), key=lambda memory: memory.total)
+
+
+@lru_cache(maxsize=4096)  # (asked for by every layout the search costs)
+def _busiest_stage_params(desc: ModelDesc, tp: int, pp: int) -> int:
+    return max(shape.params for shape in stage_shapes(desc, tp, pp))
 
 
 # --- host memory per node -------------------------------------------------------------------------
@@ -600,9 +578,9 @@ def largest_tensor(desc: ModelDesc) -> int:
 
 def build_bytes_per_rank(desc: ModelDesc, layout: Layout) -> float:
     """Host bytes a rank peaks at while it builds or loads its share (busiest stage, fp32)."""
-    share = max(shape.params for shape in stage_shapes(desc, layout.tp, layout.pp))
-    if layout.zero_stage == 3:
-        share = share / layout.zero_ranks
+    share = _busiest_stage_params(desc, layout.dims.tp, layout.dims.pp)
+    if layout.dims.zero_stage == 3:
+        share = share / layout.dims.zero_ranks
     return BUILD_BYTES * (share + largest_tensor(desc))
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from dsframework.planner.cluster import GiB
 from dsframework.planner.memory import loss_chunk
-from dsframework.planner.search import Candidate, Plan, describe_grid, family_of
+from dsframework.planner.search import Candidate, Plan, family_of
 
 
 def _gib(x: float) -> str:
@@ -28,8 +28,8 @@ def _gib(x: float) -> str:
 def candidate_row(rank: int, c: Candidate) -> list[str]:
     lay, mem = c.layout, c.memory
     offload = "+".join(w for w, on in (("opt", lay.offload_optimizer), ("param", lay.offload_param)) if on) or "-"
-    zero = f"{lay.zero_stage} hpZ{lay.zero_hpz}" if lay.zero_hpz > 1 else str(lay.zero_stage)
-    return [str(rank), str(lay.tp), str(lay.pp), str(lay.cp), str(lay.dp), zero, offload,
+    zero = f"{lay.dims.zero_stage} hpZ{lay.dims.zero_hpz}" if lay.dims.zero_hpz > 1 else str(lay.dims.zero_stage)
+    return [str(rank), str(lay.dims.tp), str(lay.dims.pp), str(lay.dims.cp), str(lay.dims.dp), zero, offload,
             f"{lay.micro_batch}x{lay.grad_accum}", lay.activation_checkpointing,
             _gib(mem.params), _gib(mem.grads), _gib(mem.optimizer), _gib(mem.activations), _gib(mem.buffers),
             _gib(mem.total), _gib(mem.cpu_per_rank), _gib(c.host.peak) if c.host else "-", f"{c.time.total:.3g}",
@@ -73,13 +73,13 @@ def plan_table(plan: Plan, *, top: int = 5) -> str:
     best = plan.best
     if best is not None:
         out.append("")
-        out.append(f"best: {family_of(best.layout)}, {describe_grid(best.layout)}, "
+        out.append(f"best: {family_of(best.layout)}, {best.layout.dims}, "
                    f"micro-batch {best.layout.micro_batch} x {best.layout.grad_accum}, checkpointing "
                    f"{best.layout.activation_checkpointing}: {best.tokens_per_s:,.0f} tokens/s predicted")
-        if best.layout.cp > 1:
-            flat = next((c for c in plan.fitting if c.layout.cp == 1), None)
+        if best.layout.dims.cp > 1:
+            flat = next((c for c in plan.fitting if c.layout.dims.cp == 1), None)
             if flat is not None:  # (when none fits, `dropped` says why)
-                out.append(f"  fastest without context parallelism: {describe_grid(flat.layout)}, "
+                out.append(f"  fastest without context parallelism: {flat.layout.dims}, "
                            f"{flat.tokens_per_s:,.0f} tokens/s ({flat.tokens_per_s / best.tokens_per_s:.0%} of the best)")
         out += knobs_lines(best)
     return "\n".join(out)
@@ -90,7 +90,7 @@ def knobs_lines(candidate: Candidate) -> list[str]:
     choice, lay = candidate.knobs, candidate.layout
     if choice is None:
         return []
-    changed = lay.knobs.changed(lay.zero_stage)
+    changed = lay.knobs.changed(lay.dims.zero_stage)
     head = ", ".join(f"{k} {v:,}" for k, v in changed.items()) or "dsf's defaults"
     return [f"knobs: {head}"] + [f"  {line}" for line in choice.why]
 
@@ -105,12 +105,12 @@ def run_config_dict(candidate: Candidate, *, model_name: str, seq_len: int, glob
                              "precision": precision}
     if plan is not None and loss_chunk(plan.desc, lay, plan.job) is not None:
         train["chunked_loss"] = True
-    parallel_knobs = lay.knobs.changed(lay.zero_stage)
+    parallel_knobs = lay.knobs.changed(lay.dims.zero_stage)
     return {
         "model": {"name": model_name},
         "data": {"seq_len": seq_len},
         "train": train,
-        "parallel": {"tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "zero_stage": lay.zero_stage, "zero_hpz": lay.zero_hpz,
+        "parallel": {"tp": lay.dims.tp, "pp": lay.dims.pp, "cp": lay.dims.cp, "zero_stage": lay.dims.zero_stage, "zero_hpz": lay.dims.zero_hpz,
                      "offload_optimizer": "cpu" if lay.offload_optimizer else "none",
                      "offload_param": "cpu" if lay.offload_param else "none",
                      "activation_checkpointing": lay.activation_checkpointing,

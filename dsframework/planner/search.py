@@ -54,15 +54,15 @@ class Candidate:
     def as_dict(self) -> dict:
         """The `dsf plan --json` record (schema documented in the README)."""
         lay = self.layout
-        return {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "zero_stage": lay.zero_stage,
-                "zero_hpz": lay.zero_hpz,
+        return {"dp": lay.dims.dp, "tp": lay.dims.tp, "pp": lay.dims.pp, "cp": lay.dims.cp, "zero_stage": lay.dims.zero_stage,
+                "zero_hpz": lay.dims.zero_hpz,
                 "offload_optimizer": "cpu" if lay.offload_optimizer else "none",
                 "offload_param": "cpu" if lay.offload_param else "none",
                 "micro_batch": lay.micro_batch, "grad_accum": lay.grad_accum,
                 "activation_checkpointing": lay.activation_checkpointing, "fits": self.fits,
                 "memory": self.memory.as_dict(), "cpu_memory": self.memory.cpu_per_rank * self._ranks_per_node,
                 "host_memory": self.host.as_dict() if self.host else None,
-                "zero_knobs": lay.knobs.changed(lay.zero_stage),
+                "zero_knobs": lay.knobs.changed(lay.dims.zero_stage),
                 "step_time_s": self.time.total, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu}
 
     _ranks_per_node: int = field(default=1, compare=False)
@@ -90,7 +90,7 @@ class Plan:
 def family_of(layout: Layout) -> str:
     """'ZeRO-2', 'ZeRO-3 + hpZ', 'ZeRO-3 + offload (optimizer, params)', ... for the
     dropped-families report."""
-    name = f"ZeRO-{layout.zero_stage}" + (" + hpZ" if layout.zero_hpz > 1 else "")
+    name = f"ZeRO-{layout.dims.zero_stage}" + (" + hpZ" if layout.dims.zero_hpz > 1 else "")
     offloaded = [what for what, on in (("optimizer", layout.offload_optimizer), ("params", layout.offload_param)) if on]
     return name + (f" + offload ({', '.join(offloaded)})" if offloaded else "")
 
@@ -129,16 +129,15 @@ def enumerate_layouts(desc: ModelDesc, cluster: Cluster, job: Job, *, tp: int | 
                     offloads = [(False, False)] + ([(True, False)] if stage >= 1 else []) + (
                         [(True, True)] if stage == 3 else [])
                     for hpz in hpz_sizes:
-                        assert layout_problem(ParallelDims(world=world, tp=t, pp=p, cp=c, zero_stage=stage,
-                                                           zero_hpz=hpz), num_heads=desc.heads,
+                        grid = ParallelDims(world=world, tp=t, pp=p, cp=c, zero_stage=stage, zero_hpz=hpz)
+                        assert layout_problem(grid, num_heads=desc.heads,
                                               num_kv_heads=desc.kv_heads, num_layers=desc.layers) is None
                         for offload_optimizer, offload_param in offloads:
                             for micro in _divisors(per_replica):
                                 if micro > MAX_MICRO_BATCH:
                                     break
                                 for checkpointing in ("none", "full"):
-                                    yield Layout(dp=d, tp=t, pp=p, cp=c, zero_stage=stage, zero_hpz=hpz,
-                                                 offload_optimizer=offload_optimizer, offload_param=offload_param,
+                                    yield Layout(grid, offload_optimizer=offload_optimizer, offload_param=offload_param,
                                                  micro_batch=micro, grad_accum=per_replica // micro,
                                                  activation_checkpointing=checkpointing)
 
@@ -167,14 +166,8 @@ def evaluate(desc: ModelDesc, layout: Layout, job: Job, cluster: Cluster, *, kno
                      host=fit.host, over=over, knobs=choice, _ranks_per_node=ranks_per_node)
 
 
-def describe_grid(layout: Layout) -> str:
-    """'tp 2 pp 1 dp 4', 'tp 1 pp 1 cp 8 dp 2, hpZ 8': the axes in use (cp and hpZ when > 1)."""
-    grid = f"tp {layout.tp} pp {layout.pp}" + (f" cp {layout.cp}" if layout.cp > 1 else "") + f" dp {layout.dp}"
-    return grid + (f", hpZ {layout.zero_hpz}" if layout.zero_hpz > 1 else "")
-
-
 def _describe(layout: Layout) -> str:
-    return f"{describe_grid(layout)}, micro-batch {layout.micro_batch}, checkpointing {layout.activation_checkpointing}"
+    return f"{layout.dims}, micro-batch {layout.micro_batch}, checkpointing {layout.activation_checkpointing}"
 
 
 NO_CONTEXT_PARALLEL = "cp 1 (no context parallelism)"
@@ -196,8 +189,8 @@ def search(desc: ModelDesc, cluster: Cluster, job: Job, *, tp: int | None = None
     for c in sorted(candidates, key=lambda c: c.over):  # the closest miss of each family that never fits
         if not c.fits and c.family not in fitting_families and c.family not in dropped:
             dropped[c.family] = f"needs {c.why_not} at best ({_describe(c.layout)})"
-    if fitting_families and not any(c.fits for c in candidates if c.layout.cp == 1):
-        misses = [c for c in candidates if c.layout.cp == 1]
+    if fitting_families and not any(c.fits for c in candidates if c.layout.dims.cp == 1):
+        misses = [c for c in candidates if c.layout.dims.cp == 1]
         if misses:
             c = min(misses, key=lambda c: c.over)
             dropped[NO_CONTEXT_PARALLEL] = f"needs {c.why_not} at best ({family_of(c.layout)}, {_describe(c.layout)})"
@@ -226,5 +219,5 @@ def suggestions(desc: ModelDesc, cluster: Cluster, job: Job, candidates: list[Ca
     return out
 
 
-__all__ = ["Candidate", "Plan", "search", "evaluate", "enumerate_layouts", "family_of", "describe_grid",
+__all__ = ["Candidate", "Plan", "search", "evaluate", "enumerate_layouts", "family_of",
            "NO_CONTEXT_PARALLEL"]

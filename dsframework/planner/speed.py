@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass
 
 from dsframework.planner.cluster import Cluster
-from dsframework.planner.memory import Job, Layout, layer_gathered, stage_shapes, ulysses_kv_heads
+from dsframework.planner.memory import Job, Layout, StageShape, layer_gathered, stage_shapes, ulysses_kv_heads
 from dsframework.planner.model import ModelDesc
 from dsframework.runtime_facts import STAGE0_ALLREDUCE_BUCKET
 
@@ -94,7 +94,7 @@ def zero3_gather_overlap(desc: ModelDesc, layout: Layout) -> float:
     """Share of ZeRO-3's all-gathers hidden behind compute: ZERO3_GATHER_OVERLAP scaled by how much
     of the next layer's gathered weights the prefetch covers (all of it: the full share), the prefetch
     being the bucket, or less where max_live_parameters stops it."""
-    layer = layer_gathered(desc, tp=layout.tp, threshold=layout.knobs.persistence_threshold)
+    layer = layer_gathered(desc, tp=layout.dims.tp, threshold=layout.knobs.persistence_threshold)
     if layer == 0:
         return ZERO3_GATHER_OVERLAP
     knobs = layout.knobs
@@ -102,106 +102,146 @@ def zero3_gather_overlap(desc: ModelDesc, layout: Layout) -> float:
     return ZERO3_GATHER_OVERLAP * min(1.0, ahead / layer)
 
 
+@dataclass(frozen=True)
+class _Step:
+    """What every part of a step's time reads: the busiest stage, micro-batches, tokens, bytes."""
+
+    busiest: StageShape
+    micro_batches: int
+    local_tokens: float  # one micro-batch's tokens on a rank (seq_len / cp of each sequence)
+    activation_bytes: float  # one micro-batch's hidden states on a rank
+    w: int  # parameter bytes
+    lat: float  # one collective's latency
+    recompute: bool
+
+
 def step_time(desc: ModelDesc, layout: Layout, job: Job, cluster: Cluster) -> StepTime:
     """Seconds per optimizer step (see the module docstring for the model)."""
-    w = job.param_bytes
-    tokens_per_rank = job.global_batch * job.seq_len / (layout.dp * layout.cp)  # each rank's share
-    flops = desc.flops_per_token(job.seq_len) * tokens_per_rank / (layout.tp * layout.pp)
+    dims, w = layout.dims, job.param_bytes
+    stages = stage_shapes(desc, dims.tp, dims.pp, layout.knobs.persistence_threshold)
+    local_tokens = layout.micro_batch * job.seq_len / dims.cp
+    step = _Step(busiest=max(stages, key=lambda s: s.params), micro_batches=layout.grad_accum,
+                 local_tokens=local_tokens, activation_bytes=local_tokens * desc.hidden * w, w=w,
+                 lat=cluster.collective_latency_s, recompute=layout.activation_checkpointing == "full")
+    compute = _compute(desc, layout, job, cluster)
+    bubble, pp_comm = _pipeline(layout, cluster, step, compute)
+    return StepTime(compute=compute, tp_comm=_tp_comm(layout, cluster, step),
+                    dp_comm=_dp_comm(desc, layout, cluster, step), pp_bubble=bubble, pp_comm=pp_comm,
+                    offload=_offload(layout, cluster, step), overhead=_overhead(desc, layout, cluster, step, compute),
+                    cp_comm=_cp_comm(desc, layout, cluster, step))
+
+
+def _compute(desc: ModelDesc, layout: Layout, job: Job, cluster: Cluster) -> float:
+    """The model's flops on each rank's share of the tokens, at the cluster's matmul efficiency."""
+    tokens_per_rank = job.global_batch * job.seq_len / (layout.dims.dp * layout.dims.cp)  # each rank's share
+    flops = desc.flops_per_token(job.seq_len) * tokens_per_rank / (layout.dims.tp * layout.dims.pp)
     if layout.activation_checkpointing == "full":
         flops *= RECOMPUTE_FACTOR
-    if layout.tp > 1:  # the part every tensor rank repeats in full
-        flops *= (1 - REPLICATED_FRACTION) + REPLICATED_FRACTION * layout.tp
-    compute = flops / (cluster.flops(job.precision) * cluster.matmul_efficiency)
+    if layout.dims.tp > 1:  # the part every tensor rank repeats in full
+        flops *= (1 - REPLICATED_FRACTION) + REPLICATED_FRACTION * layout.dims.tp
+    return flops / (cluster.flops(job.precision) * cluster.matmul_efficiency)
 
-    knobs = layout.knobs
-    stages = stage_shapes(desc, layout.tp, layout.pp, knobs.persistence_threshold)
-    busiest = max(stages, key=lambda s: s.params)
-    micro_batches = layout.grad_accum
-    local_tokens = layout.micro_batch * job.seq_len / layout.cp
-    activation_bytes = local_tokens * desc.hidden * w
-    lat = cluster.collective_latency_s
-    recompute = layout.activation_checkpointing == "full"
 
-    # Tensor parallel: 2 all-reduces forward, 2 backward per layer and micro-batch (+2 recompute),
-    # and 4 more for the vocab-parallel embedding and loss.
-    tp_calls = ((4 + 2 * recompute) * busiest.layers + 4) * micro_batches
-    tp_comm = (1 - TP_OVERLAP) * tp_calls * _ring(activation_bytes, layout.tp,
-                                                   _bandwidth(cluster, layout.tp), all_reduce=True,
-                                                   latency=lat)
+def _tp_comm(layout: Layout, cluster: Cluster, step: _Step) -> float:
+    """Tensor parallel: 2 all-reduces forward, 2 backward per layer and micro-batch (+2 recompute),
+    and 4 more for the vocab-parallel embedding and loss."""
+    tp_calls = ((4 + 2 * step.recompute) * step.busiest.layers + 4) * step.micro_batches
+    return (1 - TP_OVERLAP) * tp_calls * _ring(step.activation_bytes, layout.dims.tp,
+                                               _bandwidth(cluster, layout.dims.tp), all_reduce=True,
+                                               latency=step.lat)
 
-    # Context parallel (Ulysses): per layer, q, k, v and the output each cross the context group
-    # once forward (again with recompute) and their gradients once backward.
-    cp_comm = 0.0
-    if layout.cp > 1:
-        kv = ulysses_kv_heads(desc, tp=layout.tp, cp=layout.cp) * desc.head_dim
-        cp_bw = _bandwidth(cluster, layout.tp * layout.cp)
-        per_pass = sum(_all_to_all(local_tokens * width * w, layout.cp, cp_bw, latency=lat)
-                       for width in (desc.hidden / layout.tp, kv, kv, desc.hidden / layout.tp))
-        forwards = 1 + recompute  # each forward also all-gathers the position ids (small)
-        cp_comm = (1 - CP_OVERLAP) * ((2 + recompute) * per_pass + forwards * lat) * busiest.layers * micro_batches
 
-    # Data parallel: ZeRO's group is data x context; its ranks sit tp apart (tensor ranks are
-    # innermost), and an hpZ group is zero_hpz consecutive ranks.
-    d = layout.zero_ranks
-    dp_bw = _bandwidth(cluster, d * layout.tp)
-    grad_bytes = busiest.params * w
-    # One latency per bucket: bigger buckets, fewer collectives.
+def _cp_comm(desc: ModelDesc, layout: Layout, cluster: Cluster, step: _Step) -> float:
+    """Context parallel (Ulysses): per layer, q, k, v and the output each cross the context group
+    once forward (again with recompute) and their gradients once backward."""
+    if layout.dims.cp <= 1:
+        return 0.0
+    dims, lat, recompute = layout.dims, step.lat, step.recompute
+    kv = ulysses_kv_heads(desc, tp=dims.tp, cp=dims.cp) * desc.head_dim
+    cp_bw = _bandwidth(cluster, dims.tp * dims.cp)
+    per_pass = sum(_all_to_all(step.local_tokens * width * step.w, dims.cp, cp_bw, latency=lat)
+                   for width in (desc.hidden / dims.tp, kv, kv, desc.hidden / dims.tp))
+    forwards = 1 + recompute  # each forward also all-gathers the position ids (small)
+    layers = step.busiest.layers
+    return (1 - CP_OVERLAP) * ((2 + recompute) * per_pass + forwards * lat) * layers * step.micro_batches
+
+
+def _dp_comm(desc: ModelDesc, layout: Layout, cluster: Cluster, step: _Step) -> float:
+    """Data parallel: ZeRO's group is data x context; its ranks sit tp apart (tensor ranks are
+    innermost), and an hpZ group is zero_hpz consecutive ranks. One latency per bucket: bigger
+    buckets, fewer collectives."""
+    dims, knobs, busiest, lat, micro_batches = layout.dims, layout.knobs, step.busiest, step.lat, step.micro_batches
+    d = dims.zero_ranks
+    dp_bw = _bandwidth(cluster, d * dims.tp)
+    grad_bytes = busiest.params * step.w
     reduce_lat = lat * _buckets(busiest.params, knobs.reduce_bucket)
-    if layout.zero_stage == 0:  # one all-reduce, bucketed behind the backward pass
+    if dims.zero_stage == 0:  # one all-reduce, bucketed behind the backward pass
         reduce = _ring(grad_bytes, d, dp_bw, all_reduce=True, latency=lat * _buckets(busiest.params,
                                                                                      STAGE0_ALLREDUCE_BUCKET))
         gather = 0.0
-    elif layout.zero_stage in (1, 2):  # gradients reduced to their owners, updated params gathered after
+    elif dims.zero_stage in (1, 2):  # gradients reduced to their owners, updated params gathered after
         reduce = _ring(grad_bytes, d, dp_bw, all_reduce=False, latency=reduce_lat)
-        if layout.zero_stage == 2:  # reduce-scattered at every micro-batch
+        if dims.zero_stage == 2:  # reduce-scattered at every micro-batch
             reduce *= micro_batches
         gather = _ring(grad_bytes, d, dp_bw, all_reduce=False,
                        latency=lat * _buckets(busiest.params, knobs.allgather_bucket))
     else:  # ZeRO-3: gather the non-persistent parameters for forward and backward of every micro-batch
         reduce = micro_batches * _ring(grad_bytes, d, dp_bw, all_reduce=False, latency=reduce_lat)
-        gathered_bytes = (busiest.params - busiest.persistent) * w  # persistent tensors are never gathered
+        gathered_bytes = (busiest.params - busiest.persistent) * step.w  # persistent tensors are never gathered
         forward = _ring(gathered_bytes, d, dp_bw, all_reduce=False, latency=lat)
-        if layout.zero_hpz > 1:  # backward's from the secondary partition, inside the hpZ group
-            backward = _ring(gathered_bytes, layout.zero_hpz, _bandwidth(cluster, layout.zero_hpz),
+        if dims.zero_hpz > 1:  # backward's from the secondary partition, inside the hpZ group
+            backward = _ring(gathered_bytes, dims.zero_hpz, _bandwidth(cluster, dims.zero_hpz),
                              all_reduce=False, latency=lat)
         else:
             backward = forward
         gather = (1 - zero3_gather_overlap(desc, layout)) * micro_batches * (forward + backward)
-    dp_comm = (1 - DP_OVERLAP) * reduce + gather
+    return (1 - DP_OVERLAP) * reduce + gather
 
-    # Pipeline: (p - 1) idle micro-batch slots of the 1F1B schedule, and activations sent across.
-    bubble = compute * (layout.pp - 1) / micro_batches if layout.pp > 1 else 0.0
+
+def _pipeline(layout: Layout, cluster: Cluster, step: _Step, compute: float) -> tuple[float, float]:
+    """(bubble, send/receive): (p - 1) idle micro-batch slots of the 1F1B schedule, and activations
+    sent across stages."""
+    dims = layout.dims
+    bubble = compute * (dims.pp - 1) / step.micro_batches if dims.pp > 1 else 0.0
     if cluster.is_cpu and cluster.gpus_per_node > cluster.cores_per_node:
         # CPU ranks sharing cores: in the bubble the busy ranks get the idle ones' share.
         bubble /= cluster.gpus_per_node / cluster.cores_per_node
     pp_comm = 0.0
-    if layout.pp > 1:
-        pp_bw = _bandwidth(cluster, layout.tp * layout.dp * 2)
-        pp_comm = 2 * micro_batches * (activation_bytes / layout.tp / pp_bw + lat)
+    if dims.pp > 1:
+        pp_bw = _bandwidth(cluster, dims.tp * dims.dp * 2)
+        pp_comm = 2 * step.micro_batches * (step.activation_bytes / dims.tp / pp_bw + step.lat)
+    return bubble, pp_comm
 
-    # Offload: the optimizer step on the CPU, gradients down and parameters up over PCIe.
+
+def _offload(layout: Layout, cluster: Cluster, step: _Step) -> float:
+    """The optimizer step on the CPU, gradients down and parameters up over PCIe."""
     offload = 0.0
-    partition = busiest.params / d
+    partition = step.busiest.params / layout.dims.zero_ranks
     if layout.offload_optimizer:
         offload += partition / CPU_ADAM_PARAMS_PER_S + 2 * partition * 4 / cluster.host_to_device_bandwidth
     if layout.offload_param:
-        offload += 2 * micro_batches * partition * w / cluster.host_to_device_bandwidth
-    # Fixed costs: every operator call of every layer and micro-batch; under ZeRO-3 each layer's
-    # non-persistent tensors are fetched (a small all-gather and its hooks) forward and backward.
+        offload += 2 * step.micro_batches * partition * step.w / cluster.host_to_device_bandwidth
+    return offload
+
+
+def _overhead(desc: ModelDesc, layout: Layout, cluster: Cluster, step: _Step, compute: float) -> float:
+    """Fixed costs: every operator call of every layer and micro-batch; under ZeRO-3 each layer's
+    non-persistent tensors are fetched (a small all-gather and its hooks) forward and backward."""
+    dims, layers, micro_batches = layout.dims, step.busiest.layers, step.micro_batches
     passes = 1 + (layout.activation_checkpointing == "full") / 3
-    calls = OPS_PER_LAYER * passes * busiest.layers * micro_batches + OPS_PER_STEP
+    calls = OPS_PER_LAYER * passes * layers * micro_batches + OPS_PER_STEP
     overhead = calls * cluster.op_overhead_s
-    if layout.zero_stage == 3:  # hooks on every module with parameters (+ the layer itself)
+    if dims.zero_stage == 3:  # hooks on every module with parameters (+ the layer itself)
         modules = len(desc.layer_tensors) + 1
-        overhead += (2 * modules * busiest.layers * micro_batches * ZERO3_OPS_PER_MODULE_PASS
+        overhead += (2 * modules * layers * micro_batches * ZERO3_OPS_PER_MODULE_PASS
                      * cluster.op_overhead_s)
-    if layout.zero_stage == 3 and d > 1:
-        fetched = sum(1 for n, s in desc.layer_tensors if (n // layout.tp if s else n) > knobs.persistence_threshold)
-        fetches = 2 * fetched * busiest.layers * micro_batches
-        overhead += fetches * (lat + ZERO3_OPS_PER_FETCH * cluster.op_overhead_s)
-    if layout.cp > 1:  # Ulysses' reshapes and copies around its 8 all-to-alls (and the position gather)
-        overhead += ULYSSES_OPS_PER_LAYER * passes * busiest.layers * micro_batches * cluster.op_overhead_s
+    if dims.zero_stage == 3 and dims.zero_ranks > 1:
+        threshold = layout.knobs.persistence_threshold
+        fetched = sum(1 for n, s in desc.layer_tensors if (n // dims.tp if s else n) > threshold)
+        fetches = 2 * fetched * layers * micro_batches
+        overhead += fetches * (step.lat + ZERO3_OPS_PER_FETCH * cluster.op_overhead_s)
+    if dims.cp > 1:  # Ulysses' reshapes and copies around its 8 all-to-alls (and the position gather)
+        overhead += ULYSSES_OPS_PER_LAYER * passes * layers * micro_batches * cluster.op_overhead_s
     if not cluster.is_cpu:  # a GPU: the host issues work while the device computes
         overhead = max(0.0, overhead - compute)
-    return StepTime(compute=compute, tp_comm=tp_comm, dp_comm=dp_comm, pp_bubble=bubble, pp_comm=pp_comm,
-                    offload=offload, overhead=overhead, cp_comm=cp_comm)
+    return overhead

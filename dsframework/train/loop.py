@@ -23,7 +23,7 @@ from dsframework.errors import UserError
 from dsframework.train import step as one_step
 from dsframework.train.compiling import AUTO_PROBE_STEPS, auto_compile, compile_engine, compile_seconds
 from dsframework.train.guards import NonFiniteWatch, StopRequest
-from dsframework.train.setup import Session, layout_of
+from dsframework.train.setup import Session
 from dsframework.train.step import StepBreakdown, mean_over_ranks
 from dsframework.train.throughput import FlopsMeter
 
@@ -73,7 +73,7 @@ def run_steps(run: RunConfig, session: Session, sinks: Any, *, resume: bool) -> 
         preempted = stop_request.agreed()
         if checkpoint_due(run, step, done=done, preempted=preempted):
             check_finite(run, nonfinite)  # a diverged model is never saved over the last good one
-            ckpt.save(engine, run.checkpoint_dir, step=step, consumed_samples=consumed, layout=layout_of(run, dims))
+            ckpt.save(engine, run.checkpoint_dir, step=step, consumed_samples=consumed, layout=dims)
         if logged:  # the next window starts after this step's evaluation and checkpoint
             window.restart()
         if preempted and not done:  # (on the last step the run is simply finished)
@@ -93,8 +93,8 @@ def run_steps(run: RunConfig, session: Session, sinks: Any, *, resume: bool) -> 
 def print_summary(run: RunConfig, session: Session, meter: FlopsMeter) -> None:
     """Rank 0's two lines on what is about to train: parameters, layout, batch, data, peak, loss."""
     dims, batch, train_blocks = session.dims, session.batch, session.train_blocks
-    print(f"dsf: {session.num_parameters:,} parameters | world {dims.world} = tp {dims.tp} x pp {dims.pp} "
-          f"x cp {dims.cp} x dp {dims.dp} | ZeRO-{run.parallel.zero_stage} | batch {batch.micro_batch} x {batch.grad_accum} x {dims.dp}"
+    print(f"dsf: {session.num_parameters:,} parameters | world {dims.world} = {dims} "
+          f"| ZeRO-{dims.zero_stage} | batch {batch.micro_batch} x {batch.grad_accum} x {dims.dp}"
           f" = {batch.global_batch} | {len(train_blocks):,} train / {len(session.eval_blocks):,} eval "
           f"blocks of {run.data.seq_len} tokens | peak {meter.peak_per_rank / 1e12:.3g} TFLOP/s per rank "
           f"({meter.peak_source}) | compile {str(run.train.compile).lower()} | loss "

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from dsframework.checkpoints import checkpoint as ckpt
-from dsframework.checkpoints.reshard import describe, reshard, universal_tag
+from dsframework.checkpoints.reshard import reshard, universal_tag
 from dsframework.config import RunConfig, dump_run_config
 from dsframework.data import load_texts, load_tokenizer, store_cache_dir, token_stores, train_tokenizer
 from dsframework.data.examples import use_chat_template
@@ -344,12 +344,6 @@ def checked_layout(run: RunConfig, config: Any, *, world: int) -> ParallelDims:
     return dims
 
 
-def layout_of(run: RunConfig, dims: ParallelDims) -> dict[str, int]:
-    """What a checkpoint records of the layout it was saved at (its manifest's `layout`)."""
-    return {"world": dims.world, "tp": dims.tp, "pp": dims.pp, "cp": dims.cp, "dp": dims.dp,
-            "zero_stage": run.parallel.zero_stage, "zero_hpz": dims.zero_hpz}
-
-
 def resume_tag(run: RunConfig, dims: ParallelDims, manifest: dict[str, Any] | None, config: Any) -> tuple[str, bool]:
     """(tag to load, whether it is a universal checkpoint) for resuming at `dims`.
 
@@ -365,27 +359,26 @@ def resume_tag(run: RunConfig, dims: ParallelDims, manifest: dict[str, Any] | No
     import torch.distributed
 
     tag = ckpt.latest_tag(run.checkpoint_dir)
-    saved, now = (manifest or {}).get("layout"), layout_of(run, dims)
-    if saved is None:  # written before manifests: its layout is unknown, taken to be this one
+    # (a manifest from before the ZeRO stage was recorded: taken to be this run's)
+    was = ckpt.saved_layout(manifest, zero_stage=dims.zero_stage)
+    if was is None:  # written before manifests: its layout is unknown, taken to be this one
         return tag, False
-    stage = now["zero_stage"]
-    if saved["zero_stage"] != stage:
-        raise UserError("parallel.zero_stage", stage, f"differs from the checkpoint's {saved['zero_stage']} (a "
+    stage = dims.zero_stage
+    if was.zero_stage != stage:
+        raise UserError("parallel.zero_stage", stage, f"differs from the checkpoint's {was.zero_stage} (a "
                         "resume keeps the ZeRO stage; tp, pp and dp may change)",
-                        f"resume with parallel.zero_stage={saved['zero_stage']}")
+                        f"resume with parallel.zero_stage={was.zero_stage}")
     # zero_hpz may change: DeepSpeed never saves hpZ's secondary copy (same files, same tensors).
-    if saved.get("cp", 1) != now["cp"]:  # (absent from manifests written before the axis: 1)
-        raise UserError("parallel.cp", now["cp"], f"differs from the checkpoint's {saved.get('cp', 1)} (a resume "
+    if was.cp != dims.cp:
+        raise UserError("parallel.cp", dims.cp, f"differs from the checkpoint's {was.cp} (a resume "
                         "keeps the context-parallel size; tp, pp and dp may change)",
-                        f"resume with parallel.cp={saved.get('cp', 1)}")
-    if all(saved[key] == now[key] for key in ("tp", "pp", "dp")):
+                        f"resume with parallel.cp={was.cp}")
+    if (was.tp, was.pp, was.dp) == (dims.tp, dims.pp, dims.dp):
         return tag, False
-    if now["cp"] > 1:  # (the universal-checkpoint conversions below are not tested with cp's ZeRO groups)
-        raise UserError("parallel.cp", now["cp"], f"runs resume at their saved layout only (saved tp {saved['tp']} x pp "
-                        f"{saved['pp']} x dp {saved['dp']}, now tp {now['tp']} x pp {now['pp']} x dp {now['dp']})",
-                        f"resume on {saved['world']} ranks with parallel.tp={saved['tp']}")
-    was = ParallelDims(world=saved["world"], tp=saved["tp"], pp=saved["pp"])
-    change, keep = f"{describe(was)} -> {describe(dims)}", f"resume with parallel.tp={was.tp} parallel.pp={was.pp}"
+    if dims.cp_enabled:  # (the universal-checkpoint conversions below are not tested with cp's ZeRO groups)
+        raise UserError("parallel.cp", dims.cp, f"runs resume at their saved layout only (saved {was}, now {dims})",
+                        f"resume on {was.world} ranks with parallel.tp={was.tp}")
+    change, keep = f"{was} -> {dims}", f"resume with parallel.tp={was.tp} parallel.pp={was.pp}"
     layers_move = (was.tp, was.pp) != (dims.tp, dims.pp)
     if stage == 0:
         if not layers_move:
@@ -400,7 +393,7 @@ def resume_tag(run: RunConfig, dims: ParallelDims, manifest: dict[str, Any] | No
     target = tag + ckpt.UNIVERSAL if dp_only else universal_tag(tag, dims)
     with rank_zero_first():
         if torch.distributed.get_rank() == 0:
-            print(f"dsf: resuming at {describe(dims)} from a checkpoint saved at {describe(was)}: "
+            print(f"dsf: resuming at {dims} from a checkpoint saved at {was}: "
                   f"converting {tag} into {target}", flush=True)
             if dp_only:
                 ckpt.to_universal(run.checkpoint_dir, tag)

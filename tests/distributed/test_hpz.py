@@ -18,6 +18,7 @@ import pytest
 
 from dsframework.config import build_run_config, load_run_config
 from dsframework.dsconfig import resolve_batch
+from dsframework.layout import ParallelDims
 from dsframework.planner.memory import Job, Layout, memory_per_rank
 from dsframework.planner.model import describe_model
 from tests.distributed.launcher import TINY_YAML, assert_close, launch, read_metrics, run_overrides, train_run, train_runs
@@ -119,7 +120,7 @@ def planned(output_dir: Path, *, zero_hpz: int):
     desc = describe_model(AutoConfig.from_pretrained(output_dir / "checkpoints" / "hf_config"), name="tiny-llama")
     cp = run.parallel.cp
     batch = resolve_batch(run.train.micro_batch, run.train.grad_accum, run.train.global_batch, dp_size=WORLD // cp)
-    layout = Layout(dp=WORLD // cp, cp=cp, zero_stage=3, zero_hpz=zero_hpz, micro_batch=batch.micro_batch,
+    layout = Layout(ParallelDims(world=WORLD, cp=cp, zero_stage=3, zero_hpz=zero_hpz), micro_batch=batch.micro_batch,
                     grad_accum=batch.grad_accum)
     return memory_per_rank(desc, layout, Job(seq_len=run.data.seq_len, global_batch=batch.global_batch,
                                              precision=run.train.precision))

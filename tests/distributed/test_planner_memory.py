@@ -19,6 +19,7 @@ import pytest
 
 from dsframework.config import load_run_config
 from dsframework.dsconfig import resolve_batch
+from dsframework.layout import ParallelDims
 from dsframework.models.lora import count_lora_parameters
 from dsframework.planner.memory import Job, Knobs, Layout, stage_memories
 from dsframework.planner.model import describe_model
@@ -70,7 +71,7 @@ def predicted(output_dir: Path, world: int):
     par = run.parallel
     dp = world // (par.tp * par.pp)
     batch = resolve_batch(run.train.micro_batch, run.train.grad_accum, run.train.global_batch, dp_size=dp)
-    layout = Layout(dp=dp, tp=par.tp, pp=par.pp, zero_stage=par.zero_stage,
+    layout = Layout(ParallelDims(world=world, tp=par.tp, pp=par.pp, zero_stage=par.zero_stage),
                     offload_optimizer=par.offload_optimizer == "cpu", offload_param=par.offload_param == "cpu",
                     micro_batch=batch.micro_batch, grad_accum=batch.grad_accum,
                     activation_checkpointing=par.activation_checkpointing, knobs=Knobs.of(par.zero_knobs))

@@ -7,7 +7,10 @@ sources and the references: a transition copies the source run's output_dir, res
 target layout for steps 5-6 and compares them with the target run's. The layouts are equivalent,
 so the four straight runs agree with each other too (within 1e-5: a check on the references).
 The four straight runs share one launch; each transition's resume is a launch of its own.
-A checkpoint lacking a file the conversion reads is named in one line, nothing written. Without
+One transition (tp 2 x pp 2 -> tp 1 x dp 4) saves again after the resume and is exported: run.yaml
+still says tp 2, the manifest tp 1, and `dsf export` gives the resumed engine's logits (export reads
+the layout the checkpoint has). A checkpoint lacking a file the conversion reads is named in one line,
+nothing written. Without
 processes: the dense <-> shard cuts agree with the shards the tensor-parallel plan makes, with
 vocab padding (vocab 17), grouped kv heads, tied embeddings and GPT-2's fused, transposed Conv1D.
 """
@@ -19,7 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed.launcher import assert_close, read_metrics, train_run, train_runs
+from tests.distributed.launcher import (TINY_YAML, assert_close, dsf, launch, read_metrics, run_overrides, train_run,
+                                        train_runs)
 
 COMMON = ["parallel.zero_stage=1", "train.steps=6", "train.micro_batch=2", "checkpoint.every=4"]
 LAYOUTS = {  # name: parallel settings on 4 ranks
@@ -34,6 +38,8 @@ TRANSITIONS = [  # (saved at, resumed at)
     ("tp1pp2dp2", "tp1pp1dp4"),
     ("tp1pp1dp4", "tp2pp2dp1"),  # into a pipeline engine with tensor shards
 ]
+EXPORTED = ("tp2pp2dp1", "tp1pp1dp4")  # saved again after the resume, then exported
+ENGINE_LOGITS = Path(__file__).parent / "workers" / "engine_logits.py"
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +64,8 @@ def test_resume_at_another_layout(tmp_path, straight, saved, target):
     assert (ckpts / "latest").read_text().strip() == "global_step4"
     before = sorted(p.relative_to(ckpts) for p in (ckpts / "global_step4").rglob("*"))
 
-    resumed = train_run(out, [*COMMON, *LAYOUTS[target]], num_ranks=4, flags=("--resume",))
+    final = ["checkpoint.save_final=true"] if (saved, target) == EXPORTED else []
+    resumed = train_run(out, [*COMMON, *LAYOUTS[target], *final], num_ranks=4, flags=("--resume",))
 
     assert sorted(resumed) == list(range(1, 7)), "metrics.jsonl holds each step once"
     want = straight[target][1]
@@ -74,6 +81,27 @@ def test_resume_at_another_layout(tmp_path, straight, saved, target):
             assert torch.load(param / "exp_avg_sq.pt")["param"].abs().sum() > 0, param.name
     assert sorted(p.relative_to(ckpts) for p in (ckpts / "global_step4").rglob("*")) == before
     assert not list(ckpts.glob("*.partial"))
+    if (saved, target) == EXPORTED:
+        export_gives_the_engines_logits(tmp_path, out, [*COMMON, *LAYOUTS[target], *final])
+
+
+def export_gives_the_engines_logits(tmp_path, out, overrides):
+    """The resumed run's last checkpoint (tp 1, in a run whose run.yaml says tp 2) exports, and
+    `from_pretrained` on it gives the logits of the engine rebuilt from that checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    ckpts = out / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "global_step6"
+    assert "tp: 2" in (ckpts / "run.yaml").read_text()  # a resume never rewrites it
+    dsf("export", str(ckpts), str(tmp_path / "hf"))
+    sets = [arg for o in run_overrides(out, overrides) for arg in ("--set", o)]
+    launch([str(ENGINE_LOGITS), str(TINY_YAML), str(tmp_path / "engine.pt"), *sets], num_ranks=4)
+    engine = torch.load(tmp_path / "engine.pt")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True, dtype=torch.float32).eval()
+    with torch.no_grad():
+        exported = model(input_ids=engine["input_ids"]).logits
+    assert torch.allclose(exported, engine["logits"], atol=1e-5, rtol=0), (
+        f"max |diff| {(exported - engine['logits']).abs().max().item():.3g}")
 
 
 def test_a_missing_partition_is_named_and_nothing_is_written(tmp_path, straight):
@@ -90,8 +118,7 @@ def test_a_missing_partition_is_named_and_nothing_is_written(tmp_path, straight)
     before = sorted(p.relative_to(ckpts) for p in ckpts.rglob("*"))
     config = AutoConfig.from_pretrained(ckpts / "hf_config")
     with pytest.raises(UserError) as raised:
-        reshard(ckpts, "global_step4", config, saved=ParallelDims(world=4, tp=2, pp=2),
-                target=ParallelDims(world=4))
+        reshard(ckpts, "global_step4", config, target=ParallelDims(world=4))  # saved: its manifest's
     message = str(raised.value)
     assert "\n" not in message and str(missing) in message and "parallel.tp=2" in message, message
     assert sorted(p.relative_to(ckpts) for p in ckpts.rglob("*")) == before

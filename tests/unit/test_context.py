@@ -72,8 +72,8 @@ def test_zero3_gradient_scale_only_where_deepspeed_averages_over_context_ranks()
 
 
 @pytest.mark.parametrize("now,match", [
-    (dict(world=2, cp=2), r"^parallel.cp=2: runs resume at their saved layout only \(saved tp 1 x pp 1 x dp 2, "
-                          r"now tp 1 x pp 1 x dp 1\); resume on 4 ranks"),
+    (dict(world=2, cp=2), r"^parallel.cp=2: runs resume at their saved layout only \(saved tp 1 x pp 1 x cp 2 x "
+                          r"dp 2, hpZ 2, now tp 1 x pp 1 x cp 2 x dp 1\); resume on 4 ranks"),
     (dict(world=4, cp=1), r"^parallel.cp=1: differs from the checkpoint's 2"),
 ])
 def test_a_context_parallel_checkpoint_resumes_at_its_layout_only(tmp_path, now, match):

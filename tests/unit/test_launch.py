@@ -106,7 +106,7 @@ def test_dsf_launch_dry_run_for_two_nodes(tmp_path):
                                       "--dry-run", "--set", "parallel.tp=2"], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
-    assert "4 ranks = tp 2 x pp 1 x dp 2 on 2 node(s)" in lines[0] and lines[1].startswith("# memory per rank: ")
+    assert "4 ranks = tp 2 x pp 1 x cp 1 x dp 2 on 2 node(s)" in lines[0] and lines[1].startswith("# memory per rank: ")
     assert lines[2].startswith("worker-0: ") and "--node_rank=0" in lines[2]
     assert lines[3].startswith("worker-1: ") and "--node_rank=1" in lines[3] and "--set parallel.tp=2" in lines[3]
 

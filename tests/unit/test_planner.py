@@ -10,6 +10,7 @@ from click.testing import CliRunner
 
 from dsframework.commands.cli import cli
 from dsframework.config import ModelSpec, load_run_config
+from dsframework.layout import ParallelDims
 from dsframework.models.build import build_model, resolve_model
 from dsframework.models.hf import causal_lm_class
 from dsframework.planner.cluster import GiB, cluster_preset
@@ -69,7 +70,7 @@ def test_activation_bytes_match_what_autograd_saves(one_thread, name, checkpoint
     desc = describe_model(model.config, name=name)
     for micro_batch, seq_len in [(1, 32), (2, 64), (4, 128), (1, 256)]:
         measured = _saved_bytes(model, torch.randint(0, 97, (micro_batch, seq_len)))
-        predicted = memory_per_rank(desc, Layout(dp=1, micro_batch=micro_batch, activation_checkpointing=checkpointing),
+        predicted = memory_per_rank(desc, Layout(ParallelDims(world=1), micro_batch=micro_batch, activation_checkpointing=checkpointing),
                                     Job(seq_len=seq_len, global_batch=micro_batch, precision="fp32")).activations
         assert abs(predicted - measured) <= 0.15 * measured, (micro_batch, seq_len, predicted, measured)
 
@@ -85,12 +86,12 @@ def test_pipeline_stages_cover_the_model_once_and_tp_splits_it():
 def test_zero_stages_shrink_model_states_as_deepspeed_does():
     desc = describe_model(CONFIGS["llama-7b"], name="llama-7b")
     job = Job(seq_len=2048, global_batch=64, precision="bf16")
-    states = [memory_per_rank(desc, Layout(dp=8, zero_stage=z, micro_batch=1, grad_accum=8), job) for z in range(4)]
+    states = [memory_per_rank(desc, Layout(ParallelDims(world=8, zero_stage=z), micro_batch=1, grad_accum=8), job) for z in range(4)]
     P = desc.total_params
     assert states[1].optimizer == pytest.approx(12 * P / 8) and states[1].grads == pytest.approx(2 * P)
     assert states[2].grads == pytest.approx(2 * P / 8) and states[2].params == pytest.approx(2 * P)
     assert states[3].params < 2 * P / 8 * 1.01
-    offloaded = memory_per_rank(desc, Layout(dp=8, zero_stage=3, offload_optimizer=True, offload_param=True), job)
+    offloaded = memory_per_rank(desc, Layout(ParallelDims(world=8, zero_stage=3), offload_optimizer=True, offload_param=True), job)
     assert offloaded.optimizer == 0 and offloaded.cpu_per_rank >= (12 + 2 + 4) * P / 8 * 0.99
 
 
@@ -99,12 +100,12 @@ def test_search_obeys_the_rules():
     cluster = cluster_preset("a100-80gb", nodes=2, gpus_per_node=8)
     job = Job(seq_len=2048, global_batch=128)
     layouts = list(enumerate_layouts(desc, cluster, job))
-    assert layouts and all(lay.world == 16 for lay in layouts)
-    assert all(lay.micro_batch * lay.grad_accum * lay.dp == 128 for lay in layouts)
-    assert all(lay.zero_stage <= 1 for lay in layouts if lay.pp > 1)
-    assert all(desc.heads % lay.tp == 0 and lay.tp <= 8 for lay in layouts)
-    assert all(lay.zero_stage == 3 for lay in layouts if lay.offload_param)
-    assert {lay.tp for lay in layouts} == {1, 2, 4, 8} and max(lay.pp for lay in layouts) == 16
+    assert layouts and all(lay.dims.world == 16 for lay in layouts)
+    assert all(lay.micro_batch * lay.grad_accum * lay.dims.dp == 128 for lay in layouts)
+    assert all(lay.dims.zero_stage <= 1 for lay in layouts if lay.dims.pp > 1)
+    assert all(desc.heads % lay.dims.tp == 0 and lay.dims.tp <= 8 for lay in layouts)
+    assert all(lay.dims.zero_stage == 3 for lay in layouts if lay.offload_param)
+    assert {lay.dims.tp for lay in layouts} == {1, 2, 4, 8} and max(lay.dims.pp for lay in layouts) == 16
 
 
 def test_a_70b_model_needs_more_than_one_node_and_says_why():

@@ -23,7 +23,7 @@ from click.testing import CliRunner
 from dsframework.commands.cli import cli
 from dsframework.config import ModelSpec, load_run_config
 from dsframework.models.build import build_model, resolve_model
-from dsframework.layout import layout_problem
+from dsframework.layout import ParallelDims, layout_problem
 from dsframework.planner.cluster import GiB, cluster_preset
 from dsframework.planner.fit import run_layout
 from dsframework.planner.memory import (ACTIVATION_SAVED, Job, Layout, layer_activation_bytes, memory_per_rank,
@@ -78,7 +78,7 @@ def test_gpt2_activations_follow_its_activation_function(one_thread, activation)
     for micro_batch, seq_len in [(2, 64), (1, 256)]:
         ids = torch.randint(0, 97, (micro_batch, seq_len))
         measured = _saved_bytes(model, lambda: model(input_ids=ids, labels=ids))
-        predicted = memory_per_rank(desc, Layout(dp=1, micro_batch=micro_batch),
+        predicted = memory_per_rank(desc, Layout(ParallelDims(world=1), micro_batch=micro_batch),
                                     Job(seq_len=seq_len, global_batch=micro_batch, precision="fp32")).activations
         assert abs(predicted - measured) <= TOLERANCE * measured, (activation, predicted, measured)
 
@@ -156,7 +156,7 @@ def test_ulysses_rank_saves_what_the_planner_counts(name, cp):
     desc = describe_model(resolve_model(ModelSpec(name=name, overrides={"vocab_size": 97})).config, name=name)
     measured = _ulysses_saved(name, cp, CP_CASES)
     for (micro_batch, seq_len), got in zip(CP_CASES, measured):
-        predicted = memory_per_rank(desc, Layout(dp=1, cp=cp, micro_batch=micro_batch),
+        predicted = memory_per_rank(desc, Layout(ParallelDims(world=cp, cp=cp), micro_batch=micro_batch),
                                     Job(seq_len=seq_len, global_batch=micro_batch, precision="fp32")).activations
         assert abs(predicted - got) <= TOLERANCE * got, (cp, micro_batch, seq_len, predicted, got)
 
@@ -176,13 +176,13 @@ def test_ulysses_adds_the_output_copy_and_repeated_kv_heads():
 def test_hpz_adds_its_secondary_partition():
     desc = describe_model(resolve_model(ModelSpec(name="llama-7b")).config, name="llama-7b")
     job = Job(seq_len=2048, global_batch=16, precision="bf16")
-    plain = memory_per_rank(desc, Layout(dp=16, zero_stage=3), job)
+    plain = memory_per_rank(desc, Layout(ParallelDims(world=16, zero_stage=3)), job)
     for n in (2, 4, 8):
-        hpz = memory_per_rank(desc, Layout(dp=16, zero_stage=3, zero_hpz=n), job)
+        hpz = memory_per_rank(desc, Layout(ParallelDims(world=16, zero_stage=3, zero_hpz=n)), job)
         assert hpz.params - plain.params == pytest.approx(2 * desc.total_params / n) == hpz.parts["hpz_secondary"]
         assert (hpz.grads, hpz.optimizer) == (plain.grads, plain.optimizer)  # still over all 16
     # with cp, ZeRO shards over dp x cp: dp 4 x cp 4 holds what dp 16 does
-    both = memory_per_rank(desc, Layout(dp=4, cp=4, zero_stage=3, zero_hpz=8), job)
+    both = memory_per_rank(desc, Layout(ParallelDims(world=16, cp=4, zero_stage=3, zero_hpz=8)), job)
     assert (both.params, both.grads, both.optimizer) == pytest.approx(
         (plain.params + 2 * desc.total_params / 8, plain.grads, plain.optimizer))
 
@@ -191,11 +191,11 @@ def test_speed_counts_ulysses_all_to_alls_and_hpz_gathers_inside_the_node():
     desc = describe_model(resolve_model(ModelSpec(name="llama-7b")).config, name="llama-7b")
     cluster = cluster_preset("h100-80gb", nodes=2, gpus_per_node=8)
     job = Job(seq_len=32768, global_batch=16, precision="bf16")
-    flat = step_time(desc, Layout(dp=16, zero_stage=3, grad_accum=1), job, cluster)
-    cp4 = step_time(desc, Layout(dp=4, cp=4, zero_stage=3, micro_batch=4), job, cluster)
+    flat = step_time(desc, Layout(ParallelDims(world=16, zero_stage=3), grad_accum=1), job, cluster)
+    cp4 = step_time(desc, Layout(ParallelDims(world=16, cp=4, zero_stage=3), micro_batch=4), job, cluster)
     assert flat.cp_comm == 0 < cp4.cp_comm
     assert cp4.compute == pytest.approx(flat.compute)  # the same tokens per rank, the same work
-    hpz = step_time(desc, Layout(dp=16, zero_stage=3, zero_hpz=8), job, cluster)
+    hpz = step_time(desc, Layout(ParallelDims(world=16, zero_stage=3, zero_hpz=8)), job, cluster)
     assert hpz.dp_comm < flat.dp_comm  # backward's gathers over NVLink instead of the NICs
 
 
@@ -208,13 +208,13 @@ def test_search_covers_cp_and_hpz_with_valid_layouts():
     cluster = cluster_preset("h100-80gb", nodes=2, gpus_per_node=8)
     job = Job(seq_len=131072, global_batch=16)
     layouts = list(enumerate_layouts(desc, cluster, job))
-    assert {lay.cp for lay in layouts} == {1, 2, 4, 8, 16}
-    assert {lay.zero_hpz for lay in layouts} == {1, 2, 4, 8}
+    assert {lay.dims.cp for lay in layouts} == {1, 2, 4, 8, 16}
+    assert {lay.dims.zero_hpz for lay in layouts} == {1, 2, 4, 8}
     for lay in layouts:
-        assert lay.world == 16 and lay.dims.dp == lay.dp
+        assert lay.dims.world == 16 and lay.dims.dp == lay.dims.dp
         assert layout_problem(lay.dims, num_heads=32, num_kv_heads=8, num_layers=32, seq_len=131072,
                               ranks_per_node=8) is None
-    assert all(lay.pp == 1 for lay in layouts if lay.cp > 1)
+    assert all(lay.dims.pp == 1 for lay in layouts if lay.dims.cp > 1)
 
 
 def test_dsf_plan_chooses_context_parallelism_for_llama_8b_at_128k(tmp_path):
@@ -243,8 +243,8 @@ def test_only_context_parallel_layouts_fitting_are_explained():
 
     desc = describe_model(LlamaConfig(**{**LLAMA_8B, "max_position_embeddings": 262144}), name="llama-8b")
     plan = search(desc, cluster_preset("h100-80gb", nodes=2, gpus_per_node=8), Job(seq_len=262144, global_batch=16))
-    assert plan.best is not None and plan.best.layout.cp > 1
-    assert not any(c.fits for c in plan.candidates if c.layout.cp == 1)
+    assert plan.best is not None and plan.best.layout.dims.cp > 1
+    assert not any(c.fits for c in plan.candidates if c.layout.dims.cp == 1)
     assert plan.dropped_families[NO_CONTEXT_PARALLEL].startswith("needs ")
     assert "GiB per GPU at best" in plan.dropped_families[NO_CONTEXT_PARALLEL]
 
@@ -253,16 +253,17 @@ def test_run_config_and_launch_layout_carry_cp_and_hpz():
     desc = describe_model(resolve_model(ModelSpec(name="tiny-llama")).config, name="tiny-llama")
     cluster = cluster_preset("cpu-local", nodes=1, gpus_per_node=8)
     job = Job(seq_len=64, global_batch=8, precision="fp32")
-    c = evaluate(desc, Layout(dp=2, cp=2, tp=2, zero_stage=3, micro_batch=4), job, cluster)
+    c = evaluate(desc, Layout(ParallelDims(world=8, tp=2, cp=2, zero_stage=3), micro_batch=4), job, cluster)
     from dsframework.config import build_run_config
 
     run = build_run_config(run_config_dict(c, model_name="tiny-llama", seq_len=64, global_batch=8, precision="fp32"))
     assert (run.parallel.cp, run.parallel.zero_hpz, run.parallel.tp) == (2, 1, 2)
-    assert run_layout(run.parallel, dp=2, micro_batch=4, grad_accum=1) == c.layout
+    assert run_layout(run.parallel, ParallelDims.of(run.parallel, world=8), micro_batch=4, grad_accum=1) == c.layout
     hpz = build_run_config({**run_config_dict(c, model_name="tiny-llama", seq_len=64, global_batch=8,
                                               precision="fp32"),
                             "parallel": {"zero_stage": 3, "zero_hpz": 2, "cp": 2}})
-    assert run_layout(hpz.parallel, dp=4, micro_batch=2, grad_accum=1).zero_hpz == 2
+    hpz_dims = ParallelDims.of(hpz.parallel, world=8)
+    assert run_layout(hpz.parallel, hpz_dims, micro_batch=2, grad_accum=1).dims.zero_hpz == 2
     assert stage_shapes(desc, 1, 1)[0].params == desc.total_params
 
 

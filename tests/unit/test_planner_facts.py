@@ -6,9 +6,10 @@ import random
 
 import pytest
 
-from dsframework import runtime_facts
+from dsframework import dsconfig, runtime_facts
 from dsframework.config import ModelSpec, build_run_config
 from dsframework.dsconfig import build_ds_config
+from dsframework.layout import ParallelDims
 from dsframework.models.build import resolve_model
 from dsframework.parallel import tensor
 from dsframework.parallel.pipeline import layer_parameter_counts, partition_layers, pipeline_layer_specs
@@ -78,9 +79,9 @@ def test_zero_settings_dsf_writes_are_the_ones_the_planner_counts():
     assert zero3["stage3_prefetch_bucket_size"] == runtime_facts.ZERO3_PREFETCH_BUCKET
     assert zero3["stage3_param_persistence_threshold"] == runtime_facts.ZERO3_PERSISTENCE_THRESHOLD
     assert "stage3_max_live_parameters" not in zero3  # DeepSpeed's own default unless a plan chooses one
-    for name in ("ZERO_REDUCE_BUCKET", "ZERO_ALLGATHER_BUCKET", "ZERO3_PREFETCH_BUCKET", "STAGE0_ALLREDUCE_BUCKET",
-                 "ZERO3_PERSISTENCE_THRESHOLD", "ZERO3_MAX_LIVE_PARAMETERS"):
+    for name in ("STAGE0_ALLREDUCE_BUCKET", "ZERO3_PERSISTENCE_THRESHOLD", "Knobs", "DEFAULT_KNOBS"):
         assert getattr(memory, name) is getattr(runtime_facts, name)  # imported, not copied
+    assert dsconfig.Knobs is runtime_facts.Knobs  # the JSON's knobs and their defaults: Knobs.of, one source
     # The planner's default knobs (memory and speed both read Layout.knobs) are those same values.
     assert memory.Knobs() == memory.Knobs(runtime_facts.ZERO3_PERSISTENCE_THRESHOLD, runtime_facts.ZERO3_PREFETCH_BUCKET,
                                           runtime_facts.ZERO3_MAX_LIVE_PARAMETERS, runtime_facts.ZERO_REDUCE_BUCKET,
@@ -109,7 +110,7 @@ def test_cpu_ranks_are_one_test_for_fit_and_speed():
     assert usable_gpu_memory(gpu) == gpu.memory_per_gpu - RESERVED_PER_GPU
     desc = describe_model(resolve_model(ModelSpec(name="tiny-llama")).config, name="tiny-llama")
     job = Job(seq_len=64, global_batch=4, precision="fp32")
-    layout = Layout(dp=4, zero_stage=3)
+    layout = Layout(ParallelDims(world=4, zero_stage=3))
     # CPU ranks pay their operator overhead on top of compute; a GPU hides it behind the device
     slow_gpu = Cluster(**{**gpu.to_dict(), "peak_flops": {"fp32": 5e10}})
     assert speed.step_time(desc, layout, job, cpu).overhead > speed.step_time(desc, layout, job, slow_gpu).overhead
@@ -120,7 +121,7 @@ def test_matmul_efficiency_has_one_home():
     assert Cluster(name="x", nodes=1, gpus_per_node=1, memory_per_gpu=1, peak_flops={"fp32": 1}).matmul_efficiency \
         == MATMUL_EFFICIENCY
     desc = describe_model(resolve_model(ModelSpec(name="llama-7b")).config, name="llama-7b")
-    job, layout = Job(seq_len=2048, global_batch=8), Layout(dp=8)
+    job, layout = Job(seq_len=2048, global_batch=8), Layout(ParallelDims(world=8))
     h100 = cluster_preset("h100-80gb")
     half = Cluster(**{**h100.to_dict(), "matmul_efficiency": MATMUL_EFFICIENCY / 2})
     assert speed.step_time(desc, layout, job, half).compute == pytest.approx(2 * speed.step_time(desc, layout, job,

@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 from dsframework.commands.cli import cli
 from dsframework.config import ModelSpec
+from dsframework.layout import ParallelDims
 from dsframework.models.build import resolve_model
 from dsframework.planner.cluster import GiB, Cluster
 from dsframework.planner.fit import HOST_MEMORY_SHARE, check_fit
@@ -30,7 +31,7 @@ FACTORIZATIONS_OF_8 = [(tp, pp) for tp in (1, 2, 4, 8) for pp in (1, 2, 4, 8) if
 
 def _layout(tp: int, pp: int, zero_stage: int = 1, **kw) -> Layout:
     dp = 8 // (tp * pp)
-    return Layout(dp=dp, tp=tp, pp=pp, zero_stage=zero_stage, micro_batch=1, grad_accum=JOB.global_batch // dp, **kw)
+    return Layout(ParallelDims(world=dp * tp * pp, tp=tp, pp=pp, zero_stage=zero_stage), micro_batch=1, grad_accum=JOB.global_batch // dp, **kw)
 
 
 def test_largest_tensor_is_the_embedding_of_a_llama():
@@ -46,9 +47,9 @@ def test_a_rank_builds_its_share_not_the_dense_model(tp, pp):
     assert got == BUILD_BYTES * (share + largest_tensor(LLAMA_7B))
     dense = BUILD_BYTES * LLAMA_7B.total_params
     assert got - BUILD_BYTES * largest_tensor(LLAMA_7B) <= 1.2 * dense / (tp * pp)  # stages balance within 20%
-    if layout.dp > 1:  # ZeRO-3 partitions the share over dp at construction (zero.Init)
+    if layout.dims.dp > 1:  # ZeRO-3 partitions the share over dp at construction (zero.Init)
         zero3 = build_bytes_per_rank(LLAMA_7B, _layout(tp, pp, zero_stage=3))
-        assert zero3 == BUILD_BYTES * (share / layout.dp + largest_tensor(LLAMA_7B))
+        assert zero3 == BUILD_BYTES * (share / layout.dims.dp + largest_tensor(LLAMA_7B))
 
 
 def test_the_node_figure_is_its_ranks_builds_plus_offload_or_the_export():
@@ -102,9 +103,9 @@ def test_an_export_that_does_not_fit_a_host_refuses_the_layout():
 
 def test_dsf_plan_marks_layouts_whose_host_side_does_not_fit(tmp_path):
     plan = search(LLAMA_7B, Cluster(**SMALL_HOST), JOB)
-    assert plan.fitting and all(c.layout.tp * c.layout.pp == 8 or c.layout.zero_stage == 3 for c in plan.fitting)
+    assert plan.fitting and all(c.layout.dims.tp * c.layout.dims.pp == 8 or c.layout.dims.zero_stage == 3 for c in plan.fitting)
     refused = [c for c in plan.candidates if "of host memory per node" in c.why_not]
-    assert any(c.layout.tp == c.layout.pp == 1 and c.layout.zero_stage < 3 for c in refused)
+    assert any(c.layout.dims.tp == c.layout.dims.pp == 1 and c.layout.dims.zero_stage < 3 for c in refused)
     assert all(c.host.peak > HOST_MEMORY_SHARE * 64 * GiB for c in refused)
 
     profile = tmp_path / "small-host.json"

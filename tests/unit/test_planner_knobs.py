@@ -20,6 +20,7 @@ from click.testing import CliRunner
 from dsframework.commands import cli as cli_module
 from dsframework.config import ModelSpec, load_run_config
 from dsframework.dsconfig import validate_ds_config
+from dsframework.layout import ParallelDims
 from dsframework.models.build import resolve_model
 from dsframework.planner.cluster import cluster_preset
 from dsframework.planner.fit import MEMORY_HEADROOM, check_fit, usable_gpu_memory
@@ -40,7 +41,7 @@ KNOB_NAMES = list(Knobs.__dataclass_fields__)
 
 def _layouts(zero_stage):
     for micro, ckpt, offload in ((1, "none", False), (2, "full", False), (4, "full", True)):
-        yield Layout(dp=8, zero_stage=zero_stage, micro_batch=micro, grad_accum=8 // micro,
+        yield Layout(ParallelDims(world=8, zero_stage=zero_stage), micro_batch=micro, grad_accum=8 // micro,
                      activation_checkpointing=ckpt, offload_optimizer=offload and zero_stage > 0)
 
 
@@ -69,7 +70,7 @@ def test_chosen_knobs_keep_the_plan_within_memory(model, cluster_name, zero_stag
 @pytest.mark.parametrize("zero_stage", [1, 2, 3])
 def test_more_free_memory_never_chooses_smaller_knobs(model, zero_stage):
     desc, job = DESCS[model], Job(seq_len=2048, global_batch=64, precision="bf16")
-    layout = Layout(dp=8, zero_stage=zero_stage, micro_batch=1, grad_accum=8)
+    layout = Layout(ParallelDims(world=8, zero_stage=zero_stage), micro_batch=1, grad_accum=8)
     def layers_ahead(knobs):  # the prefetch in layers: a layer gathers less once more of it persists
         layer = layer_gathered(desc, tp=1, threshold=knobs.persistence_threshold)
         return knobs.prefetch_bucket / layer if layer else float("inf")
@@ -90,7 +91,7 @@ def test_more_free_memory_never_chooses_smaller_knobs(model, zero_stage):
 @pytest.mark.parametrize("free", [0.0, -5 * 2**30])
 @pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
 def test_no_free_memory_keeps_the_defaults(free, zero_stage):
-    layout = Layout(dp=8, zero_stage=zero_stage, micro_batch=1, grad_accum=8)
+    layout = Layout(ParallelDims(world=8, zero_stage=zero_stage), micro_batch=1, grad_accum=8)
     choice = choose_knobs(DESCS["llama-7b"], layout, Job(seq_len=2048, global_batch=64), free=free)
     assert choice.knobs == DEFAULT_KNOBS and choice.extra == 0 and choice.why
 
@@ -100,16 +101,14 @@ def test_persistent_tensors_are_gathered_less_and_never_slow_the_step():
     cluster = cluster_preset("h100-80gb", nodes=2, gpus_per_node=8)
     times, persistent = [], []
     for threshold in (100_000, 16_777_216, 45_088_768, 131_072_000):
-        layout = Layout(dp=16, zero_stage=3, micro_batch=1, grad_accum=4,
-                        knobs=Knobs(persistence_threshold=threshold))
+        layout = Layout(ParallelDims(world=16, zero_stage=3), micro_batch=1, grad_accum=4, knobs=Knobs(persistence_threshold=threshold))
         persistent.append(stage_shapes(desc, 1, 1, threshold)[0].persistent)
         times.append(step_time(desc, layout, job, cluster))
     assert persistent == sorted(persistent) and persistent[-1] == desc.total_params
     assert all(a.dp_comm >= b.dp_comm and a.total >= b.total for a, b in zip(times, times[1:]))
     assert times[-1].dp_comm < times[0].dp_comm  # nothing left to gather but the gradients' reduce
     # ... and the memory pays for it: every persisted tensor is whole on every rank.
-    mems = [memory_per_rank(desc, Layout(dp=16, zero_stage=3, micro_batch=1, grad_accum=4,
-                                         knobs=Knobs(persistence_threshold=t)), job).params
+    mems = [memory_per_rank(desc, Layout(ParallelDims(world=16, zero_stage=3), micro_batch=1, grad_accum=4, knobs=Knobs(persistence_threshold=t)), job).params
             for t in (100_000, 16_777_216)]
     assert mems[1] - mems[0] == pytest.approx(2 * (persistent[1] - persistent[0]))
 
@@ -118,13 +117,13 @@ def test_buckets_and_prefetch_are_priced():
     desc, job = DESCS["llama-7b"], Job(seq_len=2048, global_batch=64, precision="bf16")
     cluster = cluster_preset("h100-80gb", nodes=2, gpus_per_node=8)
     for stage in (1, 2, 3):
-        small = Layout(dp=16, zero_stage=stage, micro_batch=1, grad_accum=4, knobs=Knobs(reduce_bucket=10**6,
+        small = Layout(ParallelDims(world=16, zero_stage=stage), micro_batch=1, grad_accum=4, knobs=Knobs(reduce_bucket=10**6,
                                                                                           allgather_bucket=10**6))
         large = replace(small, knobs=Knobs(reduce_bucket=10**9, allgather_bucket=10**9))
         assert step_time(desc, large, job, cluster).dp_comm < step_time(desc, small, job, cluster).dp_comm
         assert memory_per_rank(desc, large, job).buffers > memory_per_rank(desc, small, job).buffers
     layer = 202_375_168  # llama-7b's gathered elements per layer
-    no_prefetch = Layout(dp=16, zero_stage=3, micro_batch=1, grad_accum=4, knobs=Knobs(prefetch_bucket=0))
+    no_prefetch = Layout(ParallelDims(world=16, zero_stage=3), micro_batch=1, grad_accum=4, knobs=Knobs(prefetch_bucket=0))
     one_layer = replace(no_prefetch, knobs=Knobs(prefetch_bucket=layer, max_live_parameters=2 * layer))
     capped = replace(one_layer, knobs=Knobs(prefetch_bucket=layer, max_live_parameters=layer))  # live limit: none ahead
     t = {name: step_time(desc, lay, job, cluster).dp_comm for name, lay in
@@ -138,7 +137,7 @@ def test_buckets_and_prefetch_are_priced():
 def test_largest_micro_batch_fits_and_the_next_does_not():
     desc, cluster = DESCS["llama-7b"], cluster_preset("h100-80gb", nodes=1, gpus_per_node=8)
     job = Job(seq_len=4096, global_batch=128, precision="bf16")
-    layout = Layout(dp=8, zero_stage=3)
+    layout = Layout(ParallelDims(world=8, zero_stage=3))
     micro = largest_micro_batch(desc, layout, job, cluster, per_replica=16)
     assert micro is not None and micro < 16
     assert check_fit(desc, replace(layout, micro_batch=micro, grad_accum=16 // micro), job, cluster).fits
@@ -153,7 +152,7 @@ def test_largest_micro_batch_fits_and_the_next_does_not():
 def test_a_chunked_loss_holds_less_at_a_32k_vocabulary(tp, zero_stage):
     desc = DESCS["llama-7b"]
     assert desc.vocab == 32000
-    layout = Layout(dp=8 // tp, tp=tp, zero_stage=zero_stage, micro_batch=4, grad_accum=2)
+    layout = Layout(ParallelDims(world=8, tp=tp, zero_stage=zero_stage), micro_batch=4, grad_accum=2)
     plain = memory_per_rank(desc, layout, Job(seq_len=4096, global_batch=64, chunked_loss=False))
     chunked = memory_per_rank(desc, layout, Job(seq_len=4096, global_batch=64, chunked_loss=True))
     auto = memory_per_rank(desc, layout, Job(seq_len=4096, global_batch=64))  # 16k tokens > one chunk
@@ -192,7 +191,7 @@ def test_dsf_config_auto_knobs_writes_them_and_deepspeed_accepts_them():
     assert "largest that fits" in result.stderr and "knobs:" in result.stderr
     micro = ds["train_micro_batch_size_per_gpu"]
     desc, cluster = DESCS["llama-7b"], cluster_preset("h100-80gb", nodes=1, gpus_per_node=8)
-    assert micro == largest_micro_batch(desc, Layout(dp=8, zero_stage=3), Job(seq_len=4096, global_batch=64),
+    assert micro == largest_micro_batch(desc, Layout(ParallelDims(world=8, zero_stage=3)), Job(seq_len=4096, global_batch=64),
                                         cluster, per_replica=8)
     validate_ds_config(ds, dp_size=8)
     stage2 = json.loads(_invoke(["config", "--zero-stage", "2", "--world-size", "8", "--micro-batch", "1",
@@ -232,7 +231,7 @@ def test_dsf_plan_writes_the_knobs_and_the_chunked_loss(tmp_path):
     from dsframework.planner.fit import run_job, run_layout
 
     dp = 8
-    layout = run_layout(run.parallel, dp=dp, micro_batch=run.train.micro_batch,
+    layout = run_layout(run.parallel, ParallelDims.of(run.parallel, world=dp), micro_batch=run.train.micro_batch,
                         grad_accum=run.train.global_batch // (dp * run.train.micro_batch))
     assert layout.knobs != DEFAULT_KNOBS
     fit = check_fit(DESCS["llama-7b"], layout, run_job(run, global_batch=64), cluster_preset("h100-80gb"))

@@ -14,6 +14,7 @@ from functools import lru_cache
 import pytest
 
 from dsframework.config import LoraSpec, ModelSpec
+from dsframework.layout import ParallelDims
 from dsframework.models.build import build_model, resolve_model
 from dsframework.models.lora import apply_lora, count_lora_parameters
 from dsframework.planner.cluster import GiB, cluster_preset
@@ -72,10 +73,10 @@ def lora_job(count, **kwargs) -> Job:
 
 
 LAYOUTS = {  # name: Layout of 8 data-parallel ranks
-    "zero0": Layout(dp=8, zero_stage=0), "zero1_accum": Layout(dp=8, zero_stage=1, grad_accum=4),
-    "zero1": Layout(dp=8, zero_stage=1), "zero2": Layout(dp=8, zero_stage=2), "zero3": Layout(dp=8, zero_stage=3),
-    "zero2_offload": Layout(dp=8, zero_stage=2, offload_optimizer=True),
-    "zero3_offload": Layout(dp=8, zero_stage=3, offload_optimizer=True, offload_param=True),
+    "zero0": Layout(ParallelDims(world=8, zero_stage=0)), "zero1_accum": Layout(ParallelDims(world=8, zero_stage=1), grad_accum=4),
+    "zero1": Layout(ParallelDims(world=8, zero_stage=1)), "zero2": Layout(ParallelDims(world=8, zero_stage=2)), "zero3": Layout(ParallelDims(world=8, zero_stage=3)),
+    "zero2_offload": Layout(ParallelDims(world=8, zero_stage=2), offload_optimizer=True),
+    "zero3_offload": Layout(ParallelDims(world=8, zero_stage=3), offload_optimizer=True, offload_param=True),
 }
 
 
@@ -93,7 +94,7 @@ def test_gradients_and_optimizer_shrink_to_the_adapters_parameters_do_not(name, 
     for key in ("grads", "optimizer", "cpu_grads", "cpu_optimizer"):  # every one proportional to what trains
         assert getattr(lora, key) == pytest.approx(getattr(full, key) * T / P), key
     assert lora.grads + lora.cpu_grads > 0 and lora.optimizer + lora.cpu_optimizer > 0
-    if layout.zero_stage < 3:  # the frozen base whole, beside the adapters
+    if layout.dims.zero_stage < 3:  # the frozen base whole, beside the adapters
         assert lora.params == pytest.approx(full.params + w * T)
     else:  # partitioned, the small adapter tensors kept whole
         assert lora.params + lora.cpu_params == pytest.approx(
@@ -109,7 +110,7 @@ def test_a_70b_lora_on_8_gpus_fits_where_full_fine_tuning_does_not():
     parameter, / 8) do not fit; LoRA's, the adapters' alone, do."""
     desc = describe_model(llama_70b(), name="llama-70b")
     cluster = cluster_preset("h100-80gb", nodes=1, gpus_per_node=8)
-    layout = Layout(dp=8, zero_stage=3, activation_checkpointing="full")
+    layout = Layout(ParallelDims(world=8, zero_stage=3), activation_checkpointing="full")
     full = check_fit(desc, layout, Job(seq_len=4096, global_batch=8), cluster)
     lora = check_fit(desc, layout, lora_job(lora_70b(), seq_len=4096, global_batch=8), cluster)
     assert not full.fits and lora.fits, (full.why_not, lora.need / GiB)

@@ -49,32 +49,32 @@ def test_every_candidate_is_valid(config, cluster_name, nodes, gpus_per_node, se
     plan = search(desc, cluster, job, suggest=False)
     for c in plan.candidates:
         lay = c.layout
-        assert lay.dp * lay.tp * lay.pp * lay.cp == cluster.world == lay.world
-        assert lay.micro_batch * lay.grad_accum * lay.dp == job.global_batch
-        assert lay.pp == 1 or lay.zero_stage <= 1, "the pipeline engine takes ZeRO 0/1 only"
+        assert lay.dims.dp * lay.dims.tp * lay.dims.pp * lay.dims.cp == cluster.world == lay.dims.world
+        assert lay.micro_batch * lay.grad_accum * lay.dims.dp == job.global_batch
+        assert lay.dims.pp == 1 or lay.dims.zero_stage <= 1, "the pipeline engine takes ZeRO 0/1 only"
         # the rules dsf train and dsf launch apply (one rule set) accept it
-        dims = ParallelDims(world=cluster.world, tp=lay.tp, pp=lay.pp, cp=lay.cp, zero_stage=lay.zero_stage,
-                            zero_hpz=lay.zero_hpz)
-        assert dims == lay.dims and dims.dp == lay.dp and dims.zero_ranks == lay.zero_ranks
-        check_model_layout(dims, config, ranks_per_node=gpus_per_node, dp=lay.dp, seq_len=seq_len)
-        assert config.num_attention_heads % lay.tp == 0 and config.num_key_value_heads % lay.tp == 0
-        assert lay.cp == 1 or (lay.pp == 1 and seq_len % lay.cp == 0)
-        assert lay.zero_hpz == 1 or (lay.zero_stage == 3 and lay.tp == 1 and lay.zero_ranks % lay.zero_hpz == 0
-                                     and lay.zero_hpz <= gpus_per_node)
-        assert lay.tp <= gpus_per_node and lay.pp <= config.num_hidden_layers
-        assert not lay.offload_param or (lay.zero_stage == 3 and lay.offload_optimizer)
+        dims = ParallelDims(world=cluster.world, tp=lay.dims.tp, pp=lay.dims.pp, cp=lay.dims.cp, zero_stage=lay.dims.zero_stage,
+                            zero_hpz=lay.dims.zero_hpz)
+        assert dims == lay.dims and dims.dp == lay.dims.dp and dims.zero_ranks == lay.dims.zero_ranks
+        check_model_layout(dims, config, ranks_per_node=gpus_per_node, dp=lay.dims.dp, seq_len=seq_len)
+        assert config.num_attention_heads % lay.dims.tp == 0 and config.num_key_value_heads % lay.dims.tp == 0
+        assert lay.dims.cp == 1 or (lay.dims.pp == 1 and seq_len % lay.dims.cp == 0)
+        assert lay.dims.zero_hpz == 1 or (lay.dims.zero_stage == 3 and lay.dims.tp == 1 and lay.dims.zero_ranks % lay.dims.zero_hpz == 0
+                                     and lay.dims.zero_hpz <= gpus_per_node)
+        assert lay.dims.tp <= gpus_per_node and lay.dims.pp <= config.num_hidden_layers
+        assert not lay.offload_param or (lay.dims.zero_stage == 3 and lay.offload_optimizer)
         assert c.memory.total > 0 and c.time.total > 0
     misses = [c for c in plan.candidates if not c.fits]
     shown = plan.fitting[:SHOWN_FITTING] + misses[:SHOWN_MISSES]
-    for axis in (lambda lay: lay.cp > 1, lambda lay: lay.zero_hpz > 1):  # the best of each new axis too
+    for axis in (lambda lay: lay.dims.cp > 1, lambda lay: lay.dims.zero_hpz > 1):  # the best of each new axis too
         shown += [c for c in plan.candidates if axis(c.layout)][:1]
     for c in shown:
         run = build_run_config(run_config_dict(c, model_name="tiny-llama", seq_len=seq_len,
                                                global_batch=job.global_batch, precision=precision))
-        ds = build_ds_config(run.train, run.parallel, dp_size=c.layout.dp)
+        ds = build_ds_config(run.train, run.parallel, dp_size=c.layout.dims.dp)
         assert ds["train_batch_size"] == (ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"]
-                                          * c.layout.dp)
-        assert (run.parallel.cp, run.parallel.zero_hpz) == (c.layout.cp, c.layout.zero_hpz)
-        assert ds.get("sequence_parallel_size", 1) == c.layout.cp
-        assert ds["zero_optimization"].get("zero_hpz_partition_size", 1) == c.layout.zero_hpz
-        validate_ds_config(ds, dp_size=c.layout.dp)
+                                          * c.layout.dims.dp)
+        assert (run.parallel.cp, run.parallel.zero_hpz) == (c.layout.dims.cp, c.layout.dims.zero_hpz)
+        assert ds.get("sequence_parallel_size", 1) == c.layout.dims.cp
+        assert ds["zero_optimization"].get("zero_hpz_partition_size", 1) == c.layout.dims.zero_hpz
+        validate_ds_config(ds, dp_size=c.layout.dims.dp)

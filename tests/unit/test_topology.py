@@ -117,3 +117,47 @@ def test_static_parallel_rules(overrides, match):
 def test_pipeline_with_zero_1_and_regex_partition_is_fine():
     run = build_run_config({}, ["parallel.pp=2", "parallel.zero_stage=1", "parallel.partition_method=type:Decoder"])
     assert run.parallel.pp == 2 and run.parallel.partition_method == "type:Decoder"
+
+
+@pytest.mark.parametrize("dims", [ParallelDims(world=8, tp=2, pp=2, zero_stage=1),
+                                  ParallelDims(world=8, cp=2, zero_stage=3, zero_hpz=4)])
+def test_a_manifest_stores_and_reads_the_whole_layout(dims):
+    """Every axis, the ZeRO stage and hpZ; dp is written for a reader's eye and derived on reading."""
+    stored = dims.as_dict()
+    assert stored["dp"] == dims.dp and ParallelDims.from_dict(stored) == dims
+    assert ParallelDims.from_dict(stored, zero_stage=0).zero_stage == dims.zero_stage  # the manifest's wins
+
+
+@pytest.mark.parametrize("old,want", [
+    ({"world": 4, "tp": 2, "pp": 1, "dp": 2}, ParallelDims(world=4, tp=2, zero_stage=1)),  # the first form
+    ({"world": 4, "tp": 1, "pp": 1, "cp": 2, "dp": 2}, ParallelDims(world=4, cp=2, zero_stage=1)),
+    ({"world": 4, "tp": 1, "pp": 1, "dp": 4, "zero_stage": 3}, ParallelDims(world=4, zero_stage=3)),
+    ({"world": 4, "tp": 1, "pp": 1, "cp": 1, "dp": 4, "zero_stage": 3, "zero_hpz": 2},
+     ParallelDims(world=4, zero_stage=3, zero_hpz=2)),
+])
+def test_older_manifest_forms_still_read(old, want):
+    """A manifest written before cp, zero_stage or zero_hpz were recorded: the missing axes are 1 and
+    the missing stage the reader's (a resume's own; checkpoint.saved_layout passes it)."""
+    assert ParallelDims.from_dict(old, zero_stage=1) == want
+
+
+def test_the_layout_renders_as_one_text():
+    assert str(ParallelDims(world=8, tp=2, pp=2)) == "tp 2 x pp 2 x cp 1 x dp 2"
+    assert str(ParallelDims(world=8, cp=2, zero_stage=3, zero_hpz=2)) == "tp 1 x pp 1 x cp 2 x dp 4, hpZ 2"
+
+
+def test_export_reads_the_tensor_parallel_size_the_checkpoint_was_saved_at(tmp_path):
+    """A run trained at tp 2 and resumed at tp 1 keeps its run.yaml (tp: 2); its new checkpoint's
+    manifest says tp 1, and that is what export reads. Without a manifest: run.yaml's."""
+    import json
+
+    from dsframework.checkpoints import checkpoint as ckpt
+    from dsframework.checkpoints.export import tensor_parallel_size
+
+    (tmp_path / ckpt.RUN_YAML).write_text("parallel:\n  tp: 2\n")
+    for tag, layout in (("global_step2", ParallelDims(world=2, tp=2, zero_stage=1)),
+                        ("global_step4", ParallelDims(world=2, zero_stage=1))):
+        (tmp_path / tag).mkdir()
+        (tmp_path / tag / ckpt.MANIFEST).write_text(json.dumps({"step": 0, "layout": layout.as_dict(), "files": {}}))
+    (tmp_path / "global_step1").mkdir()
+    assert [tensor_parallel_size(tmp_path, tag) for tag in ("global_step1", "global_step2", "global_step4")] == [2, 2, 1]

@@ -14,7 +14,7 @@ import torch
 
 from dsframework.checkpoints import checkpoint as ckpt
 from dsframework.config import load_run_config
-from dsframework.train.setup import layout_of, prepare
+from dsframework.train.setup import prepare
 from dsframework.launching.supervise import exit_process
 from dsframework.train.world import shutdown_distributed
 
@@ -31,7 +31,7 @@ def main(argv):
     if session.dp_rank == 0:
         torch.save({"input_ids": input_ids, "logits": logits.float()}, out)
     ckpt.save(session.engine, session.run.checkpoint_dir, step=0, consumed_samples=0,
-              layout=layout_of(session.run, session.dims))
+              layout=session.dims)
     shutdown_distributed()
 
 

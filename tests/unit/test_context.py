@@ -153,6 +153,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.distributed
 def test_ulysses_attention_is_for_the_model_it_was_set_up_for_only():
     proc = subprocess.run([sys.executable, "-c", "from tests.unit.test_context import _ulysses_scope_worker; "
                            "_ulysses_scope_worker()"], cwd=REPO, capture_output=True, text=True, timeout=300,

@@ -1,6 +1,6 @@
 """Property test: whatever the model and cluster, the planner never emits an invalid layout.
 
-For 500 random Llama-family models (heads, kv heads, layers, widths, vocabularies) on random
+For 500 random Llama-family models (100 in the fast tier, `-m "not distributed"`) (heads, kv heads, layers, widths, vocabularies) on random
 clusters (GPU type, nodes, GPUs per node) and jobs (sequence length, global batch, precision),
 every candidate obeys the rules (tensor, pipeline, context parallel and hpZ axes alike: the
 layout dsf train would check, ParallelDims with cp and zero_hpz, is accepted by
@@ -9,6 +9,8 @@ layouts, the closest misses, and the best context-parallel and hpZ ones) passes 
 DeepSpeedConfig at its data-parallel size, with the run config `dsf train` would read.
 """
 from __future__ import annotations
+
+import os
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -23,6 +25,7 @@ from dsframework.planner.report import run_config_dict
 from dsframework.planner.search import search
 
 SHOWN_FITTING, SHOWN_MISSES = 8, 3
+EXAMPLES = 100 if os.environ.get("DSF_TESTS_FAST_TIER") else 500  # (tests/conftest.py sets it for the fast tier)
 
 
 @st.composite
@@ -38,7 +41,7 @@ def models(draw):
                        num_key_value_heads=kv_heads, tie_word_embeddings=draw(st.booleans()))
 
 
-@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(config=models(), cluster_name=st.sampled_from(CLUSTER_PRESETS), nodes=st.sampled_from([1, 2, 3, 4, 16, 64]),
        gpus_per_node=st.sampled_from([1, 2, 4, 8]), seq_len=st.sampled_from([128, 512, 2048, 8192, 131072]),
        batch_factor=st.integers(1, 64), precision=st.sampled_from(["fp32", "bf16", "fp16"]))

@@ -166,7 +166,7 @@ class ParallelSpec(_Spec):
                           "of the weight shards within each group of this many ranks (a node), so the backward "
                           "all-gathers stay on the node's links")
     zero_quantized: Literal["none", "weights", "gradients", "both"] = Field(
-        "none", description="ZeRO++ quantized weights/gradients: not offered (see README: they do not run here)")
+        "none", description="ZeRO++ quantized weights/gradients: not offered (see docs/parallel-layouts.md: they do not run here)")
     partition_method: str = Field("parameters", description="pipeline partition: parameters, "
                                   "uniform or type:<regex>")
     activation_checkpointing: Literal["none", "full"] = Field(

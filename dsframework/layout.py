@@ -11,7 +11,7 @@
 
 `ParallelDims` is the one description of a layout: the four axes Accelerate's ParallelismConfig
 names (dp_replicate x dp_shard x cp x tp) map onto it as dp x cp x tp plus ZeRO's stage and
-hpZ group (see the README's layout section), and pp beside them. A future axis is a field here,
+hpZ group (see docs/parallel-layouts.md), and pp beside them. A future axis is a field here,
 a rule in `composition_problem` / `layout_problem`, and an axis of `build_topology`.
 
 Tensor-parallel ranks are adjacent (the 'model' axis is innermost), so a tensor-parallel group
@@ -33,7 +33,7 @@ from typing import Any
 
 from dsframework.errors import UserError
 
-# What DeepSpeed 0.19 composes, for the one-line refusals (README: layouts).
+# What DeepSpeed 0.19 composes, for the one-line refusals (docs/parallel-layouts.md).
 SUPPORTED_COMPOSITIONS = ("tp x pp x dp with ZeRO 0-1; tp x cp x dp with ZeRO 0-3; "
                           "zero_hpz with ZeRO-3 over cp x dp (tp = pp = 1)")
 

@@ -52,7 +52,7 @@ class Candidate:
         return family_of(self.layout)
 
     def as_dict(self) -> dict:
-        """The `dsf plan --json` record (schema documented in the README)."""
+        """The `dsf plan --json` record (schema in docs/planner.md)."""
         lay = self.layout
         return {"dp": lay.dims.dp, "tp": lay.dims.tp, "pp": lay.dims.pp, "cp": lay.dims.cp, "zero_stage": lay.dims.zero_stage,
                 "zero_hpz": lay.dims.zero_hpz,

@@ -3,7 +3,7 @@
 ZeRO-3. Each rank's peak resident memory (VmHWM) at the end of construction, less the same
 command's with a tiny model (the process baseline), is at most 1.3 x that rank's share of the
 parameters plus the largest single tensor (the one dense tensor a rank may hold while it cuts
-its shard). A dense build needs the whole model on every rank (1.4 GB here): see the README's
+its shard). A dense build needs the whole model on every rank (1.4 GB here): see docs/parallel-layouts.md's
 "Sharded construction" figures, measured with the same worker and --dense."""
 from __future__ import annotations
 

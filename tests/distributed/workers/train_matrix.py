@@ -23,8 +23,20 @@ from dsframework.train.engine import train
 from tests.distributed.launcher import TINY_YAML, run_overrides
 
 
+def forget_previous_run() -> None:
+    """DeepSpeed keeps the last engine's parallel groups in module globals (deepspeed.utils.groups:
+    the mpu a tp, pp or cp run passed, hpZ's group), and an engine built without an mpu reads the
+    old one (a tp=2 model-parallel size for a ZeRO-2 run after a tp2 run). `dsf train` builds one
+    engine per process; a run here starts as in a fresh process."""
+    from deepspeed.utils import groups
+
+    groups.mpu = None
+    groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
+
+
 def main(root: str, specs: list[str]) -> None:
     for spec in specs:
+        forget_previous_run()
         name, backend, overrides = spec.split("|")
         compiling.BACKEND = backend if backend != "eager" else compiling.BACKEND
         compiling.COMPILE_S = 0.0 if name.endswith("_auto") else 90.0

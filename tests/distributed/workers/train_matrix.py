@@ -27,11 +27,20 @@ def forget_previous_run() -> None:
     """DeepSpeed keeps the last engine's parallel groups in module globals (deepspeed.utils.groups:
     the mpu a tp, pp or cp run passed, hpZ's group), and an engine built without an mpu reads the
     old one (a tp=2 model-parallel size for a ZeRO-2 run after a tp2 run). `dsf train` builds one
-    engine per process; a run here starts as in a fresh process."""
+    engine per process; a run here starts as in a fresh process.
+
+    transformers likewise keeps the HfDeepSpeedConfig of a ZeRO-3 pretrained load (the last run's
+    model holds it) in a module global, and builds every later model under zero.Init while it lives:
+    a meta-device build after a ZeRO-3 LoRA run then failed ("Cannot copy out of meta tensor")."""
+    import gc
+
     from deepspeed.utils import groups
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     groups.mpu = None
     groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
+    unset_hf_deepspeed_config()
+    gc.collect()
 
 
 def main(root: str, specs: list[str]) -> None:

@@ -41,6 +41,8 @@ def pytest_configure(config):
     # reads this at import; the full suite, CI's command, draws them all).
     if "not distributed" in (config.option.markexpr or ""):
         os.environ[FAST_TIER] = "1"
+    if getattr(config.option, "durations", None) is None:
+        config.option.durations = 30  # every run (CI's too) ends with its 30 slowest: where the time went
     config.addinivalue_line("markers", "slow: the one world-8 run (about a minute here); deselect with -m 'not slow'")
     config.addinivalue_line("markers", "distributed: starts processes (launched ranks, a `dsf` or `python` "
                                        "subprocess, cluster nodes); the fast tier is -m 'not distributed'")

@@ -1,17 +1,22 @@
-"""Start real multi-process runs with the `deepspeed` launcher (CPU ranks, gloo) from tests.
+"""Start real multi-process runs from tests: CPU ranks with gloo, started as `deepspeed --num_gpus N` starts them.
 
     metrics = train_run(tmp_path / "z2", ["parallel.zero_stage=2"], num_ranks=2)
     [m["loss"] for m in metrics if "loss" in m]
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
+
+import psutil
 
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parents[2]
@@ -45,19 +50,57 @@ def rank_env() -> dict[str, str]:
 def launch(script_and_args: list[str], *, num_ranks: int, timeout: int = 600) -> subprocess.CompletedProcess:
     """Run `<script> <args>` on N ranks of this node; fail the test with its output if it fails.
 
-    This is the command `deepspeed --num_gpus N` runs for a single node - deepspeed's per-node
-    launcher, `deepspeed.launcher.launch`, with the world_info the runner would encode - started
-    directly, which saves the runner's own start (about 1.5 s of every launch, ~100 launches).
-    The runner itself is exercised by the quickstart and fault tests, and across nodes by tests/cluster.
+    Each rank is started as DeepSpeed's per-node launcher (`deepspeed.launcher.launch`, what
+    `deepspeed --num_gpus N` runs on a node) starts it: `python -u <script> --local_rank=<r> <args>`
+    with its environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_SIZE, CROSS_RANK, CROSS_SIZE,
+    MASTER_ADDR/PORT, CUDA_VISIBLE_DEVICES); when a rank fails the others are ended, as that
+    launcher does. Started from here, a launch does not first import deepspeed (and torch) in a
+    launcher process before any rank starts: 5-7 s of every one of ~70 launches. The real runner
+    and per-node launcher start the quickstart and fault tests, and every job across nodes in
+    tests/cluster.
     """
-    from deepspeed.launcher.runner import encode_world_info
-
-    world_info = encode_world_info({"localhost": list(range(num_ranks))})
-    cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world_info}",
-           "--master_addr=127.0.0.1", f"--master_port={free_port()}", *script_and_args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=rank_env(), cwd=REPO)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    script, *args = script_and_args
+    common = dict(rank_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(num_ranks),
+                  LOCAL_SIZE=str(num_ranks), CROSS_RANK="0", CROSS_SIZE="1",
+                  CUDA_VISIBLE_DEVICES=",".join(map(str, range(num_ranks))))
+    cmd = [sys.executable, "-u", script, *args]
+    with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
+        ranks = [subprocess.Popen([sys.executable, "-u", script, f"--local_rank={rank}", *args], cwd=REPO,
+                                  env=dict(common, RANK=str(rank), LOCAL_RANK=str(rank)), stdout=stdout, stderr=stderr)
+                 for rank in range(num_ranks)]
+        returncode = _wait_all(ranks, timeout=timeout, cmd=cmd)
+        stdout.seek(0)
+        stderr.seek(0)
+        proc = subprocess.CompletedProcess(cmd, returncode, stdout.read(), stderr.read())
+    assert proc.returncode == 0, f"{' '.join(cmd)} on {num_ranks} ranks failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     return proc
+
+
+def _wait_all(ranks: list[subprocess.Popen], *, timeout: float, cmd: list[str]) -> int:
+    """0 when every rank exits 0; else the first non-zero exit code, the other ranks (and anything
+    they started) ended, as deepspeed's launcher ends them. Past `timeout`: all ended, TimeoutExpired."""
+    deadline = time.monotonic() + timeout
+    while True:
+        codes = [rank.poll() for rank in ranks]
+        failed = [code for code in codes if code not in (None, 0)]
+        if failed or all(code == 0 for code in codes):
+            break
+        if time.monotonic() > deadline:
+            _end(ranks)
+            raise subprocess.TimeoutExpired(cmd, timeout)
+        time.sleep(0.1)
+    _end(ranks)
+    return failed[0] if failed else 0
+
+
+def _end(ranks: list[subprocess.Popen]) -> None:
+    for rank in ranks:
+        if rank.poll() is None:
+            with contextlib.suppress(psutil.Error):
+                for child in psutil.Process(rank.pid).children(recursive=True):
+                    child.kill()
+            rank.kill()
+        rank.wait()
 
 
 def dsf(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:

@@ -104,11 +104,29 @@ def _end(ranks: list[subprocess.Popen]) -> None:
 
 
 def dsf(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    """Run `dsf ARGS` as a single process; fail the test with its output if it fails."""
+    """Run `dsf ARGS` as a single process; fail the test with its output if it fails.
+
+    `dsf export` runs in this process instead (click's CliRunner on the same command): it is one
+    process either way, and this one has already imported torch and transformers, which a new
+    process pays 10-15 s for, a dozen times a suite. Its exit codes and one-line errors as a
+    process are test_bad_input's."""
+    if args[0] == "export":
+        return _dsf_in_process(args)
     proc = subprocess.run([str(BIN / "dsf"), *args], capture_output=True, text=True, timeout=timeout,
                           env=rank_env(), cwd=REPO)
     assert proc.returncode == 0, f"dsf {' '.join(args)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     return proc
+
+
+def _dsf_in_process(args: tuple[str, ...]) -> subprocess.CompletedProcess:
+    import deepspeed  # noqa: F401 - before CliRunner swaps sys.stdout: deepspeed's logger binds the real one
+    from click.testing import CliRunner
+
+    from dsframework.commands.cli import cli
+
+    result = CliRunner().invoke(cli, list(args), catch_exceptions=False)
+    assert result.exit_code == 0, f"dsf {' '.join(args)} failed ({result.exit_code}):\n{result.output[-4000:]}"
+    return subprocess.CompletedProcess(["dsf", *args], result.exit_code, result.output, "")
 
 
 def _not_json(constant: str) -> None:
@@ -161,16 +179,18 @@ def startup_breakdown(stdout: str) -> tuple[float, dict[str, float]]:
 MATRIX = REPO / "tests" / "distributed" / "workers" / "train_matrix.py"
 
 
-def train_runs(root: Path, runs: dict[str, list[str]], *, num_ranks: int = 2,
+def train_runs(root: Path, runs: dict[str, list[str]], *, num_ranks: int = 2, resumed: tuple[str, ...] = (),
                timeout: int = 900) -> dict[str, dict[int, float]]:
     """Several runs in one launch: train_run(root / name, overrides, num_ranks=...) for each, in order,
     in one process group (workers/train_matrix.py), which saves every run after the first its start
-    (~10-20 s). Returns name -> (step -> loss). A resume stays a launch of its own (train_run with
-    --resume): a new process group reading the checkpoint, as a user's restart is.
+    (~10-20 s). Returns name -> (step -> loss). The runs named in `resumed` continue from their
+    directory's latest checkpoint (`dsf train --resume`), in a process that has trained before; the
+    resume tests that must start a fresh process group (test_resume, test_faults) launch their own.
 
         got = train_runs(root, {"zero1": ["parallel.zero_stage=1"], "zero3": ["parallel.zero_stage=3"]})
     """
-    specs = [f"{name}|eager|{';'.join(overrides)}" for name, overrides in runs.items()]
+    specs = [f"{name}|eager|{';'.join(overrides)}" + ("|resume" if name in resumed else "")
+             for name, overrides in runs.items()]
     launch([str(MATRIX), str(root), *specs], num_ranks=num_ranks, timeout=timeout)
     return {name: losses(root / name) for name in runs}
 
@@ -179,3 +199,23 @@ def assert_close(got: dict[int, float], want: dict[int, float], *, rtol: float, 
     assert sorted(got) == sorted(want), f"{what}: steps {sorted(got)} != {sorted(want)}"
     worst = max(abs(got[s] - want[s]) / abs(want[s]) for s in want)
     assert worst <= rtol, f"{what}: max relative loss difference {worst:.3g} > {rtol:g}\n{got}\n{want}"
+
+
+def forget_previous_run() -> None:
+    """DeepSpeed keeps the last engine's parallel groups in module globals (deepspeed.utils.groups:
+    the mpu a tp, pp or cp run passed, hpZ's group), and an engine built without an mpu reads the
+    old one (a tp=2 model-parallel size for a ZeRO-2 run after a tp2 run). `dsf train` builds one
+    engine per process; a run here starts as in a fresh process.
+
+    transformers likewise keeps the HfDeepSpeedConfig of a ZeRO-3 pretrained load (the last run's
+    model holds it) in a module global, and builds every later model under zero.Init while it lives:
+    a meta-device build after a ZeRO-3 LoRA run then failed ("Cannot copy out of meta tensor")."""
+    import gc
+
+    from deepspeed.utils import groups
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    groups.mpu = None
+    groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
+    unset_hf_deepspeed_config()
+    gc.collect()

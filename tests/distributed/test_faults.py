@@ -31,17 +31,31 @@ import psutil
 import pytest
 
 from tests.distributed.launcher import (BIN, REPO, TINY_YAML, assert_close, free_port, losses, rank_env,
-                                        read_metrics, run_overrides, train_run)
+                                        read_metrics, run_overrides, train_run, train_runs)
 
 # 6 steps, a checkpoint every 2 (global_step2/4/6), ZeRO-1 so the optimizer state is sharded.
 COMMON = ["parallel.zero_stage=1", "train.steps=6", "checkpoint.every=2", "checkpoint.save_final=true"]
 
 
+# The schedule of a long run (100000 steps) cut short: what SIGTERM preempts.
+LONG = ["train.steps=100000", "train.warmup_steps=2"]
+LONG_STRAIGHT_STEPS = 40  # the preempted run's uninterrupted twin stops here (SIGTERM comes at step 3 or a few later)
+
+
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory) -> tuple[Path, dict[int, float]]:
+def straight(straight_runs) -> tuple[Path, dict[int, float]]:
     """The uninterrupted run every fault is compared with (and whose checkpoints some reuse)."""
-    out = tmp_path_factory.mktemp("straight")
-    return out, train_run(out, COMMON)
+    return straight_runs["common"]
+
+
+@pytest.fixture(scope="module")
+def straight_runs(tmp_path_factory) -> dict[str, tuple[Path, dict[int, float]]]:
+    """name -> (output_dir, step -> loss) of the uninterrupted runs, in one launch: "common" (COMMON)
+    and "long" (LONG, stopped after LONG_STRAIGHT_STEPS: the twin of the preempted run)."""
+    root = tmp_path_factory.mktemp("straight")
+    runs = {"common": COMMON, "long": [*LONG, f"train.stop_after={LONG_STRAIGHT_STEPS}"]}
+    got = train_runs(root, runs)
+    return {name: (root / name, got[name]) for name in runs}
 
 
 def start_job(output_dir: Path, overrides: list[str], *, log: Path, env: dict[str, str] | None = None,
@@ -97,7 +111,7 @@ def dsf_train_with_fault(output_dir: Path, overrides: list[str], *, fault: str, 
 
 def test_killed_rank_ends_the_job_and_names_it(tmp_path):
     log = tmp_path / "job.log"
-    job = start_job(tmp_path / "run", ["train.steps=100000", "train.warmup_steps=2"], log=log)
+    job = start_job(tmp_path / "run", LONG, log=log)
     try:
         wait_for_step(tmp_path / "run", 2, job, log)
         trainers = {int(p.environ()["RANK"]): p for p in session_processes(job.pid)
@@ -116,8 +130,8 @@ def test_killed_rank_ends_the_job_and_names_it(tmp_path):
     assert "rank 1 (local rank 1" in output and "killed by SIGKILL" in output, output[-3000:]
 
 
-def test_sigterm_checkpoints_and_resume_is_exact(tmp_path):
-    run = ["train.steps=100000", "train.warmup_steps=2"]  # the schedule of a long run, cut short
+def test_sigterm_checkpoints_and_resume_is_exact(tmp_path, straight_runs):
+    run = LONG
     out, log = tmp_path / "preempted", tmp_path / "job.log"
     job = start_job(out, run, log=log)
     try:
@@ -134,9 +148,9 @@ def test_sigterm_checkpoints_and_resume_is_exact(tmp_path):
     assert f"stopped by SIGTERM at step {stopped}" in output
     assert not list((out / "checkpoints").glob("*.partial"))
 
-    stop_after = [f"train.stop_after={stopped + 2}"]
-    resumed = train_run(out, [*run, *stop_after], flags=("--resume",))
-    straight = train_run(tmp_path / "straight", [*run, *stop_after])
+    assert stopped + 2 <= LONG_STRAIGHT_STEPS, f"preempted at step {stopped}, later than the test expects"
+    resumed = train_run(out, [*run, f"train.stop_after={stopped + 2}"], flags=("--resume",))
+    straight = {step: loss for step, loss in straight_runs["long"][1].items() if step <= stopped + 2}
     assert sorted(resumed) == list(range(1, stopped + 3))
     assert_close(resumed, straight, rtol=1e-6, what="preempted + resumed vs straight")
 

@@ -32,16 +32,31 @@ def save_pretrained_model(model_type: str, path: Path) -> None:
     assert (path / "model.safetensors.index.json").is_file() and len(list(path.glob("*.safetensors"))) > 3
 
 
-@pytest.mark.parametrize("model_type", ["llama", "gpt2"])
-def test_tp2_pp2_logits_equal_transformers(tmp_path, model_type):
+MODEL_TYPES = ["llama", "gpt2"]
+
+
+@pytest.fixture(scope="module")
+def sharded_runs(tmp_path_factory) -> dict[str, Path]:
+    """model type -> its directory: the pretrained model and the sharded engine's logits (sharded.pt,
+    and each rank's read statistics), both models in one launch."""
+    root = tmp_path_factory.mktemp("hf_equivalence")
+    args = []
+    for model_type in MODEL_TYPES:
+        save_pretrained_model(model_type, root / model_type / "pretrained")
+        overrides = [f"model.name={root / model_type / 'pretrained'}", "parallel.tp=2", "parallel.pp=2",
+                     "parallel.zero_stage=0", "train.micro_batch=2"]
+        sets = [arg for o in run_overrides(root / model_type / "run", overrides) for arg in ("--set", o)]
+        args += [*(["--next"] if args else []), str(TINY_YAML), str(root / model_type / "sharded.pt"), "--fresh", *sets]
+    launch([str(WORKER), *args], num_ranks=4)
+    return {model_type: root / model_type for model_type in MODEL_TYPES}
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_tp2_pp2_logits_equal_transformers(sharded_runs, model_type):
     from transformers import AutoModelForCausalLM
 
+    tmp_path = sharded_runs[model_type]
     pretrained = tmp_path / "pretrained"
-    save_pretrained_model(model_type, pretrained)
-    overrides = [f"model.name={pretrained}", "parallel.tp=2", "parallel.pp=2", "parallel.zero_stage=0",
-                 "train.micro_batch=2"]
-    sets = [arg for o in run_overrides(tmp_path / "run", overrides) for arg in ("--set", o)]
-    launch([str(WORKER), str(TINY_YAML), str(tmp_path / "sharded.pt"), "--fresh", *sets], num_ranks=4)
     sharded = torch.load(tmp_path / "sharded.pt")
 
     reference = AutoModelForCausalLM.from_pretrained(pretrained, local_files_only=True,

@@ -6,7 +6,7 @@ Four runs of 6 steps on 4 ranks, one per layout, each saving global_step4, serve
 sources and the references: a transition copies the source run's output_dir, resumes it at the
 target layout for steps 5-6 and compares them with the target run's. The layouts are equivalent,
 so the four straight runs agree with each other too (within 1e-5: a check on the references).
-The four straight runs share one launch; each transition's resume is a launch of its own.
+The four straight runs share one launch, and the four transitions' resumes another.
 One transition (tp 2 x pp 2 -> tp 1 x dp 4) saves again after the resume and is exported: run.yaml
 still says tp 2, the manifest tp 1, and `dsf export` gives the resumed engine's logits (export reads
 the layout the checkpoint has). A checkpoint lacking a file the conversion reads is named in one line,
@@ -22,8 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed.launcher import (TINY_YAML, assert_close, dsf, launch, read_metrics, run_overrides, train_run,
-                                        train_runs)
+from tests.distributed.launcher import TINY_YAML, assert_close, dsf, launch, read_metrics, run_overrides, train_runs
 
 COMMON = ["parallel.zero_stage=1", "train.steps=6", "train.micro_batch=2", "checkpoint.every=4"]
 LAYOUTS = {  # name: parallel settings on 4 ranks
@@ -56,20 +55,35 @@ def test_layouts_agree_before_any_resume(straight):
         assert_close(losses, reference, rtol=1e-5, what=f"{name} vs tp1pp1dp4, straight")
 
 
-@pytest.mark.parametrize("saved,target", TRANSITIONS, ids=[f"{a}-to-{b}" for a, b in TRANSITIONS])
-def test_resume_at_another_layout(tmp_path, straight, saved, target):
-    out = tmp_path / "run"
-    shutil.copytree(straight[saved][0], out)
+def transition_name(saved: str, target: str) -> str:
+    return f"{saved}-to-{target}"
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory, straight) -> dict[str, tuple[Path, dict[int, float], list[Path], list[str]]]:
+    """transition -> (its output_dir: the source run's, resumed at the target layout to step 6;
+    step -> loss; the files of global_step4 before the resume; its overrides). All resumes in one launch."""
+    root = tmp_path_factory.mktemp("resumed")
+    runs, before = {}, {}
+    for saved, target in TRANSITIONS:
+        name = transition_name(saved, target)
+        shutil.copytree(straight[saved][0], root / name)
+        ckpts = root / name / "checkpoints"
+        assert (ckpts / "latest").read_text().strip() == "global_step4"
+        before[name] = sorted(p.relative_to(ckpts) for p in (ckpts / "global_step4").rglob("*"))
+        final = ["checkpoint.save_final=true"] if (saved, target) == EXPORTED else []
+        runs[name] = [*COMMON, *LAYOUTS[target], *final]
+    got = train_runs(root, runs, num_ranks=4, resumed=tuple(runs))
+    return {name: (root / name, got[name], before[name], runs[name]) for name in runs}
+
+
+@pytest.mark.parametrize("saved,target", TRANSITIONS, ids=[transition_name(*t) for t in TRANSITIONS])
+def test_resume_at_another_layout(tmp_path, straight, resumed, saved, target):
+    out, losses, before, overrides = resumed[transition_name(saved, target)]
     ckpts = out / "checkpoints"
-    assert (ckpts / "latest").read_text().strip() == "global_step4"
-    before = sorted(p.relative_to(ckpts) for p in (ckpts / "global_step4").rglob("*"))
-
-    final = ["checkpoint.save_final=true"] if (saved, target) == EXPORTED else []
-    resumed = train_run(out, [*COMMON, *LAYOUTS[target], *final], num_ranks=4, flags=("--resume",))
-
-    assert sorted(resumed) == list(range(1, 7)), "metrics.jsonl holds each step once"
+    assert sorted(losses) == list(range(1, 7)), "metrics.jsonl holds each step once"
     want = straight[target][1]
-    assert_close({s: resumed[s] for s in (5, 6)}, {s: want[s] for s in (5, 6)}, rtol=1e-4,
+    assert_close({s: losses[s] for s in (5, 6)}, {s: want[s] for s in (5, 6)}, rtol=1e-4,
                  what=f"{saved} -> {target}: steps 5-6 vs the straight {target} run")
     lrs = {m["step"]: m["lr"] for m in read_metrics(out) if "lr" in m}
     want_lrs = {m["step"]: m["lr"] for m in read_metrics(straight[target][0]) if "lr" in m}
@@ -82,7 +96,7 @@ def test_resume_at_another_layout(tmp_path, straight, saved, target):
     assert sorted(p.relative_to(ckpts) for p in (ckpts / "global_step4").rglob("*")) == before
     assert not list(ckpts.glob("*.partial"))
     if (saved, target) == EXPORTED:
-        export_gives_the_engines_logits(tmp_path, out, [*COMMON, *LAYOUTS[target], *final])
+        export_gives_the_engines_logits(tmp_path, out, overrides)
 
 
 def export_gives_the_engines_logits(tmp_path, out, overrides):

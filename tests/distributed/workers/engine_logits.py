@@ -1,7 +1,9 @@
 """Worker (run under the deepspeed launcher): build a run's engine - from its latest checkpoint,
 or fresh with --fresh - and save the full logits it gives on the first two eval blocks.
 
-    deepspeed --num_gpus 4 engine_logits.py RUN.yaml OUT.pt [--fresh] --set k=v ...
+    deepspeed --num_gpus 4 engine_logits.py RUN.yaml OUT.pt [--fresh] --set k=v ... [--next RUN.yaml OUT2.pt ...]
+
+Several runs (`--next` between them) are built one after the other in this one process group.
 
 Any layout: a pipeline engine's logits come from its last stage (eval_batch), tensor-parallel
 vocab slices are gathered; one rank (last stage, tensor rank 0, data rank 0) writes OUT.pt.
@@ -9,6 +11,8 @@ vocab slices are gathered; one rank (last stage, tensor rank 0, data rank 0) wri
 import json
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repo: tests.distributed.launcher
 
 import torch
 import torch.distributed as dist
@@ -18,6 +22,7 @@ from dsframework.config import load_run_config
 from dsframework.train.setup import prepare
 from dsframework.launching.supervise import exit_process
 from dsframework.train.world import shutdown_distributed
+from tests.distributed.launcher import forget_previous_run
 
 
 def full_logits(session, input_ids, vocab_size):
@@ -38,8 +43,8 @@ def full_logits(session, input_ids, vocab_size):
     return logits, holds
 
 
-def main(argv):
-    args = [a for a in argv if not a.startswith("--local_rank")]
+def save_logits(args: list[str]) -> None:
+    """One run: RUN.yaml OUT.pt [--fresh] --set k=v ..."""
     fresh = "--fresh" in args
     args = [a for a in args if a != "--fresh"]
     run_yaml, out, sets = args[0], args[1], [a for a in args[2:] if a != "--set"]
@@ -54,6 +59,19 @@ def main(argv):
     if session.built is not None:  # what this rank materialised and read from a pretrained directory
         stats = {"parameters": session.built.parameters, "bytes_read": session.built.bytes_read}
         Path(f"{out}.rank{dist.get_rank()}.json").write_text(json.dumps(stats))
+
+
+def main(argv):
+    args = [a for a in argv if not a.startswith("--local_rank")]
+    runs = [[]]
+    for arg in args:
+        if arg == "--next":
+            runs.append([])
+        else:
+            runs[-1].append(arg)
+    for run_args in runs:
+        forget_previous_run()
+        save_logits(run_args)
     shutdown_distributed()
 
 

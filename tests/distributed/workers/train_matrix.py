@@ -5,8 +5,9 @@ or eager (launcher.train_runs: every module that trains several layouts at one w
     deepspeed --num_gpus 2 train_matrix.py OUT_ROOT 'z1|eager|parallel.zero_stage=1' \
         'z1_compiled|aot_eager|parallel.zero_stage=1;train.compile=true' ...
 
-Each spec is NAME|BACKEND|OVERRIDES (OVERRIDES `;`-separated, on top of the tests' BASE_OVERRIDES),
-trained into OUT_ROOT/NAME with `dsframework.train.engine.train`, as `dsf train` does. BACKEND
+Each spec is NAME|BACKEND|OVERRIDES[|resume] (OVERRIDES `;`-separated, on top of the tests'
+BASE_OVERRIDES), trained into OUT_ROOT/NAME with `dsframework.train.engine.train`, as `dsf train`
+does (`dsf train --resume` with `|resume`: from OUT_ROOT/NAME's latest checkpoint). BACKEND
 patches `dsframework.train.compiling.BACKEND` (inductor in production): `aot_eager` traces the same dynamo and AOT autograd graphs through
 DeepSpeed's hooks without generating kernels, which keeps a matrix of layouts cheap; `inductor` is
 the real thing. A NAME ending in `_auto` expects no compile time, so that train.compile=auto compiles
@@ -20,37 +21,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repo: tests.
 from dsframework.train import compiling
 from dsframework.config import load_run_config
 from dsframework.train.engine import train
-from tests.distributed.launcher import TINY_YAML, run_overrides
-
-
-def forget_previous_run() -> None:
-    """DeepSpeed keeps the last engine's parallel groups in module globals (deepspeed.utils.groups:
-    the mpu a tp, pp or cp run passed, hpZ's group), and an engine built without an mpu reads the
-    old one (a tp=2 model-parallel size for a ZeRO-2 run after a tp2 run). `dsf train` builds one
-    engine per process; a run here starts as in a fresh process.
-
-    transformers likewise keeps the HfDeepSpeedConfig of a ZeRO-3 pretrained load (the last run's
-    model holds it) in a module global, and builds every later model under zero.Init while it lives:
-    a meta-device build after a ZeRO-3 LoRA run then failed ("Cannot copy out of meta tensor")."""
-    import gc
-
-    from deepspeed.utils import groups
-    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-
-    groups.mpu = None
-    groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
-    unset_hf_deepspeed_config()
-    gc.collect()
+from tests.distributed.launcher import TINY_YAML, forget_previous_run, run_overrides
 
 
 def main(root: str, specs: list[str]) -> None:
     for spec in specs:
         forget_previous_run()
-        name, backend, overrides = spec.split("|")
+        name, backend, overrides, *flags = spec.split("|")
         compiling.BACKEND = backend if backend != "eager" else compiling.BACKEND
         compiling.COMPILE_S = 0.0 if name.endswith("_auto") else 90.0
         run = load_run_config(TINY_YAML, run_overrides(Path(root) / name, [o for o in overrides.split(";") if o]))
-        train(run)
+        train(run, resume="resume" in flags)
 
 
 if __name__ == "__main__":

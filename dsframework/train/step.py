@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Any
 
 from dsframework.data import BlockSampler, eval_shard
-from dsframework.models.loss import shift_labels, trained_tokens
 from dsframework.parallel.context import SequenceShard, sequence_shard_loss
 
 
@@ -48,14 +47,15 @@ def micro_batch_loss(engine: Any, input_ids: Any, *, grid: Any = None, context: 
     With context parallelism each rank runs its slice of the sequences and backpropagates its
     share of the mean (parallel/context.py); otherwise the model's own causal LM loss. A
     supervised micro-batch (a dict, data/store.py) gives the sum of its trained tokens' losses
-    times its loss_weight: examples packed in a row see only themselves (position ids restart at
-    each example; transformers then masks attention block-diagonally)."""
+    times its loss_weight (the model divides it by num_items_in_batch = 1 / loss_weight): examples
+    packed in a row see only themselves (position ids restart at each example; transformers then
+    masks attention block-diagonally)."""
     if isinstance(input_ids, dict):
-        # Counted on the host copy: no device sync. Never 0: every packed example keeps a trained label.
-        trained = int(trained_tokens(shift_labels(input_ids["labels"])))
+        # The summed loss of the trained tokens over the global batch's count (loss_weight is
+        # data ranks x accumulation / that count): transformers' num_items_in_batch, which its loss
+        # and dsf's heads (models/loss.reduce_loss) divide the sum by instead of this micro-batch's count.
         batch = {key: value.to(engine.device) for key, value in input_ids.items() if key != "loss_weight"}
-        mean = engine(**batch, use_cache=False).loss  # over this micro-batch's trained tokens
-        loss = mean * (trained * input_ids["loss_weight"])
+        loss = engine(**batch, use_cache=False, num_items_in_batch=1.0 / input_ids["loss_weight"]).loss
         return loss, loss.detach()
     input_ids = input_ids.to(engine.device)
     if context:

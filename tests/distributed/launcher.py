@@ -72,7 +72,8 @@ def launch(script_and_args: list[str], *, num_ranks: int, timeout: int = 600) ->
         stdout.seek(0)
         stderr.seek(0)
         proc = subprocess.CompletedProcess(cmd, returncode, stdout.read(), stderr.read())
-    assert proc.returncode == 0, f"{' '.join(cmd)} on {num_ranks} ranks failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, (f"{' '.join(cmd)} on {num_ranks} ranks failed:\n"
+                                  f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return proc
 
 

@@ -4,17 +4,22 @@
     tp_model = TensorParallelCausalLM(shard_model(model, group=tp_group), group=tp_group)  # 1/tp of the weights
     out = tp_model(input_ids=ids, labels=ids)                    # out.loss: models/loss.py's, vocab-parallel
 
-Plans (which module becomes which shard):
+The plan is data: models/plans.py reads the architecture's `base_model_tp_plan` (transformers'
+own, for 116 causal-LM types; GPT-2's is written there) and each style becomes a Megatron layer:
 
-| architecture            | column-parallel                      | row-parallel       | vocab-parallel          |
-|-------------------------|--------------------------------------|--------------------|-------------------------|
-| llama, mistral, qwen2   | q/k/v_proj, gate/up_proj             | o_proj, down_proj  | embed_tokens, lm_head   |
-| gpt2                    | c_attn (split per head into q, k, v), c_fc | attn/mlp c_proj | wte, lm_head (tied)  |
+| transformers style                 | dsframework layer                                          |
+|------------------------------------|------------------------------------------------------------|
+| colwise                            | ColumnParallelLinear (output features split)               |
+| colwise_gather_output              | ColumnParallelLinear(gather_output=True)                   |
+| packed_colwise                     | ColumnParallelLinear, each fused part split (`dense_index`)|
+| rowwise / rowwise_split_input      | RowParallelLinear (input split here / already split)       |
+| embedding_rowwise                  | VocabParallelEmbedding                                     |
+| replicated_with_grad_allreduce     | replicated; gradients summed over the tensor group         |
 
-Attention heads and key/value heads are split across ranks (grouped-query attention keeps its
-heads-per-kv-head ratio). Norms and GPT-2's position embedding stay replicated. The loss never
-gathers the full logits: the head emits this rank's vocab slice into models/loss.py's causal LM
-loss with its vocab-parallel per-token loss.
+Attention heads and key/value heads are split across ranks (transformers' attention reshapes by
+-1 heads, so it runs on this rank's heads). The input embedding is always vocab-parallel and the
+head emits this rank's vocab slice into models/loss.py's vocab-parallel loss: the full logits are
+never gathered (the plan's own `lm_head: colwise_gather_output` would gather them).
 """
 from __future__ import annotations
 
@@ -24,7 +29,7 @@ import torch
 from torch import nn
 
 from dsframework.errors import UserError, divide
-from dsframework.models.families import SUPPORTED, family_of
+from dsframework.models.plans import STYLES, WORKING_LAYOUTS, architecture_plan, check_architecture, pattern_regex
 from dsframework.models.hf import causal_lm_class
 from dsframework.models.loss import causal_lm_loss, chunked_causal_lm_loss, vocab_parallel_token_loss
 from dsframework.parallel.tensor import (
@@ -39,52 +44,127 @@ from dsframework.parallel.tensor import (
 )
 
 
-def _llama_plan(model: Any, group: Any) -> None:
-    config = model.config
-    tp = tensor_parallel_size(group)
-    divide(config.num_attention_heads, tp, what="parallel.tp vs num_attention_heads")
-    divide(config.num_key_value_heads, tp, what="parallel.tp vs num_key_value_heads")
-    for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        for name in ("q_proj", "k_proj", "v_proj"):
-            setattr(attn, name, ColumnParallelLinear.from_dense(getattr(attn, name), group=group))
-        attn.o_proj = RowParallelLinear.from_dense(attn.o_proj, group=group)
-        for name in ("gate_proj", "up_proj"):
-            setattr(mlp, name, ColumnParallelLinear.from_dense(getattr(mlp, name), group=group))
-        mlp.down_proj = RowParallelLinear.from_dense(mlp.down_proj, group=group)
-    embedding = VocabParallelEmbedding.from_dense(model.model.embed_tokens, group=group)
-    model.model.embed_tokens = embedding
-    if config.tie_word_embeddings:
-        model.lm_head = VocabParallelLMHead.tied_to(embedding)
+def _dense_weight(module: nn.Module, path: str, style: str) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+    """(weight as [out, in], bias, transposed?) of a Linear, or of a transformers Conv1D ([in, out])."""
+    from transformers.pytorch_utils import Conv1D
+
+    if isinstance(module, Conv1D):
+        return module.weight.t(), module.bias, True
+    if isinstance(module, nn.Linear):
+        return module.weight, module.bias, False
+    raise UserError("parallel.tp", path, f"is a {type(module).__name__}, which the style {style!r} cannot split",
+                    f"use {WORKING_LAYOUTS}")
+
+
+def _split_linear(module: nn.Module, path: str, kind: str, style: str, *, group: Any, parts: int) -> nn.Module:
+    """The Megatron layer for one plan entry: column (output rows split; packed: each fused part
+    split; gathered: its output all-gathered back) or row (input columns split, output summed)."""
+    weight, bias, transposed = _dense_weight(module, path, style)
+    if kind.startswith(("column", "packed")):
+        index = None
+        if kind == "packed_column":
+            tp, rank = tensor_parallel_size(group), tensor_parallel_rank(group)
+            part = divide(weight.shape[0], parts, what=f"{path}'s fused output vs its {parts} parts")
+            index = shard_index([part] * parts, rank=rank, tp=tp, what=f"{path}'s fused parts")
+        layer = ColumnParallelLinear.from_dense_weight(weight, bias, group=group, out_index=index,
+                                                       gather_output=kind == "column_gather")
     else:
-        model.lm_head = VocabParallelLMHead.from_dense(model.lm_head, group=group)
+        layer = RowParallelLinear.from_dense_weight(weight, bias, group=group, input_is_parallel=kind == "row")
+    if transposed:
+        layer.weight.dense_transposed = True  # export writes the Conv1D's [in, out] back
+    return layer
 
 
-def _gpt2_plan(model: Any, group: Any) -> None:
-    config = model.config
-    tp, rank = tensor_parallel_size(group), tensor_parallel_rank(group)
-    heads, hidden = config.n_head, config.n_embd
-    head_dim = divide(hidden, heads, what="n_embd vs n_head")
-    divide(heads, tp, what="parallel.tp vs num_attention_heads")
-    # c_attn's output is [q | k | v], each `heads` heads wide: this rank takes its heads of each.
-    qkv_rows = shard_index([heads] * 3, rank=rank, tp=tp, unit=head_dim, what="n_head")
+def _vocab_embedding(module: nn.Module, *, group: Any) -> VocabParallelEmbedding:
+    """The embedding split by vocabulary; a scaled embedding (Gemma 3's `embed_scale`) keeps its scale."""
+    sharded = VocabParallelEmbedding.from_dense(module, group=group)
+    scale = getattr(module, "embed_scale", None)
+    if scale is not None:
+        sharded.register_buffer("embed_scale", torch.as_tensor(scale).detach().clone(), persistent=False)
+    return sharded
+
+
+def _all_reduce_gradients(module: nn.Module, *, group: Any) -> None:
+    """Sum `module`'s parameter gradients over the tensor group (a norm that sees only this rank's
+    heads: its gradient is partial). A hook on the gradient before it accumulates, so gradient
+    accumulation and DeepSpeed's own hooks see the summed gradient once; installed at the first
+    forward, on whichever Parameter objects the module holds by then (construction replaces them)."""
+    def sum_over_tensor_ranks(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        torch.distributed.all_reduce(grad, group=group)
+        return grad
+
+    def install(mod: nn.Module, args: Any) -> None:
+        for param in mod.parameters(recurse=False):
+            if param.requires_grad and not getattr(param, "grad_summed_over_tensor_ranks", False):
+                param.register_hook(sum_over_tensor_ranks)
+                param.grad_summed_over_tensor_ranks = True
+
+    if tensor_parallel_size(group) > 1:
+        module.register_forward_pre_hook(install)
+    for param in module.parameters(recurse=False):
+        param.replicated_grad_allreduce = True
+
+
+def _set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, name, module)
+
+
+def _path_of(root: nn.Module, module: nn.Module) -> str | None:
+    return next((path for path, child in root.named_modules() if child is module), None)
+
+
+def _apply_plan(base: nn.Module, plan: Any, *, group: Any) -> None:
+    """Every module a plan pattern matches becomes its style's layer (patterns that match nothing,
+    e.g. an optional projection this config lacks, are skipped, as transformers does)."""
+    paths = [path for path, _ in base.named_modules()]
+    for pattern, style in plan.tp:
+        kind, regex = STYLES[style], pattern_regex(pattern)
+        for path in (p for p in paths if regex.match(p)):
+            module = base.get_submodule(path)
+            if kind == "grad_allreduce":
+                _all_reduce_gradients(module, group=group)
+            elif kind == "vocab_embedding":
+                _set_submodule(base, path, _vocab_embedding(module, group=group))
+            elif kind != "replicated":
+                _set_submodule(base, path, _split_linear(module, path, kind, style, group=group,
+                                                         parts=plan.parts_of(pattern)))
+
+
+def _is_tied(model: Any) -> bool:
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    return head is not None and head.weight is getattr(embedding, "weight", None)
+
+
+def _shard_embeddings(model: Any, *, group: Any, tied: bool) -> None:
+    """The input embedding split by vocabulary (whether or not the plan lists it: same function,
+    1/tp of the memory), and the head vocab-parallel: tied to it, or split from its own weight."""
+    base, embedding, head = model.base_model, model.get_input_embeddings(), model.get_output_embeddings()
+    if not isinstance(embedding, VocabParallelEmbedding):
+        if not isinstance(embedding, nn.Embedding):
+            raise UserError("parallel.tp", tensor_parallel_size(group), f"cannot split {model.config.model_type}'s "
+                            f"input embedding ({type(embedding).__name__})", f"use {WORKING_LAYOUTS}")
+        embedding = _vocab_embedding(embedding, group=group)
+        _set_submodule(base, _path_of(base, model.get_input_embeddings()), embedding)
+    if head is None or not isinstance(head, nn.Linear):
+        raise UserError("parallel.tp", tensor_parallel_size(group), f"cannot split {model.config.model_type}'s "
+                        f"output head ({type(head).__name__})", f"use {WORKING_LAYOUTS}")
+    head_name = next(name for name, child in model.named_children() if child is head)
+    setattr(model, head_name, VocabParallelLMHead.tied_to(embedding) if tied
+            else VocabParallelLMHead.from_dense(head, group=group))
+
+
+def _gpt2_attention_sizes(model: Any, group: Any) -> None:
+    """GPT2Attention splits c_attn's output by `split_size` and reshapes by `num_heads`: this rank's."""
+    tp = tensor_parallel_size(group)
     for block in model.transformer.h:
-        attn, mlp = block.attn, block.mlp
-        attn.c_attn = ColumnParallelLinear.from_dense_weight(  # Conv1D weights are [in, out]
-            attn.c_attn.weight.t(), attn.c_attn.bias, group=group, out_index=qkv_rows)
-        attn.c_proj = RowParallelLinear.from_dense_weight(attn.c_proj.weight.t(), attn.c_proj.bias, group=group)
-        attn.split_size = hidden // tp  # GPT2Attention splits the fused output into q, k, v by this
-        attn.embed_dim, attn.num_heads = hidden // tp, heads // tp
-        mlp.c_fc = ColumnParallelLinear.from_dense_weight(mlp.c_fc.weight.t(), mlp.c_fc.bias, group=group)
-        mlp.c_proj = RowParallelLinear.from_dense_weight(mlp.c_proj.weight.t(), mlp.c_proj.bias, group=group)
-        for layer in (attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj):
-            layer.weight.dense_transposed = True  # transformers stores a Conv1D weight as [in, out]
-    embedding = VocabParallelEmbedding.from_dense(model.transformer.wte, group=group)
-    model.transformer.wte = embedding
-    model.lm_head = VocabParallelLMHead.tied_to(embedding)
+        attn = block.attn
+        attn.split_size, attn.embed_dim = attn.split_size // tp, attn.embed_dim // tp
+        attn.num_heads //= tp
 
 
-PLANS = {"llama": _llama_plan, "gpt2": _gpt2_plan}  # family (models/families.py) -> plan
+AFTER_SHARD = {"gpt2": _gpt2_attention_sizes}  # model type -> what its modules keep besides weights
 
 
 class TensorParallelOutput(dict):
@@ -120,16 +200,21 @@ class TensorParallelCausalLM(nn.Module):
 
 
 def shard_model(model: Any, *, group: Any) -> Any:
-    """Swap `model`'s dense layers for this rank's shards, in place (the plan above); returns it.
+    """Swap `model`'s dense layers for this rank's shards, in place, as its architecture's plan says
+    (models/plans.py); returns it. UserError (one line) for an architecture or style that cannot.
 
     The result keeps transformers' module tree and names, so the pipeline can cut it into
     stages (tp x pp); `TensorParallelCausalLM` wraps it for the loss instead (tp x dp).
     """
-    plan = PLANS.get(family_of(model.config.model_type))
-    if plan is None:
-        raise UserError("parallel.tp", tensor_parallel_size(group), f"has no plan for {model.config.model_type!r}",
-                        f"use tp=1 (ZeRO) or a supported architecture: {', '.join(SUPPORTED)}")
-    plan(model, group)
+    tp = tensor_parallel_size(group)
+    plan = check_architecture(model.config, tp=tp) if tp > 1 else architecture_plan(model.config)
+    if plan.tp_problem:
+        check_architecture(model.config, tp=2)  # raises, naming the problem
+    tied = _is_tied(model)  # (before the plan splits the embedding away from the head)
+    _apply_plan(model.base_model, plan, group=group)
+    _shard_embeddings(model, group=group, tied=tied)
+    if model.config.model_type in AFTER_SHARD:
+        AFTER_SHARD[model.config.model_type](model, group)
     return model
 
 

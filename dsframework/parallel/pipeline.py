@@ -55,9 +55,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from dsframework.errors import UserError
-from dsframework.models.families import SUPPORTED, family_of
 from dsframework.models.hf import causal_lm_class
+from dsframework.models.logits import logit_postprocess
 from dsframework.models.loss import causal_lm_loss, vocab_parallel_token_loss
+from dsframework.models.plans import PipelinePlan, architecture_plan, pipeline_refusal
 from dsframework.parallel.tensor import VocabParallelEmbedding, VocabParallelLMHead
 from dsframework.runtime_facts import partition_balanced, partition_uniform
 
@@ -82,160 +83,179 @@ def _unref(ref: _Ref | None) -> Any:
     return None if ref is None else ref.obj
 
 
-def _positions(hidden_states: torch.Tensor) -> torch.Tensor:
-    """position_ids [1, seq], as HF's model builds them without a cache."""
-    return torch.arange(hidden_states.shape[1], device=hidden_states.device).unsqueeze(0)
+class _Stop(Exception):
+    """Raised by a layer stub to leave the base model's forward at the layer a stage runs, with
+    the arguments the model's forward passes that layer."""
 
-
-def _uses_sliding_window(config: Any, layer_idx: int) -> bool:
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types:  # qwen2: per-layer types
-        return layer_types[layer_idx] == "sliding_attention"
-    return getattr(config, "sliding_window", None) is not None  # mistral; llama has none
-
-
-def _causal_mask(config: Any, hidden_states: torch.Tensor, position_ids: torch.Tensor, *,
-                 sliding: bool) -> torch.Tensor | None:
-    """The mask HF's model would pass its layers (None under sdpa: it uses is_causal instead)."""
-    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-
-    make = create_sliding_window_causal_mask if sliding else create_causal_mask
-    return make(config=config, inputs_embeds=hidden_states, attention_mask=None, cache=None,
-                position_ids=position_ids)
-
-
-def _hf_class(config: Any, suffix: str) -> type:
-    """The transformers class `<Prefix><suffix>` of the config's architecture (e.g. LlamaRMSNorm)."""
-    cls = causal_lm_class(config)
-    prefix = cls.__name__.removesuffix("ForCausalLM").removesuffix("LMHeadModel")
-    return getattr(sys.modules[cls.__module__], prefix + suffix)
-
-
-class LlamaEmbeddingPipe(nn.Module):
-    """First stage: token ids [b, s] -> hidden states [b, s, h] (model.embed_tokens)."""
-
-    def __init__(self, config: _Ref, embed_tokens: _Ref | None = None):
+    def __init__(self, args: tuple, kwargs: dict):
         super().__init__()
-        cfg = config.obj
-        self.embed_tokens = _unref(embed_tokens)
-        if self.embed_tokens is None:
-            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, cfg.pad_token_id)
+        self.args, self.kwargs = args, kwargs
+
+
+class _LayerStub(nn.Module):
+    """Decoder layer `index` in a stage's skeleton of the base model: passes the hidden states on,
+    stops the forward at the stage's layer (`plan["stop"]`), or hands the stage's input to the
+    rest of the forward after the last layer (`plan["inject"]`)."""
+
+    def __init__(self, index: int, plan: dict):
+        super().__init__()
+        self.index, self.plan = index, plan
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.index == self.plan.get("stop"):
+            raise _Stop(args, kwargs)
+        if self.index == self.plan.get("inject"):
+            return self.plan["hidden"]
+        return args[0] if args else kwargs["hidden_states"]
+
+
+class _ShapeStub(nn.Module):
+    """A module this stage does not hold, in its skeleton: an embedding gives zeros of its output
+    shape (GPT-2's learned positions, added to hidden states the stage replaces anyway), anything
+    else passes its input on."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.dim = getattr(module, "embedding_dim", None)
+        self.dtype = next(module.parameters()).dtype
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.dim is None:
+            return x
+        return torch.zeros(*x.shape, self.dim, dtype=self.dtype, device=x.device)
+
+
+def _has_parameters(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
+def _skeleton(base: nn.Module, plan: PipelinePlan, *, keep: tuple[str, ...]) -> tuple[nn.Module, dict]:
+    """(a copy of the base model whose decoder layers are stubs and whose parameter-holding
+    children other than `keep` are `_ShapeStub`s, its stubs' shared plan). Running the model's own
+    forward on it computes what the architecture passes each layer (positions, rotary variants,
+    per-layer masks and sliding windows, embedding scale) from its own code; not registered as a
+    child of a stage, so it adds no parameters."""
+    stub_plan: dict = {}
+    skeleton = copy.copy(base)
+    skeleton.__dict__.update(_parameters={}, _modules=dict(base._modules), _forward_hooks={},
+                             _forward_pre_hooks={}, _backward_hooks={})
+    for name, child in base.named_children():
+        if name == plan.layers:
+            skeleton._modules[name] = nn.ModuleList(_LayerStub(i, stub_plan) for i in range(len(child)))
+        elif name not in keep and _has_parameters(child):
+            skeleton._modules[name] = _ShapeStub(child)
+    return skeleton, stub_plan
+
+
+def _run_base(skeleton: nn.Module, stub_plan: dict, **inputs: Any) -> Any:
+    """The base model's own forward on the skeleton: a `_Stop` (the stop layer's arguments), or
+    its output."""
+    try:
+        return type(skeleton).forward(skeleton, use_cache=False, **inputs)
+    except _Stop as stop:
+        return stop
+    finally:
+        stub_plan.pop("hidden", None)
+
+
+def _parameterless_children(base: nn.Module) -> dict[str, nn.Module]:
+    """The base model's children without parameters (rotary embeddings: buffers only), which
+    every stage's skeleton uses; registered on each stage so they move with it to its device."""
+    return {name: child for name, child in base.named_children() if not _has_parameters(child)}
+
+
+class _StagePart(nn.Module):
+    """What the stage modules share: the base model's children they hold, its skeleton."""
+
+    def _hold(self, base: nn.Module, plan: PipelinePlan, names: tuple[str, ...]) -> None:
+        for name, child in _parameterless_children(base).items():
+            self.add_module(name, child)
+        for name in names:
+            self.add_module(name, base.get_submodule(name))
+        skeleton, stub_plan = _skeleton(base, plan, keep=names)
+        object.__setattr__(self, "skeleton", skeleton)  # not a child: its modules are held above or elsewhere
+        object.__setattr__(self, "stub_plan", stub_plan)
+
+
+class EmbeddingPipe(_StagePart):
+    """First stage: token ids [b, s] -> the hidden states the model's forward hands its first
+    decoder layer (embedding, and whatever the architecture does next: scaling, positions, dropout).
+    With `head_copy`, only the token embedding (the tied head's copy on the last stage)."""
+
+    def __init__(self, config: _Ref, base: _Ref, plan: _Ref, token: str, head_copy: bool = False):
+        super().__init__()
+        self.token = token
+        if head_copy:
+            self.add_module(token, base.obj.get_submodule(token))
+        else:
+            self._hold(base.obj, plan.obj, plan.obj.first)
 
     @property
-    def token_embedding(self) -> nn.Embedding:
-        return self.embed_tokens
+    def token_embedding(self) -> nn.Module:
+        return getattr(self, self.token)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
+        self.stub_plan["stop"] = 0
+        return _run_base(self.skeleton, self.stub_plan, input_ids=input_ids).args[0]
 
 
-class LlamaDecoderLayerPipe(nn.Module):
-    """One decoder layer; rebuilds positions, rotary cos/sin and the causal mask from the input."""
+class DecoderLayerPipe(_StagePart):
+    """Decoder layer `index`, called with the arguments the model's own forward would give it
+    (found by running that forward on the stage's skeleton up to this layer)."""
 
-    def __init__(self, config: _Ref, layer_idx: int, layer: _Ref | None = None,
-                 rotary_emb: _Ref | None = None):
+    def __init__(self, config: _Ref, base: _Ref, plan: _Ref, index: int):
         super().__init__()
-        self.config = cfg = config.obj
-        self.sliding = _uses_sliding_window(cfg, layer_idx)
-        self.layer = _unref(layer)
-        if self.layer is None:
-            self.layer = _hf_class(cfg, "DecoderLayer")(cfg, layer_idx)
-        self.rotary_emb = _unref(rotary_emb)  # shared with the other layers: buffers only
-        if self.rotary_emb is None:
-            self.rotary_emb = _hf_class(cfg, "RotaryEmbedding")(config=cfg)
+        self.index = index
+        self._hold(base.obj, plan.obj, ())
+        self.layer = getattr(base.obj, plan.obj.layers)[index]
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        position_ids = _positions(hidden_states)
-        return self.layer(hidden_states,
-                          attention_mask=_causal_mask(self.config, hidden_states, position_ids,
-                                                      sliding=self.sliding),
-                          position_ids=position_ids,
-                          position_embeddings=self.rotary_emb(hidden_states, position_ids=position_ids))
+        self.stub_plan["stop"] = self.index
+        stop = _run_base(self.skeleton, self.stub_plan, inputs_embeds=hidden_states)
+        args, kwargs = stop.args, dict(stop.kwargs)
+        if args:
+            args = (hidden_states, *args[1:])
+        else:
+            kwargs["hidden_states"] = hidden_states
+        return self.layer(*args, **kwargs)
 
 
-class GPT2EmbeddingPipe(nn.Module):
-    """First stage: token ids -> wte(ids) + wpe(positions), dropout. With positions=False (the
-    tied head's copy on the last stage) it holds only wte."""
+class FinalNormPipe(_StagePart):
+    """The base model's forward after its last decoder layer (the final norm), on the stage's input."""
 
-    def __init__(self, config: _Ref, wte: _Ref | None = None, wpe: _Ref | None = None,
-                 drop: _Ref | None = None, *, positions: bool = True):
+    def __init__(self, config: _Ref, base: _Ref, plan: _Ref):
         super().__init__()
-        cfg = config.obj
-        self.wte = _unref(wte)
-        if self.wte is None:
-            self.wte = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        if positions:
-            self.wpe = _unref(wpe)
-            if self.wpe is None:
-                self.wpe = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
-            self.drop = _unref(drop)
-            if self.drop is None:
-                self.drop = nn.Dropout(cfg.embd_pdrop)
-
-    @property
-    def token_embedding(self) -> nn.Embedding:
-        return self.wte
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        hidden_states = self.wte(input_ids)
-        return self.drop(hidden_states + self.wpe(_positions(hidden_states)))
-
-
-class GPT2DecoderLayerPipe(nn.Module):
-    """One GPT-2 block; rebuilds the causal mask from the input."""
-
-    def __init__(self, config: _Ref, layer_idx: int, layer: _Ref | None = None):
-        super().__init__()
-        self.config = cfg = config.obj
-        self.layer = _unref(layer)
-        if self.layer is None:
-            from transformers.models.gpt2.modeling_gpt2 import GPT2Block
-
-            self.layer = GPT2Block(cfg, layer_idx=layer_idx)
+        self._hold(base.obj, plan.obj, plan.obj.last)
+        self.last_layer = len(getattr(base.obj, plan.obj.layers)) - 1
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        position_ids = _positions(hidden_states)
-        mask = _causal_mask(self.config, hidden_states, position_ids, sliding=False)
-        return self.layer(hidden_states, attention_mask=mask, position_ids=position_ids)
-
-
-class FinalNormPipe(nn.Module):
-    """The final norm (model.norm, transformer.ln_f)."""
-
-    def __init__(self, config: _Ref, norm: _Ref | None = None):
-        super().__init__()
-        cfg = config.obj
-        self.norm = _unref(norm)
-        if self.norm is None:
-            if cfg.model_type == "gpt2":
-                self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_epsilon)
-            else:
-                self.norm = _hf_class(cfg, "RMSNorm")(cfg.hidden_size, eps=cfg.rms_norm_eps)
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.norm(hidden_states)
+        self.stub_plan.update(inject=self.last_layer, hidden=hidden_states)
+        return _run_base(self.skeleton, self.stub_plan, inputs_embeds=hidden_states).last_hidden_state
 
 
 class LMHeadPipe(nn.Module):
-    """The untied output projection: hidden states -> logits (lm_head)."""
+    """The untied output projection: hidden states -> logits, post-processed as the model's own
+    forward does (models/logits.py)."""
 
-    def __init__(self, config: _Ref, lm_head: _Ref | None = None):
+    def __init__(self, config: _Ref, lm_head: _Ref, post: _Ref):
         super().__init__()
-        cfg = config.obj
-        self.lm_head = _unref(lm_head)
-        if self.lm_head is None:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = lm_head.obj
+        object.__setattr__(self, "post", post.obj)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden_states)
+        logits = self.lm_head(hidden_states)
+        return logits if self.post is None else self.post(logits)
 
 
-def tied_lm_head(embedding: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+def tied_lm_head(embedding: nn.Module, hidden_states: torch.Tensor, post: Any = None) -> torch.Tensor:
     """The tied head's forward_fn: logits = hidden @ token_embedding.weight^T (as nn.Linear);
-    with a vocab-parallel embedding, this rank's vocab slice of them (VocabParallelLMHead)."""
+    with a vocab-parallel embedding, this rank's vocab slice of them (VocabParallelLMHead); then
+    the model's own post-processing `post` (models/logits.py), if any."""
     if isinstance(embedding.token_embedding, VocabParallelEmbedding):
-        return VocabParallelLMHead.tied_to(embedding.token_embedding)(hidden_states)
-    return F.linear(hidden_states, embedding.token_embedding.weight)
+        logits = VocabParallelLMHead.tied_to(embedding.token_embedding)(hidden_states)
+    else:
+        logits = F.linear(hidden_states, embedding.token_embedding.weight)
+    return logits if post is None else post(logits)
 
 
 def pipeline_loss_fn(model: Any) -> Any:
@@ -257,75 +277,92 @@ def _spec(spec: Any, *, label: str, hf: dict[str, tuple[str, ...]]) -> Any:
     return spec
 
 
-def _family(config: Any) -> str:
-    family = family_of(config.model_type)
-    if family is None:
-        raise UserError("model.name", config.model_type, "has no pipeline adapter (parallel.pp > 1)",
-                        f"use a model of type {', '.join(SUPPORTED)}, or set parallel.pp=1")
-    return family
+def _is_tied(model: Any) -> bool:
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    return head is not None and head.weight is getattr(embedding, "weight", None)
 
 
-def _is_tied(model: Any, config: Any) -> bool:
-    if model is not None:
-        return model.get_output_embeddings().weight is model.get_input_embeddings().weight
-    return bool(getattr(config, "tie_word_embeddings", False))
+def _child_name(parent: nn.Module, module: nn.Module) -> str:
+    return next(name for name, child in parent.named_children() if child is module)
+
+
+def _checked_plan(model: Any) -> PipelinePlan:
+    """The architecture's pipeline plan, or UserError: no plan, or a child with parameters that
+    the plan leaves out (its forward would use weights no stage holds)."""
+    model_type, plan, base = model.config.model_type, architecture_plan(model.config), model.base_model
+    if plan.pp_problem:
+        raise pipeline_refusal(model_type, plan.pp_problem)
+    plan = plan.pp
+    planned = {*plan.first, plan.layers, *plan.last}
+    outside = [name for name, child in base.named_children() if name not in planned and _has_parameters(child)]
+    if outside or next(base.parameters(recurse=False), None) is not None:
+        raise pipeline_refusal(model_type, "uses weights outside its pipeline plan "
+                               f"({', '.join(outside) or 'its own parameters'})")
+    if model.get_input_embeddings() is not base.get_submodule(plan.first[0] if plan.first else ""):
+        raise pipeline_refusal(model_type, "has a pipeline plan that does not start with its token embedding")
+    return plan
+
+
+def _model_of(model_or_config: Any) -> Any:
+    """The causal LM (a config gets a weightless one, on the meta device: enough for partitioning,
+    tables and checkpoint names)."""
+    if isinstance(model_or_config, nn.Module):
+        return model_or_config
+    config = copy.deepcopy(model_or_config)
+    if config._attn_implementation is None:
+        config._attn_implementation = "sdpa"  # what build_model's models use on this torch
+    with torch.device("meta"):
+        return causal_lm_class(config)(config)
 
 
 def pipeline_layer_specs(model_or_config: Any) -> list:
-    """The causal LM as DeepSpeed LayerSpecs: embedding, one per decoder layer, final norm, head.
+    """The causal LM as DeepSpeed LayerSpecs: embedding, one per decoder layer, final norm, head,
+    cut where the architecture's pipeline plan says (models/plans.py).
 
     From a model, the specs' modules reference its submodules (same weights, trained in place);
-    from a config, they are new modules of the same structure. Every spec carries `hf_label` (its
-    HF name) and `hf_names` ({wrapper child: HF module paths}) for tables and checkpoint export.
+    from a config, those of a weightless (meta) model of the same structure. Every spec carries
+    `hf_label` (its HF name) and `hf_names` ({wrapper child: HF module paths}) for tables and
+    checkpoint export.
     """
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
-    is_model = isinstance(model_or_config, nn.Module)
-    model = model_or_config if is_model else None
-    config = model.config if is_model else copy.deepcopy(model_or_config)
-    if not is_model and config._attn_implementation is None:
-        config._attn_implementation = "sdpa"  # what build_model's models use on this torch
-    family = _family(config)
-    tied = _is_tied(model, config)
-    cfg = _Ref(config, f"<{config.model_type} config>")
-
-    def ref(path: str) -> _Ref | None:
-        return None if model is None else _Ref(model.get_submodule(path), path)
-
-    if family == "llama":
-        embed_label, embed_cls, tied_child = "model.embed_tokens", LlamaEmbeddingPipe, "embed_tokens"
-        embed_args, head_args, head_kwargs = (ref("model.embed_tokens"),), (ref("model.embed_tokens"),), {}
-        embed_hf = {"embed_tokens": ("model.embed_tokens",)}
-        layer_path, layer_cls, norm_path = "model.layers", LlamaDecoderLayerPipe, "model.norm"
-        layer_extra, layer_extra_hf = (ref("model.rotary_emb"),), {"rotary_emb": ()}  # buffers only
+    model = _model_of(model_or_config)
+    plan, base = _checked_plan(model), model.base_model
+    prefix = _path_of(model, base)
+    token = _child_name(base, model.get_input_embeddings())
+    cfg, base_ref, plan_ref = _Ref(model.config, f"<{model.config.model_type} config>"), _Ref(base, prefix), \
+        _Ref(plan, "<pipeline plan>")
+    post = _Ref(None if model_or_config is not model else logit_postprocess(model), "<logits>")
+    shared = {name: () for name in _parameterless_children(base)}  # buffers only: no HF tensors
+    hf = {name: (f"{prefix}.{name}",) for name in (*plan.first, *plan.last)}
+    embed_hf = {**shared, **{name: hf[name] for name in plan.first}}
+    layers = [_spec(LayerSpec(DecoderLayerPipe, cfg, base_ref, plan_ref, i), label=f"{prefix}.{plan.layers}.{i}",
+                    hf={**shared, "layer": (f"{prefix}.{plan.layers}.{i}",)})
+              for i in range(len(getattr(base, plan.layers)))]
+    norm = _spec(LayerSpec(FinalNormPipe, cfg, base_ref, plan_ref), label=f"{prefix}.{'+'.join(plan.last)}",
+                 hf={**shared, **{name: hf[name] for name in plan.last}})
+    head_name = _child_name(model, model.get_output_embeddings())
+    if _is_tied(model):  # one weight, two places: the embedding's file also names the head
+        embed_hf[token] = (*embed_hf[token], head_name)
+        attr = [f"{token}.weight"]
+        embed = TiedLayerSpec(TIED_KEY, EmbeddingPipe, cfg, base_ref, plan_ref, token, tied_weight_attr=attr)
+        head = _spec(TiedLayerSpec(TIED_KEY, EmbeddingPipe, cfg, base_ref, plan_ref, token, True,
+                                   forward_fn=functools.partial(tied_lm_head, post=post.obj), tied_weight_attr=attr),
+                     label=f"{head_name} (tied to {token})", hf={token: embed_hf[token]})
     else:
-        embed_label, embed_cls, tied_child = "transformer.wte+wpe", GPT2EmbeddingPipe, "wte"
-        embed_args = (ref("transformer.wte"), ref("transformer.wpe"), ref("transformer.drop"))
-        head_args, head_kwargs = (ref("transformer.wte"),), {"positions": False}  # no wpe on the head
-        embed_hf = {"wte": ("transformer.wte",), "wpe": ("transformer.wpe",), "drop": ()}
-        layer_path, layer_cls, norm_path = "transformer.h", GPT2DecoderLayerPipe, "transformer.ln_f"
-        layer_extra, layer_extra_hf = (), {}
+        embed = LayerSpec(EmbeddingPipe, cfg, base_ref, plan_ref, token)
+        head = _spec(LayerSpec(LMHeadPipe, cfg, _Ref(model.get_output_embeddings(), head_name), post),
+                     label=head_name, hf={"lm_head": (head_name,)})
+    return [_spec(embed, label=f"{prefix}.{'+'.join(plan.first)}", hf=embed_hf), *layers, norm, head]
 
-    layers = [_spec(LayerSpec(layer_cls, cfg, i, ref(f"{layer_path}.{i}"), *layer_extra),
-                    label=f"{layer_path}.{i}", hf={"layer": (f"{layer_path}.{i}",), **layer_extra_hf})
-              for i in range(config.num_hidden_layers)]
-    norm = _spec(LayerSpec(FinalNormPipe, cfg, ref(norm_path)), label=norm_path, hf={"norm": (norm_path,)})
-    if tied:  # one weight, two places: the embedding's file also names lm_head.weight
-        embed_hf[tied_child] = (*embed_hf[tied_child], "lm_head")
-        attr = [f"{tied_child}.weight"]
-        embed = TiedLayerSpec(TIED_KEY, embed_cls, cfg, *embed_args, tied_weight_attr=attr)
-        head = _spec(TiedLayerSpec(TIED_KEY, embed_cls, cfg, *head_args, forward_fn=tied_lm_head,
-                                   tied_weight_attr=attr, **head_kwargs),
-                     label=f"lm_head (tied to {tied_child})", hf={tied_child: embed_hf[tied_child]})
-    else:
-        embed = LayerSpec(embed_cls, cfg, *embed_args)
-        head = _spec(LayerSpec(LMHeadPipe, cfg, ref("lm_head")), label="lm_head", hf={"lm_head": ("lm_head",)})
-    return [_spec(embed, label=embed_label, hf=embed_hf), *layers, norm, head]
+
+def _path_of(root: nn.Module, module: nn.Module) -> str:
+    return next(path for path, child in root.named_modules() if child is module)
 
 
 def is_decoder_layer(spec: Any) -> bool:
     """True for the specs of transformer layers (what partition_method='type:DecoderLayer' counts)."""
-    return spec.typename in (LlamaDecoderLayerPipe, GPT2DecoderLayerPipe)
+    return spec.typename is DecoderLayerPipe
 
 
 # --- partitioning -------------------------------------------------------------------------------

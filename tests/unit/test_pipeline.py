@@ -181,7 +181,7 @@ def test_stage_table_lists_every_layer_once():
 def test_unsupported_architecture_names_the_fix():
     config = transformers.CONFIG_MAPPING["opt"](vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1,
                                                 ffn_dim=64, num_attention_heads=2)
-    with pytest.raises(UserError, match="model.name='opt': has no pipeline adapter.*parallel.pp=1"):
+    with pytest.raises(UserError, match="model.name='opt': cannot cut 'opt' into pipeline stages: it has no pipeline plan.*parallel.pp=1"):
         pipeline_layer_specs(config)
 
 

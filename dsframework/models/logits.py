@@ -1,0 +1,8 @@
+"""Placeholder until the logits branch lands: the model's own logit post-processing."""
+from __future__ import annotations
+
+from typing import Any
+
+
+def logit_postprocess(lm: Any) -> Any:
+    return None

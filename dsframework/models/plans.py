@@ -1,0 +1,136 @@
+"""How to shard a transformers causal LM, read from the model's own config: its tensor-parallel
+plan (`config.base_model_tp_plan`) and pipeline plan (`config.base_model_pp_plan`).
+
+    plan = architecture_plan(config)          # any model type transformers ships a plan for
+    plan.tp                                   # (("layers.*.self_attn.q_proj", "colwise"), ...)
+    plan.pp.layers                            # "layers": the decoder layers' ModuleList
+    check_architecture(config, tp=2, pp=2)    # UserError (one line) unless both can run
+
+transformers writes the plans for its own tensor parallelism and pipeline support, for 116
+causal-LM types: dsframework applies them with its own Megatron layers (models/tensor_parallel.py)
+and DeepSpeed's pipeline engine (parallel/pipeline.py) instead of a hand-written plan per family.
+A plan names a style per module pattern; `STYLES` maps transformers' style names (today's and
+older releases') to what dsframework does. A style it does not implement (experts, MLA,
+sequence parallelism, ...) refuses tp > 1 in one line before any rank starts, never a partial
+plan. GPT-2 has no plan in transformers; its plan is `EXTRA_PLANS` data of the same kind.
+
+Pure: reads configs, no torch.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from dsframework.errors import UserError
+
+# transformers' style name -> dsframework's layer (models/tensor_parallel.py).
+STYLES: dict[str, str] = {
+    "colwise": "column", "local_colwise": "column",                     # output features split
+    "colwise_gather_output": "column_gather", "colwise_rep": "column_gather", "gather": "column_gather",
+    "rowwise": "row", "local_rowwise": "row",                           # input features split, output summed
+    "rowwise_split_input": "row_split_input", "rowwise_rep": "row_split_input",
+    "packed_colwise": "packed_column", "local_packed_colwise": "packed_column",  # fused [gate | up]: each part split
+    "embedding_rowwise": "vocab_embedding",                             # vocabulary split
+    "replicated_with_grad_allreduce": "grad_allreduce",                 # e.g. Qwen3's per-head q_norm/k_norm
+    "replicate": "replicated", "local": "replicated",
+}
+WORKING_LAYOUTS = "ZeRO 0-3 and context parallelism (parallel.cp) work for every model"
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """The base model's children in forward order: those before the decoder layers (embedding,
+    dropout, learned positions), the decoder layers' ModuleList, those after (final norm)."""
+
+    first: tuple[str, ...]
+    layers: str
+    last: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ArchitecturePlan:
+    """A model type's plans. `tp`: (module pattern relative to the base model, transformers style);
+    `packed_parts`: pattern -> parts of a fused output (default 2: gate | up); `tp_problem` /
+    `pp_problem`: why tp > 1 / pp > 1 cannot run (None: it can)."""
+
+    model_type: str
+    tp: tuple[tuple[str, str], ...]
+    pp: PipelinePlan | None
+    packed_parts: tuple[tuple[str, int], ...] = ()
+    tp_problem: str | None = None
+    pp_problem: str | None = None
+
+    def parts_of(self, pattern: str) -> int:
+        return dict(self.packed_parts).get(pattern, 2)
+
+
+# Model types whose plans transformers does not ship, written as the same data.
+EXTRA_PLANS: dict[str, dict[str, Any]] = {
+    "gpt2": {
+        "tp": {"wte": "embedding_rowwise", "h.*.attn.c_attn": "packed_colwise", "h.*.attn.c_proj": "rowwise",
+               "h.*.mlp.c_fc": "colwise", "h.*.mlp.c_proj": "rowwise"},
+        "packed_parts": {"h.*.attn.c_attn": 3},  # [q | k | v], each split by heads
+        "pp": {"wte": None, "wpe": None, "drop": None, "h": None, "ln_f": None},
+    },
+}
+
+
+def _pipeline_plan(pp: dict[str, Any] | None) -> tuple[PipelinePlan | None, str | None]:
+    if not pp:
+        return None, "has no pipeline plan (base_model_pp_plan) in transformers"
+    names = list(pp)
+    layered = [name for name in names if name in ("layers", "h", "blocks")]
+    if len(layered) != 1:
+        return None, f"has a pipeline plan whose decoder layers dsframework cannot find ({', '.join(names)})"
+    at = names.index(layered[0])
+    return PipelinePlan(first=tuple(names[:at]), layers=layered[0], last=tuple(names[at + 1:])), None
+
+
+def architecture_plan(config: Any) -> ArchitecturePlan:
+    """The plans of `config`'s model type (see the module docstring)."""
+    model_type = config.model_type
+    extra = EXTRA_PLANS.get(model_type, {})
+    tp = extra.get("tp") or getattr(config, "base_model_tp_plan", None) or {}
+    pp, pp_problem = _pipeline_plan(extra.get("pp") or getattr(config, "base_model_pp_plan", None))
+    tp_problem = None
+    if not tp:
+        tp_problem = "has no tensor-parallel plan (base_model_tp_plan) in transformers"
+    else:
+        unknown = sorted({style for style in tp.values() if style not in STYLES})
+        if unknown:
+            tp_problem = f"uses the tensor-parallel style {', '.join(unknown)}, which dsframework does not implement"
+    return ArchitecturePlan(model_type=model_type, tp=tuple(tp.items()), pp=pp,
+                            packed_parts=tuple(extra.get("packed_parts", {}).items()),
+                            tp_problem=tp_problem, pp_problem=pp_problem)
+
+
+def pattern_regex(pattern: str) -> re.Pattern:
+    """A plan pattern ("layers.*.self_attn.q_proj") as a regex over module paths ('*': a layer index)."""
+    return re.compile("^" + re.escape(pattern).replace(r"\*", r"\d+") + "$")
+
+
+def check_architecture(config: Any, *, tp: int = 1, pp: int = 1) -> ArchitecturePlan:
+    """The plan of `config`'s model type; UserError in one line when tp > 1 or pp > 1 cannot run
+    for it (no plan, a style dsframework lacks, heads not divisible by tp), naming what works."""
+    plan = architecture_plan(config)
+    model_type = config.model_type
+    if tp > 1 and plan.tp_problem:
+        raise UserError("parallel.tp", tp, f"cannot shard {model_type!r}: it {plan.tp_problem}",
+                        f"use parallel.tp=1 ({WORKING_LAYOUTS})")
+    if tp > 1:
+        for field in ("num_attention_heads", "num_key_value_heads"):
+            heads = getattr(config, field, None)
+            if isinstance(heads, int) and heads % tp:
+                raise UserError("parallel.tp", tp, f"does not divide {model_type}'s {field}={heads}",
+                                f"choose tp among the divisors of {heads}")
+    if pp > 1 and plan.pp_problem:
+        raise pipeline_refusal(model_type, plan.pp_problem, pp=pp)
+    return plan
+
+
+def pipeline_refusal(model_type: str, problem: str, *, pp: int | None = None) -> UserError:
+    """The one-line error for an architecture the pipeline cannot cut (with the user's pp when known)."""
+    field, value = ("parallel.pp", pp) if pp is not None else ("model.name", model_type)
+    return UserError(field, value, f"cannot cut {model_type!r} into pipeline stages: it {problem}",
+                     f"use parallel.pp=1 ({WORKING_LAYOUTS})")

@@ -22,6 +22,7 @@ from dsframework.launching.hostfile import local_cluster, parse_hostfile
 from dsframework.layout import ParallelDims, check_model_layout
 from dsframework.models.build import resolve_model
 from dsframework.models.lora import count_lora_parameters
+from dsframework.parallel.pipeline import check_model_parallelism
 from dsframework.planner.cluster import GiB, load_cluster
 from dsframework.planner.fit import check_fit, run_job, run_layout
 from dsframework.planner.model import describe_model
@@ -44,6 +45,7 @@ def layout(run, active):
     config = resolve_model(run.model).config  # the same rules dsf train applies, before any node starts
     check_model_layout(dims, config, dp=run.parallel.dp, seq_len=run.data.seq_len,
                        ranks_per_node=min(len(slots) for slots in active.values()))
+    check_model_parallelism(config, dims)
     return dims, config
 
 

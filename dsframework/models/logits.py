@@ -6,3 +6,7 @@ from typing import Any
 
 def logit_postprocess(lm: Any) -> Any:
     return None
+
+
+def processed_head(lm: Any, head: Any = None) -> Any:
+    return lm.get_output_embeddings() if head is None else head

@@ -29,9 +29,10 @@ import torch
 from torch import nn
 
 from dsframework.errors import UserError, divide
-from dsframework.models.plans import STYLES, WORKING_LAYOUTS, architecture_plan, check_architecture, pattern_regex
 from dsframework.models.hf import causal_lm_class
+from dsframework.models.logits import processed_head
 from dsframework.models.loss import causal_lm_loss, chunked_causal_lm_loss, vocab_parallel_token_loss
+from dsframework.models.plans import STYLES, WORKING_LAYOUTS, architecture_plan, check_architecture, pattern_regex
 from dsframework.parallel.tensor import (
     ColumnParallelLinear,
     LayoutOnlyGroup,
@@ -188,13 +189,14 @@ class TensorParallelCausalLM(nn.Module):
         `num_items_in_batch` the count it divides by) and `.logits` (None when chunked)."""
         hidden = self.model.base_model(input_ids=input_ids, **{"use_cache": False, **kwargs}).last_hidden_state
         token_loss = vocab_parallel_token_loss(group=self.group, vocab_size=self.config.vocab_size)
+        head = processed_head(self.model)  # this rank's vocab slice, post-processed as the model's forward does
         if labels is None and shift_labels is None:
-            return TensorParallelOutput(loss=None, logits=self.model.lm_head(hidden))
+            return TensorParallelOutput(loss=None, logits=head(hidden))
         if self.loss_chunk_tokens:
             return TensorParallelOutput(loss=chunked_causal_lm_loss(
-                self.model.lm_head, hidden, labels, shifted=shift_labels, chunk_tokens=self.loss_chunk_tokens,
+                head, hidden, labels, shifted=shift_labels, chunk_tokens=self.loss_chunk_tokens,
                 token_loss=token_loss, over=num_items_in_batch), logits=None)
-        logits = self.model.lm_head(hidden)
+        logits = head(hidden)
         return TensorParallelOutput(loss=causal_lm_loss(logits, labels, shifted=shift_labels, token_loss=token_loss,
                                                         over=num_items_in_batch), logits=logits)
 

@@ -9,28 +9,37 @@
     batches = iter([(input_ids, input_ids)] * grad_accum)             # (inputs, labels) per micro-batch
     loss = engine.train_batch(batches)    # mean loss of the step, on every rank of the pipeline
 
-The model becomes a flat list of layers, DeepSpeed cuts it into stages:
+The model becomes a flat list of layers, cut where the architecture's pipeline plan
+(`base_model_pp_plan`, models/plans.py) says; DeepSpeed cuts the list into stages:
 
-    index    Llama family (llama, mistral, qwen2)      GPT-2
-    0        model.embed_tokens                        transformer.wte + transformer.wpe
-    1..N     model.layers.{i-1}                        transformer.h.{i-1}
-    N+1      model.norm                                transformer.ln_f
-    N+2      lm_head (or the tied embedding)           lm_head = transformer.wte (tied)
+    index    Llama (and 90 other plans)           GPT-2 (dsf's plan)        GPT-NeoX
+    0        model.embed_tokens                   transformer.wte+wpe+drop  gpt_neox.embed_in+emb_dropout
+    1..N     model.layers.{i-1}                   transformer.h.{i-1}       gpt_neox.layers.{i-1}
+    N+1      model.norm                           transformer.ln_f          gpt_neox.final_layer_norm
+    N+2      lm_head (or the tied embedding)      lm_head = wte (tied)      embed_out
 
 What travels between stages is one tensor, the hidden states [batch, seq, hidden]; the first stage
-takes the token ids, the last gives the logits, and models/loss.py's `causal_lm_loss(logits, labels)`
-(HF's loss: shifted cross entropy, mean over tokens) runs on the last stage with labels = the token ids.
-Each decoder layer rebuilds what HF's model computes once for all layers, from the sequence
-length alone: position_ids = arange(seq), the rotary cos/sin (Llama family) and the causal mask
-(`create_causal_mask`, None under sdpa, which then uses is_causal). Tied input/output embeddings
+takes the token ids, the last gives the logits (post-processed as the model's own forward does:
+Gemma's softcapping, Granite's scaling; models/logits.py), and models/loss.py's
+`causal_lm_loss(logits, labels)` runs on the last stage with labels = the token ids.
+
+What an architecture's forward does between those modules (embedding scale, learned positions,
+rotary variants such as Gemma 3's local and global ones, per-layer attention types, sliding
+windows, masks) is not re-implemented per architecture: each stage runs the model's own forward
+on a *skeleton* of the base model whose decoder layers are stubs (`_LayerStub`). The stub of the
+stage's layer stops that forward and hands back the arguments it was about to pass (mask,
+position ids, cos/sin), and the stage calls its real layer with them; the final-norm stage feeds
+its input in after the last stub and lets the forward finish. The skeleton's weights that other
+stages hold are stubs too, so a stage holds only its own layers; an architecture whose forward
+uses a weight outside its pipeline plan is refused in one line. Tied input/output embeddings
 (GPT-2; Llama with tie_word_embeddings) are two `TiedLayerSpec`s under the key "embed": DeepSpeed
 keeps one copy on the first and one on the last stage and all-reduces their gradients.
 
 Weights: built from a model, every LayerSpec holds *references* to the dense model's submodules,
 so each stage starts from exactly the dense model's weights (and trains them in place); the dense
 model keeps the other stages' layers alive, which is fine for models that fit one host's memory.
-Built from a config alone, the layers are new (random) modules of the same structure: enough for
-partitioning, stage tables and mapping checkpoints back to HF names.
+Built from a config alone, the layers are those of a weightless (meta-device) model of the same
+structure: enough for partitioning, stage tables and mapping checkpoints back to HF names.
 
 Checkpoints: PipelineModule saves layer i as `layer_{i:02d}-model_states.pt` (its wrapper's
 state_dict); `hf_names(spec)` gives, per child of the wrapper, the HF module paths it maps to:
@@ -46,7 +55,6 @@ from __future__ import annotations
 import copy
 import functools
 import re
-import sys
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -58,8 +66,9 @@ from dsframework.errors import UserError
 from dsframework.models.hf import causal_lm_class
 from dsframework.models.logits import logit_postprocess
 from dsframework.models.loss import causal_lm_loss, vocab_parallel_token_loss
-from dsframework.models.plans import PipelinePlan, architecture_plan, pipeline_refusal
-from dsframework.parallel.tensor import VocabParallelEmbedding, VocabParallelLMHead
+from dsframework.models.plans import PipelinePlan, architecture_plan, check_architecture, pipeline_refusal
+from dsframework.models.tensor_parallel import shard_model
+from dsframework.parallel.tensor import LayoutOnlyGroup, VocabParallelEmbedding, VocabParallelLMHead
 from dsframework.runtime_facts import partition_balanced, partition_uniform
 
 TIED_KEY = "embed"
@@ -358,6 +367,18 @@ def pipeline_layer_specs(model_or_config: Any) -> list:
 
 def _path_of(root: nn.Module, module: nn.Module) -> str:
     return next(path for path, child in root.named_modules() if child is module)
+
+
+def check_model_parallelism(config: Any, dims: Any) -> None:
+    """UserError (one line) before any rank starts when `config`'s architecture cannot run at
+    dims.tp / dims.pp: no plan, a style dsf lacks, heads tp does not divide (models/plans.py); a
+    style applied to a module it cannot split (the plan run on a weightless model, rank 0's
+    layout); a forward that uses weights outside its pipeline plan (the stages cut from it)."""
+    check_architecture(config, tp=dims.tp, pp=dims.pp)
+    if dims.tp > 1:
+        shard_model(_model_of(config), group=LayoutOnlyGroup(size=dims.tp, rank=0))
+    if dims.pp > 1:
+        pipeline_layer_specs(config)
 
 
 def is_decoder_layer(spec: Any) -> bool:

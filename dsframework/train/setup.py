@@ -46,7 +46,7 @@ from dsframework.models.lora import apply_lora
 from dsframework.models.loss import check_chunked_loss_layout, use_chunked_loss
 from dsframework.models.tensor_parallel import TensorParallelCausalLM
 from dsframework.parallel.context import use_ulysses_attention, zero_gradient_scale
-from dsframework.parallel.pipeline import build_pipeline_module, stage_table
+from dsframework.parallel.pipeline import build_pipeline_module, check_model_parallelism, stage_table
 from dsframework.parallel.topology import build_grid, build_topology
 from dsframework.runtime_facts import loss_chunking as rank_loss_chunking
 from dsframework.train.compiling import compile_engine, use_inductor_cache
@@ -341,6 +341,7 @@ def checked_layout(run: RunConfig, config: Any, *, world: int) -> ParallelDims:
     dims = ParallelDims.of(run.parallel, world=world)
     check_model_layout(dims, config, dp=run.parallel.dp, seq_len=run.data.seq_len,
                        ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    check_model_parallelism(config, dims)
     return dims
 
 

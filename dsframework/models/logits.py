@@ -1,12 +1,169 @@
-"""Placeholder until the logits branch lands: the model's own logit post-processing."""
+"""What a transformers causal LM does to its logits after its output head, for the heads dsf
+computes itself (the chunked loss, the tensor-parallel head, the pipeline's last stage).
+
+    post = logit_postprocess(lm)     # None for Llama & co.; Gemma 2/3: tanh(x / c) * c, Granite: x / s, ...
+    logits = post(lm.lm_head(hidden)) if post is not None else lm.lm_head(hidden)
+    head = processed_head(lm)        # the same as one callable: hidden -> post(head(hidden)), or the head itself
+    loss = chunked_causal_lm_loss(head, hidden, labels, chunk_tokens=512)   # == lm(ids, labels=labels).loss
+
+Why from the model's own forward: the CausalLM forward is the reference for what its logits are
+(Gemma 2/3's `final_logit_softcapping`, Granite's `/ logits_scaling`, Cohere's `* logit_scale`,
+whatever the next architecture adds). `post(logits)` runs that forward (`type(lm).forward`, so no
+hook runs and an instance-level forward such as use_chunked_loss's is skipped) with the decoder
+(`lm.base_model_prefix`) swapped for a stub returning a [1, T, 1] hidden state and the output
+embeddings for a stub returning `logits`; the result's `.logits` are the processed logits, and
+the modules are put back whatever happens (one call at a time per model: the swap is not
+thread-safe). No per-architecture table to keep in sync with transformers, and a model whose
+forward does something dsf's heads cannot reproduce is refused:
+
+- the processing must be elementwise, because the chunked loss applies it to a chunk of tokens
+  and the tensor-parallel head to a slice of the vocabulary: probed once with random logits,
+  each half (of the tokens, of the vocabulary) processed alone must equal that half of the whole;
+- a forward the stubs cannot run (one that needs more of its decoder's outputs) is refused too.
+Both raise a UserError naming the model type. A forward that leaves the logits as they are gives
+None, so the heads of Llama-like models run exactly as before. The answer is cached on the model
+(a `ThroughForward` holding the model: a deepcopy of the model gets its own).
+"""
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from dsframework.errors import UserError
+
+_CACHE = "_dsf_logit_postprocess"  # the model's attribute holding logit_postprocess's answer
+_WHOLE_LOGITS = ("set train.chunked_loss=false and parallel.tp=1, parallel.pp=1: the model's own forward then "
+                 "computes the whole logits")
 
 
-def logit_postprocess(lm: Any) -> Any:
-    return None
+@functools.cache
+def _decoder_output_class() -> type:
+    """transformers' BaseModelOutputWithPast whose other fields, named or not, are None (GPT-2's
+    forward reads `cross_attentions`, MoE forwards `router_logits`: the stub has nothing to add).
+    One class for the process: transformers registers each output class with torch's pytrees."""
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    class DecoderOutput(BaseModelOutputWithPast):
+        def __getattr__(self, name: str) -> Any:
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return None
+
+    return DecoderOutput
 
 
-def processed_head(lm: Any, head: Any = None) -> Any:
-    return lm.get_output_embeddings() if head is None else head
+class _Hidden(nn.Module):
+    """The decoder's stand-in: a [1, tokens, 1] last hidden state (the head's stand-in ignores it)."""
+
+    def __init__(self, like: torch.Tensor) -> None:
+        super().__init__()
+        self.like = like
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return _decoder_output_class()(last_hidden_state=self.like.new_zeros(*self.like.shape[:-1], 1))
+
+
+class _Logits(nn.Module):
+    """The output head's stand-in: returns the given logits."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        super().__init__()
+        self.logits = logits
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.logits
+
+
+def _swap_points(lm: Any) -> tuple[tuple[nn.Module, str], tuple[nn.Module, str]]:
+    """((parent, name) of the decoder, (parent, name) of the output embeddings), the latter found
+    by identity with `lm.get_output_embeddings()` (lm_head, embed_out, ...)."""
+    prefix = getattr(lm, "base_model_prefix", "")
+    if not prefix or not isinstance(getattr(lm, prefix, None), nn.Module):
+        raise LookupError(f"no decoder at the base_model_prefix {prefix!r}")
+    head = lm.get_output_embeddings()
+    for path, module in lm.named_modules():
+        if path and module is head:
+            parent, _, name = path.rpartition(".")
+            return (lm, prefix), (lm.get_submodule(parent), name)
+    raise LookupError("no output embeddings among its modules")
+
+
+class ThroughForward:
+    """post(logits [..., vocab]) -> the logits as `lm`'s forward returns them when its head outputs
+    `logits` (an object rather than a closure: a deepcopy of the model copies it with the model)."""
+
+    def __init__(self, lm: Any) -> None:
+        self.lm = lm
+        self.points: Any = None  # _swap_points(lm), found at the first call (by name: a replaced head is found too)
+
+    def __repr__(self) -> str:
+        return f"ThroughForward({type(self.lm).__name__}.forward after its head)"
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        lm, batched = self.lm, logits.reshape(1, -1, logits.shape[-1])
+        self.points = self.points or _swap_points(lm)
+        (base_parent, base_name), (head_parent, head_name) = self.points
+        base, head = base_parent._modules[base_name], head_parent._modules[head_name]
+        base_parent._modules[base_name], head_parent._modules[head_name] = _Hidden(batched), _Logits(batched)
+        try:  # the class's forward: no hooks, no instance-level forward (use_chunked_loss installs one)
+            ids = torch.zeros(batched.shape[:2], dtype=torch.long, device=logits.device)
+            out = type(lm).forward(lm, input_ids=ids).logits
+        finally:
+            base_parent._modules[base_name], head_parent._modules[head_name] = base, head
+        return out.reshape(*logits.shape[:-1], out.shape[-1])
+
+
+def _elementwise(post: Callable, logits: torch.Tensor, whole: torch.Tensor) -> bool:
+    """Whether each half of the tokens and of the vocabulary, processed alone, is that half of `whole`."""
+    if whole.shape != logits.shape:
+        return False
+    tokens, vocab = logits.shape[1] // 2, logits.shape[2] // 2
+    halves = [(slice(None), slice(None, tokens)), (slice(None), slice(tokens, None)),
+              (slice(None), slice(None), slice(None, vocab)), (slice(None), slice(None), slice(vocab, None))]
+    return all(torch.allclose(post(logits[part]), whole[part], rtol=1e-5, atol=1e-6) for part in halves)
+
+
+def _probe(lm: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """logit_postprocess's answer, from one run of the forward on random logits."""
+    model_type = getattr(lm.config, "model_type", type(lm).__name__)
+    post = ThroughForward(lm)
+    vocab = max(getattr(lm.config, "vocab_size", 0) or 0, 2)
+    # a generator of its own: the probe leaves the global random state (weight init, dropout) alone
+    logits = 10 * torch.randn(1, 4, vocab, generator=torch.Generator().manual_seed(0))
+    try:
+        whole = post(logits)
+    except Exception as err:  # the forward needs more of its decoder than the stubs give
+        raise UserError("model.name", model_type, f"dsf could not run {type(lm).__name__}'s forward to find what it "
+                        f"does to its logits after the head ({type(err).__name__}: {err})", _WHOLE_LOGITS) from err
+    if torch.equal(whole, logits):
+        return None
+    if not _elementwise(post, logits, whole):
+        raise UserError("model.name", model_type, f"{type(lm).__name__}'s forward processes its logits after the "
+                        "head in a way that is not elementwise: dsf's chunked loss applies it per chunk of tokens "
+                        "and its tensor-parallel head per slice of the vocabulary", _WHOLE_LOGITS)
+    return post
+
+
+def logit_postprocess(lm: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """What the transformers causal LM `lm` does to the output of its head: a function of the
+    head's output [..., vocab] (or of a chunk of its tokens, or of a slice of its vocabulary),
+    or None when its forward returns the head's output unchanged. Found from `lm`'s own forward
+    (module docstring) once per model; a UserError names a model whose forward cannot be probed or
+    whose processing is not elementwise."""
+    if _CACHE not in vars(lm):
+        vars(lm)[_CACHE] = _probe(lm)
+    return vars(lm)[_CACHE]
+
+
+def processed_head(lm: Any, head: Any = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """hidden -> logits as `lm`'s forward returns them: `head` (default: `lm`'s output embeddings;
+    a tensor-parallel head gives its vocab slice) followed by `logit_postprocess(lm)`; the head
+    itself when there is nothing to apply. The head is still called as a module (its hooks run)."""
+    head = lm.get_output_embeddings() if head is None else head
+    post = logit_postprocess(lm)
+    if post is None:
+        return head
+    return lambda hidden: post(head(hidden))

@@ -8,7 +8,7 @@ pipeline's last stage (parallel/pipeline.py) and a context-parallel shard (paral
     loss = causal_lm_loss(shard_logits, shifted=shard_targets, over=predicted)  # a sum over a given count:
     #    a context-parallel shard's share of its micro-batch's mean
     loss = causal_lm_loss(logits_slice, labels, token_loss=vocab_parallel_token_loss(group=g, vocab_size=V))
-    loss = chunked_causal_lm_loss(model.lm_head, hidden, labels, chunk_tokens=512)   # same value, no whole logits
+    loss = chunked_causal_lm_loss(processed_head(model), hidden, labels, chunk_tokens=512)  # same, no whole logits
     use_chunked_loss(model, chunk_tokens=512)   # from now on model(input_ids, labels=...).loss is chunked
 
 The chunked loss: the final hidden states are cut into chunks of `chunk_tokens` tokens (batch and
@@ -20,8 +20,11 @@ their gradient exist at a time (chunk_tokens x vocab x 8 bytes), instead of the 
 logits, their fp32 copy and its gradient. The price is one more head matmul forward per token
 (the recompute): 2 h V flops per token on top of the 6 h V the head costs.
 
-The head is called as a module, once per chunk: ZeRO-3 gathers its weight through its own hooks
-(and prefetches it for the next chunk), a tensor-parallel head emits its vocab slice into
+The head is the model's head followed by what the model's forward does to its logits after it
+(Gemma's softcapping, Granite's and Cohere's scaling: models/logits.py's `processed_head`, found
+from the model's own forward), so the chunked loss is the model's. The head is called as a
+module, once per chunk: ZeRO-3 gathers its weight through its own hooks (and prefetches it for
+the next chunk), a tensor-parallel head emits its vocab slice into
 `token_loss` (parallel/tensor.py's vocab_parallel_cross_entropy), and all chunks' gradients reach
 the weight in one accumulation (autograd sums a leaf's gradients before its hook runs), so
 DeepSpeed reduces it once.
@@ -45,6 +48,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from dsframework.errors import UserError
+from dsframework.models.logits import logit_postprocess, processed_head
 from dsframework.parallel.tensor import vocab_parallel_cross_entropy
 
 IGNORE_INDEX = -100  # transformers' label for "no loss here"; data/store.py writes it, the losses skip it
@@ -162,13 +166,16 @@ def use_chunked_loss(model: Any, *, chunk_tokens: int) -> Any:
     """Make `model(input_ids, labels=...)` (or `shift_labels=...`) compute its loss in chunks;
     returns `model`. A dsf TensorParallelCausalLM chunks its vocab-parallel loss; a transformers
     causal LM (or the one inside a peft model) gets a forward that runs its decoder
-    (`base_model`) and `chunked_causal_lm_loss` over its output embeddings: the state dict, the
-    hooks and every other call stay as they were. Without labels the model's own forward runs.
+    (`base_model`) and `chunked_causal_lm_loss` over its output embeddings followed by what its
+    forward does to the logits (models/logits.py, probed here: a model dsf cannot follow is refused
+    before it trains): the state dict, the hooks and every other call stay as they were. Without
+    labels the model's own forward runs.
     `num_items_in_batch` (transformers' name) divides the summed loss instead of the mean's count."""
     if hasattr(model, "loss_chunk_tokens"):  # a dsf TensorParallelCausalLM: it chunks its own loss
         model.loss_chunk_tokens = chunk_tokens
         return model
     lm = causal_lm_of(model)
+    logit_postprocess(lm)  # the probe: a UserError now rather than at the first step
     own_forward = lm.forward
 
     def forward(self: Any, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
@@ -180,7 +187,7 @@ def use_chunked_loss(model: Any, *, chunk_tokens: int) -> Any:
         kwargs.pop("logits_to_keep", None)
         over = kwargs.pop("num_items_in_batch", None)
         hidden = self.base_model(input_ids=input_ids, **{"use_cache": False, **kwargs}).last_hidden_state
-        loss = chunked_causal_lm_loss(self.get_output_embeddings(), hidden, labels, shifted=shift_labels,
+        loss = chunked_causal_lm_loss(processed_head(self), hidden, labels, shifted=shift_labels,
                                       chunk_tokens=chunk_tokens, over=over)
         return CausalLMOutputWithPast(loss=loss)
 

@@ -210,7 +210,11 @@ def sequence_shard_loss(engine: Any, shard: SequenceShard, *, grid: Any, tensor_
     (`zero_gradient_scale`); the micro-batch's mean loss, detached, the same on every rank of the
     context group). The loss is models/loss.py's over the shard's targets (already shifted: its
     last token predicts the next shard's first), summed and divided by the tokens the whole
-    micro-batch predicts; `chunked`: the model computes it in chunks (models/loss.py)."""
+    micro-batch predicts; `chunked`: the model computes it in chunks (models/loss.py). Either way
+    the logits are the model's, processed as its forward processes them after its head (softcapping,
+    scaling): whole, they come from that forward (or the tensor-parallel head, which applies
+    models/logits.py's post-processing to its vocab slice); chunked, from use_chunked_loss's head
+    (models/logits.py's `processed_head`). This function never calls a head itself."""
     if chunked:  # the model's own (chunked) loss, handed the count to divide by as transformers names it
         share = engine(input_ids=shard.input_ids, position_ids=shard.position_ids, shift_labels=shard.labels,
                        num_items_in_batch=shard.predicted).loss

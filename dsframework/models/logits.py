@@ -58,9 +58,18 @@ def _decoder_output_class() -> type:
 class _Hidden(nn.Module):
     """The decoder's stand-in: a [1, tokens, 1] last hidden state (the head's stand-in ignores it)."""
 
-    def __init__(self, like: torch.Tensor) -> None:
+    def __init__(self, like: torch.Tensor, decoder: nn.Module) -> None:
         super().__init__()
         self.like = like
+        object.__setattr__(self, "decoder", decoder)  # not a child: read for its plain attributes only
+
+    def __getattr__(self, name: str) -> Any:
+        """The real decoder's other attributes (Falcon-H1's forward multiplies by
+        `self.model.lm_head_multiplier`)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(object.__getattribute__(self, "decoder"), name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return _decoder_output_class()(last_hidden_state=self.like.new_zeros(*self.like.shape[:-1], 1))
@@ -107,7 +116,7 @@ class ThroughForward:
         self.points = self.points or _swap_points(lm)
         (base_parent, base_name), (head_parent, head_name) = self.points
         base, head = base_parent._modules[base_name], head_parent._modules[head_name]
-        base_parent._modules[base_name], head_parent._modules[head_name] = _Hidden(batched), _Logits(batched)
+        base_parent._modules[base_name], head_parent._modules[head_name] = _Hidden(batched, base), _Logits(batched)
         try:  # the class's forward: no hooks, no instance-level forward (use_chunked_loss installs one)
             ids = torch.zeros(batched.shape[:2], dtype=torch.long, device=logits.device)
             out = type(lm).forward(lm, input_ids=ids).logits

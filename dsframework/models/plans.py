@@ -77,14 +77,29 @@ EXTRA_PLANS: dict[str, dict[str, Any]] = {
 
 
 def _pipeline_plan(pp: dict[str, Any] | None) -> tuple[PipelinePlan | None, str | None]:
+    """(the plan, why it cannot be used); (None, None) without one: parallel/pipeline.py then reads
+    the order from the model's children (`infer_pipeline_plan`)."""
     if not pp:
-        return None, "has no pipeline plan (base_model_pp_plan) in transformers"
+        return None, None
     names = list(pp)
     layered = [name for name in names if name in ("layers", "h", "blocks")]
     if len(layered) != 1:
         return None, f"has a pipeline plan whose decoder layers dsframework cannot find ({', '.join(names)})"
     at = names.index(layered[0])
     return PipelinePlan(first=tuple(names[:at]), layers=layered[0], last=tuple(names[at + 1:])), None
+
+
+def infer_pipeline_plan(children: list[tuple[str, Any]], num_layers: int) -> PipelinePlan | None:
+    """For a model type without `base_model_pp_plan`: the base model's children in registration
+    order around its one list of `num_layers` decoder layers (None: no such list). Checked like a
+    written plan: the pipeline's logits against the model's own (bench/architectures.py)."""
+    lists = [i for i, (_, child) in enumerate(children)
+             if type(child).__name__ == "ModuleList" and len(child) == num_layers]
+    if len(lists) != 1:
+        return None
+    at = lists[0]
+    return PipelinePlan(first=tuple(n for n, _ in children[:at]), layers=children[at][0],
+                        last=tuple(n for n, _ in children[at + 1:]))
 
 
 def architecture_plan(config: Any) -> ArchitecturePlan:

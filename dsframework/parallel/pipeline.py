@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import re
 from pathlib import Path
 from typing import Any, Mapping
@@ -66,7 +67,13 @@ from dsframework.errors import UserError
 from dsframework.models.hf import causal_lm_class
 from dsframework.models.logits import logit_postprocess
 from dsframework.models.loss import causal_lm_loss, vocab_parallel_token_loss
-from dsframework.models.plans import PipelinePlan, architecture_plan, check_architecture, pipeline_refusal
+from dsframework.models.plans import (
+    PipelinePlan,
+    architecture_plan,
+    check_architecture,
+    infer_pipeline_plan,
+    pipeline_refusal,
+)
 from dsframework.models.tensor_parallel import shard_model
 from dsframework.parallel.tensor import LayoutOnlyGroup, VocabParallelEmbedding, VocabParallelLMHead
 from dsframework.runtime_facts import partition_balanced, partition_uniform
@@ -106,16 +113,21 @@ class _LayerStub(nn.Module):
     stops the forward at the stage's layer (`plan["stop"]`), or hands the stage's input to the
     rest of the forward after the last layer (`plan["inject"]`)."""
 
-    def __init__(self, index: int, plan: dict):
+    def __init__(self, index: int, plan: dict, layer: nn.Module):
         super().__init__()
         self.index, self.plan = index, plan
+        for name, value in vars(layer).items():  # what the forward may read off a layer (Dory: attention_type)
+            if not name.startswith("_") and isinstance(value, (str, int, float, bool, type(None))):
+                setattr(self, name, value)
+        # A layer that returns (hidden states, attention weights), as its annotation says (Bamba)
+        self.returns_tuple = "tuple" in str(inspect.signature(type(layer).forward).return_annotation).lower()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.index == self.plan.get("stop"):
             raise _Stop(args, kwargs)
-        if self.index == self.plan.get("inject"):
-            return self.plan["hidden"]
-        return args[0] if args else kwargs["hidden_states"]
+        hidden = self.plan["hidden"] if self.index == self.plan.get("inject") else (
+            args[0] if args else kwargs["hidden_states"])
+        return (hidden, None) if self.returns_tuple else hidden
 
 
 class _ShapeStub(nn.Module):
@@ -150,7 +162,7 @@ def _skeleton(base: nn.Module, plan: PipelinePlan, *, keep: tuple[str, ...]) -> 
                              _forward_pre_hooks={}, _backward_hooks={})
     for name, child in base.named_children():
         if name == plan.layers:
-            skeleton._modules[name] = nn.ModuleList(_LayerStub(i, stub_plan) for i in range(len(child)))
+            skeleton._modules[name] = nn.ModuleList(_LayerStub(i, stub_plan, layer) for i, layer in enumerate(child))
         elif name not in keep and _has_parameters(child):
             skeleton._modules[name] = _ShapeStub(child)
     return skeleton, stub_plan
@@ -226,7 +238,8 @@ class DecoderLayerPipe(_StagePart):
             args = (hidden_states, *args[1:])
         else:
             kwargs["hidden_states"] = hidden_states
-        return self.layer(*args, **kwargs)
+        out = self.layer(*args, **kwargs)
+        return out[0] if isinstance(out, tuple) else out  # (hidden states, attention weights): Bamba
 
 
 class FinalNormPipe(_StagePart):
@@ -301,7 +314,9 @@ def _checked_plan(model: Any) -> PipelinePlan:
     model_type, plan, base = model.config.model_type, architecture_plan(model.config), model.base_model
     if plan.pp_problem:
         raise pipeline_refusal(model_type, plan.pp_problem)
-    plan = plan.pp
+    plan = plan.pp or infer_pipeline_plan(list(base.named_children()), model.config.num_hidden_layers)
+    if plan is None:
+        raise pipeline_refusal(model_type, "has no pipeline plan, and no list of its decoder layers")
     planned = {*plan.first, plan.layers, *plan.last}
     outside = [name for name, child in base.named_children() if name not in planned and _has_parameters(child)]
     if outside or next(base.parameters(recurse=False), None) is not None:

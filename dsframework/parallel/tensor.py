@@ -511,12 +511,18 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if tensor_parallel_size(self.group) == 1:
-            return F.embedding(input_ids, self.weight, self._local_padding_idx)
+            return self._scaled(F.embedding(input_ids, self.weight, self._local_padding_idx))
         outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
         local_ids = (input_ids - self.vocab_start).masked_fill(outside, 0)
         out = F.embedding(local_ids, self.weight, self._local_padding_idx)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tensor_parallel_region(out, group=self.group)
+        return self._scaled(reduce_from_tensor_parallel_region(out, group=self.group))
+
+    def _scaled(self, out: torch.Tensor) -> torch.Tensor:
+        """Times `embed_scale` when the dense embedding had one (Gemma's scaled word embeddings
+        multiply their lookup by sqrt(hidden), as a buffer in the weight's dtype)."""
+        scale = getattr(self, "embed_scale", None)
+        return out if scale is None else out * scale.to(self.weight.dtype)
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings} (padded {self.padded_num_embeddings}), {self.embedding_dim}, "

@@ -87,7 +87,8 @@ the math kernel; and the layers are transformers' own. Per layer, in elements of
       MLP:       gated (SwiGLU, GeGLU): gate, up, act(gate), their product: 3 f; else act's
                  input f; + what the activation keeps (below)
       q/k norms: their fp32 inputs and normalized outputs, (q + kv) (4 + w) bytes, + an rsqrt per head
-    (+ 2 h bytes of dropout masks, + 5 a s / t with attention dropout, as in Korthikanti)
+    (+ 2 h bytes of dropout masks, + 5 a s / t with attention dropout, as in Korthikanti; with
+    eager attention, Gemma 2's, the softmax's a s / t, and tanh's a s / t with capped scores)
 
 These features are read from the config and the layer's own modules (planner/model.py), so every
 architecture is counted the same way: Llama's 2 RMSNorms, SwiGLU and GQA give
@@ -335,6 +336,8 @@ def layer_activation_bytes(desc: ModelDesc, *, micro_batch: int, seq_len: int, t
     extra = 0.0
     if desc.dropout > 0:  # masks (1 byte); attention dropout forces the s x s math kernel
         extra = 2 * h + 5 * a * seq_len / tp * w / 2
+    elif desc.eager_attention:  # eager attention keeps the softmax's s x s output (+ tanh's, capped)
+        extra = (1 + desc.attn_softcapping) * a * seq_len / tp * w
     return bs * (norms + split / tp + extra)
 
 
@@ -378,7 +381,7 @@ def _edge_activation_bytes(desc: ModelDesc, shape: StageShape, *, micro_batch: i
     if shape.last:
         h = desc.hidden
         norm = _norm_bytes(desc, h, w)
-        logits = 0 if chunked else _padded_vocab_rows(desc.vocab, tp) * 4
+        logits = 0 if chunked else _padded_vocab_rows(desc.vocab, tp) * 4 * (1 + desc.logit_softcapping)
         total += bs * (norm + logits + 8)  # logits fp32, labels
     return total
 

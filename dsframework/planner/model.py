@@ -53,6 +53,9 @@ class ModelDesc:
     norm: Literal["rms", "layer"] = "rms"  # RMSNorm or LayerNorm
     qk_norm: bool = False  # norms on the queries and keys (Qwen3, Gemma 3, OLMo 2)
     sliding_window: int | None = None  # tokens a sliding-window layer attends to (None: all)
+    eager_attention: bool = False  # transformers picks eager attention (Gemma 2): s x s scores are kept
+    attn_softcapping: bool = False  # tanh-capped attention scores (Gemma 2): one more s x s tensor
+    logit_softcapping: bool = False  # tanh-capped logits (Gemma 2): one more logits-sized tensor
     counts: ModelCounts | None = field(default=None, compare=False, repr=False)  # per tp and stage
 
     @property
@@ -164,5 +167,7 @@ def describe_model(config: Any, *, name: str | None = None) -> ModelDesc:
         position_params=position, layer_tensors=_tp1_layer_tensors(counts, layers[0]),
         final_norm_params=total - embedding - position - all_layers - head_params, head_params=head_params,
         tied=tied, total_params=total, dropout=_dropout(config), activation=_activation(config),
-        sliding_window=_sliding_window(config),
+        sliding_window=_sliding_window(config), eager_attention=model.config._attn_implementation == "eager",
+        attn_softcapping=bool(getattr(config, "attn_logit_softcapping", None)),
+        logit_softcapping=bool(getattr(config, "final_logit_softcapping", None)),
         **_features(config, layers[0], q=heads * head_dim, kv=kv_heads * head_dim, ffn=ffn), counts=counts)

@@ -16,6 +16,7 @@ from transformers import LlamaConfig
 from dsframework.config import ModelSpec
 from dsframework.models.build import resolve_model
 from dsframework.planner.cluster import cluster_preset
+from dsframework.planner.count import clear_cache
 from dsframework.planner.memory import Job, stage_shapes
 from dsframework.planner.model import describe_model
 from dsframework.planner.search import search
@@ -40,6 +41,7 @@ def main(argv: list[str] | None = None) -> None:
         times = []
         for _ in range(args.repeats):
             stage_shapes.cache_clear()  # every run from scratch, as a fresh `dsf plan` would be
+            clear_cache()  # (the counts on the meta-device model too)
             start = time.perf_counter()
             desc = describe_model(config, name=label)
             plan = search(desc, cluster_preset("h100-80gb", nodes=nodes, gpus_per_node=8),

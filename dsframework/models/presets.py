@@ -2,8 +2,9 @@
 
     PRESETS["tiny-llama"]["num_key_value_heads"]   # 2: grouped-query attention even when tiny
 
-The tiny presets train on a CPU in seconds; the real-size ones (llama-7b, llama-70b, ...) exist
-for planning and for GPUs. A randomly initialised model takes the tokenizer's vocabulary size at build time.
+The tiny presets train on a CPU in seconds; the real-size ones (llama-7b, llama-70b, ...; qwen3-8b,
+gemma3-12b, phi4-14b, olmo2-13b in their published shapes) exist for planning and for GPUs. A randomly
+initialised model takes the tokenizer's vocabulary size at build time.
 """
 from __future__ import annotations
 
@@ -37,6 +38,27 @@ PRESETS: dict[str, dict[str, Any]] = {
     "llama-70b": {**_LLAMA_DEFAULTS, "vocab_size": 32000, "hidden_size": 8192, "intermediate_size": 28672,
                   "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
                   "max_position_embeddings": 4096},
+    # Real sizes of other architectures (their published configs' shapes): for planning and GPUs.
+    "llama3-8b": {**_LLAMA_DEFAULTS, "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+                  "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                  "max_position_embeddings": 8192, "rope_theta": 500000.0},
+    "qwen3-8b": {"model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
+                 "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                 "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+                 "max_position_embeddings": 40960, "tie_word_embeddings": False, "attention_bias": False},
+    "gemma3-12b": {"model_type": "gemma3_text", "vocab_size": 262208, "hidden_size": 3840, "intermediate_size": 15360,
+                   "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
+                   "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+                   "sliding_window": 1024, "query_pre_attn_scalar": 256, "max_position_embeddings": 131072,
+                   "tie_word_embeddings": True, "final_logit_softcapping": None},
+    "phi4-14b": {"model_type": "phi3", "vocab_size": 100352, "hidden_size": 5120, "intermediate_size": 17920,
+                 "num_hidden_layers": 40, "num_attention_heads": 40, "num_key_value_heads": 10,
+                 "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 250000.0,
+                 "max_position_embeddings": 16384, "tie_word_embeddings": False},
+    "olmo2-13b": {"model_type": "olmo2", "vocab_size": 100352, "hidden_size": 5120, "intermediate_size": 13824,
+                  "num_hidden_layers": 40, "num_attention_heads": 40, "num_key_value_heads": 40,
+                  "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 500000.0,
+                  "max_position_embeddings": 4096, "tie_word_embeddings": False},
     "gpt2-124m": {"model_type": "gpt2", "vocab_size": 50257, "n_embd": 768, "n_layer": 12, "n_head": 12,
                   "n_positions": 1024, "tie_word_embeddings": True},
 }

@@ -70,8 +70,7 @@ def _persistence(desc: ModelDesc, layout: Layout, w: int, budget: float) -> tupl
     default = DEFAULT_KNOBS.persistence_threshold
     base = stage_shapes(desc, layout.dims.tp, layout.dims.pp, default)[0].persistent
     rows = _padded_vocab_rows(desc.vocab, layout.dims.tp)  # the embedding's and a head's tensor, one tensor rank
-    sizes = sorted({rows * desc.hidden, desc.position_params} | {n // layout.dims.tp if s else n
-                                                                 for n, s in desc.layer_tensors})
+    sizes = sorted({rows * desc.hidden, desc.position_params} | set(desc.shares(layout.dims.tp).layer))
     best, extra = default, 0.0
     if layout.dims.zero_ranks > 1:  # (one rank: nothing is partitioned, so nothing to keep whole)
         for size in (s for s in sizes if s > default):
@@ -79,7 +78,7 @@ def _persistence(desc: ModelDesc, layout: Layout, w: int, budget: float) -> tupl
             if cost > budget:
                 break
             best, extra = size, cost
-    per_layer = [n // layout.dims.tp if s else n for n, s in desc.layer_tensors]
+    per_layer = desc.shares(layout.dims.tp).layer
     gathered = sum(n > best for n in per_layer)
     if best == default:
         return best, 0.0, (f"persistence threshold {best:,} (default: the next tensor size would not fit)"

@@ -77,13 +77,23 @@ scaled_dot_product_attention (flash/memory-efficient) stores no s x s matrix, on
 output and a log-sum-exp per head, so the 5 a s / h term is gone unless attention dropout forces
 the math kernel; and the layers are transformers' own. Per layer, in elements of b s:
 
-    Llama family (RMSNorm, SwiGLU, GQA):   2 norms x 3 h (input upcast to fp32, normalized,
-                                           scaled) + 2 (rsqrt, fp32)
-                                         + [Q h + K kv + V kv + out h + lse a + MLP 4 f] / t
-    GPT-2 (LayerNorm, gelu_new, fused QKV): 2 norms x 2 h (input, output) + 2 x 2 (mean, rstd)
-                                         + [Q h + QKV 3h + V h + out h + lse a + MLP 5 f] / t
-                                         (+ 2 h bytes of dropout masks, + 5 a s / t with attention
-                                         dropout, as in Korthikanti)
+    norms (each RMSNorm: 3 h, its input upcast to fp32, normalized, scaled, + 1 rsqrt in fp32;
+           each LayerNorm: 2 h, input and output, + 2 fp32 mean and rstd; layer_norms of them:
+           2 pre-norms, Gemma's 4, OLMo 2's 2 post-norms)
+    + [attention + MLP + q/k norms + lse a] / t, where
+      attention: Q q + K kv + V kv + out q (separate projections, rotary applied), or, fused
+                 q|k|v (GPT-2, Phi-3, GPT-NeoX), the fused output's views and sdpa's contiguous
+                 copies: 2 (q + 2 kv)
+      MLP:       gated (SwiGLU, GeGLU): gate, up, act(gate), their product: 3 f; else act's
+                 input f; + what the activation keeps (below)
+      q/k norms: their fp32 inputs and normalized outputs, (q + kv) (4 + w) bytes, + an rsqrt per head
+    (+ 2 h bytes of dropout masks, + 5 a s / t with attention dropout, as in Korthikanti; with
+    eager attention, Gemma 2's, the softmax's a s / t, and tanh's a s / t with capped scores)
+
+These features are read from the config and the layer's own modules (planner/model.py), so every
+architecture is counted the same way: Llama's 2 RMSNorms, SwiGLU and GQA give
+2 x (3 h + 1) + [Q h + K kv + V kv + out h + lse a + MLP 4 f] / t; GPT-2's 2 LayerNorms, gelu_new
+and fused QKV give 2 x (2 h + 2) + [6 h + lse a + MLP 5 f] / t.
 
 The MLP's count depends on its activation function (`ACTIVATION_SAVED`, tensors of width f it
 keeps besides its output): SwiGLU keeps gate, up, act(gate) and their product (3 f) + the
@@ -228,21 +238,11 @@ def _padded_vocab_rows(vocab: int, tp: int) -> int:
 
 
 def _items(desc: ModelDesc, tp: int, threshold: int = ZERO3_PERSISTENCE_THRESHOLD) -> list[tuple[int, int, str]]:
-    """The pipeline's layer list as (elements per tensor rank, persistent elements, kind); a tensor
-    is persistent when its elements on this tensor rank are <= `threshold` (DeepSpeed compares the
-    tensor it partitions, ds_numel)."""
-    def split(numel: int, sharded: bool) -> int:
-        return numel // tp if sharded else numel
-
-    rows = _padded_vocab_rows(desc.vocab, tp)
-    embed = rows * desc.hidden + desc.position_params
-    embed_persistent = sum(n for n in (rows * desc.hidden, desc.position_params) if 0 < n <= threshold)
-    layer = sum(split(n, s) for n, s in desc.layer_tensors)
-    layer_persistent = sum(split(n, s) for n, s in desc.layer_tensors if split(n, s) <= threshold)
-    head = rows * desc.hidden if (desc.head_params or desc.tied) else 0
-    head_persistent = head if head <= threshold else 0
-    return ([(embed, embed_persistent, "embed")] + [(layer, layer_persistent, "layer")] * desc.layers
-            + [(desc.final_norm_params, desc.final_norm_params, "norm"), (head, head_persistent, "head")])
+    """The pipeline's layer list as (elements per tensor rank, persistent elements, kind), counted
+    on the model sharded for one tensor rank (ModelDesc.shares); a tensor is persistent when its
+    elements on this tensor rank are <= `threshold` (DeepSpeed compares the tensor it partitions,
+    ds_numel)."""
+    return [(sum(sizes), sum(n for n in sizes if n <= threshold), kind) for sizes, kind in desc.shares(tp).items]
 
 
 @lru_cache(maxsize=64)
@@ -318,28 +318,33 @@ def layer_activation_bytes(desc: ModelDesc, *, micro_batch: int, seq_len: int, t
     all-to-all's result, which o_proj keeps)."""
     bs = micro_batch * seq_len / cp  # this rank's tokens
     h, f, a, hd = desc.hidden, desc.ffn, desc.heads, desc.head_dim
+    q = a * hd  # the queries' (and the attention output's) width
     kv = ulysses_kv_heads(desc, tp=tp, cp=cp) * hd * tp  # per token, before the / tp below
-    ulysses_out = h if cp > 1 else 0
     w = 4 if precision == "fp32" else 2
-    act = activation_saved(desc.activation)
-    if desc.family == "llama":
-        norms = 2 * _rms_norm_bytes(h, w)
-        # q, k, v, out (+ its all-to-all copy), MLP: gate, up, act(gate), their product (+ what
-        # the activation keeps); lse in fp32
-        split = (h + kv + kv + h + ulysses_out + (3 + act) * f) * w + a * 4
-        return bs * (norms + split / tp)
-    if desc.family == "gpt2":
-        norms = 2 * (2 * h * w + 2 * 4)
-        # q, k, v views of the fused QKV output and sdpa's contiguous copies, out; under Ulysses
-        # q, k, v arrive contiguous from the all-to-all (3h) and the output is kept twice (2h)
-        attention = 6 * h if cp <= 1 else 5 * h
-        split = (attention + (1 + act) * f) * w + a * 4
-        extra = 0.0
-        if desc.dropout > 0:  # masks (1 byte); attention dropout forces the s x s math kernel
-            extra = 2 * h + 5 * a * seq_len / tp * w / 2
-        return bs * (norms + split / tp + extra)
-    # Generic: Korthikanti's GPT count at 2-byte activations, scaled to this precision.
-    return bs * h * (10 + (24 + 2 * (cp > 1)) / tp + 5 * a * seq_len / (h * tp)) * (w / 2)
+    norms = desc.layer_norms * _norm_bytes(desc, h, w)
+    if desc.fused_qkv:
+        # q, k, v views of the fused output and sdpa's contiguous copies (its output, o_proj's
+        # input, among them); under Ulysses q, k, v arrive contiguous from the all-to-all and the
+        # output is kept twice
+        attention = 2 * (q + 2 * kv) if cp <= 1 else q + 2 * kv + 2 * q
+    else:  # q, k, v (after rotary), out (+ its all-to-all copy)
+        attention = q + kv + kv + q + (q if cp > 1 else 0)
+    # MLP: gate, up, act(gate), their product, or act's input; + what the activation keeps
+    mlp = ((3 if desc.gated_mlp else 1) + activation_saved(desc.activation)) * f
+    qk_norms = (q + kv) * (4 + w) + (a + kv // hd) * 4 if desc.qk_norm else 0  # fp32 input, normalized; rsqrt
+    split = (attention + mlp) * w + qk_norms + a * 4  # + the lse in fp32
+    extra = 0.0
+    if desc.dropout > 0:  # masks (1 byte); attention dropout forces the s x s math kernel
+        extra = 2 * h + 5 * a * seq_len / tp * w / 2
+    elif desc.eager_attention:  # eager attention keeps the softmax's s x s output (+ tanh's, capped)
+        extra = (1 + desc.attn_softcapping) * a * seq_len / tp * w
+    return bs * (norms + split / tp + extra)
+
+
+def _norm_bytes(desc: ModelDesc, h: int, w: int) -> int:
+    """Per token, one norm of the layer: RMSNorm's (_rms_norm_bytes) or LayerNorm's input and
+    output and its fp32 mean and rstd."""
+    return _rms_norm_bytes(h, w) if desc.norm == "rms" else 2 * h * w + 2 * 4
 
 
 def ulysses_buffer_bytes(desc: ModelDesc, *, micro_batch: int, seq_len: int, tp: int, precision: str,
@@ -372,11 +377,11 @@ def _edge_activation_bytes(desc: ModelDesc, shape: StageShape, *, micro_batch: i
     w = 4 if precision == "fp32" else 2
     total = 0.0
     if shape.first:
-        total += bs * 8 * (2 if desc.family == "gpt2" else 1)  # int64 ids (GPT-2: and positions)
+        total += bs * 8 * (2 if desc.position_params else 1)  # int64 ids (learned positions: and theirs)
     if shape.last:
         h = desc.hidden
-        norm = _rms_norm_bytes(h, w) if desc.family == "llama" else 2 * h * w + 2 * 4
-        logits = 0 if chunked else _padded_vocab_rows(desc.vocab, tp) * 4
+        norm = _norm_bytes(desc, h, w)
+        logits = 0 if chunked else _padded_vocab_rows(desc.vocab, tp) * 4 * (1 + desc.logit_softcapping)
         total += bs * (norm + logits + 8)  # logits fp32, labels
     return total
 
@@ -446,7 +451,7 @@ def _model_states(shape: StageShape, layout: Layout, job: Job, train: Trained) -
 def layer_gathered(desc: ModelDesc, *, tp: int, threshold: int) -> int:
     """Elements of one decoder layer (on one tensor rank) ZeRO-3 all-gathers: its tensors above the
     persistence `threshold` (the persistent ones are never gathered)."""
-    return sum(k for k in (n // tp if s else n for n, s in desc.layer_tensors) if k > threshold)
+    return sum(k for k in desc.shares(tp).layer if k > threshold)
 
 
 def zero3_gathered(desc: ModelDesc, shape: StageShape, layout: Layout) -> float:

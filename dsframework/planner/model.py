@@ -3,44 +3,60 @@
     desc = describe_model(resolve_model(ModelSpec(name="llama-7b")).config)
     desc.total_params                 # 6,738,415,616 (exact)
     desc.flops_per_token(seq_len=4096)  # forward + backward, attention included
+    desc.shares(2).items              # one tensor rank's tensors at tp=2, per pipeline layer
+    desc.tp_problem(8)                # None, or why tp=8 cannot run this architecture
+    desc.pp_problem                   # None, or why it cannot be cut into pipeline stages
 
-Counts are exact and analytic for the Llama family (llama, mistral, qwen2) and GPT-2, and split
-the way tensor parallelism splits them (`layer_sharded` / `layer_replicated`); any other causal
-LM is built on the meta device (no memory, no weights) and counted module by module, with every
-layer parameter assumed shardable. Pure: no torch.distributed, no disk.
+Counts are exact for every architecture: the model is built on the meta device (no memory, no
+weights), sharded for one tensor rank as dsf train shards it and cut where its pipeline cuts it
+(planner/count.py). What the activation count needs is read from the config and the layer's
+modules, not from a family name: a gated MLP or not, fused q|k|v, attention and key/value heads
+and head_dim, the layer's norms and their kind, q/k norms, a sliding window, the activation
+function, dropout. No torch.distributed, no disk.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
-from dsframework.models.families import family_of
-from dsframework.models.hf import causal_lm_class
+from dsframework.planner.count import ModelCounts, TensorShares, model_counts
 
 # (Counts are exact, so the planner can be checked against a live engine to the byte.)
 
 
 @dataclass(frozen=True)
 class ModelDesc:
-    """A decoder-only transformer, counted. Parameters are numbers of elements."""
+    """A decoder-only transformer, counted. Parameters are numbers of elements (at tp = 1)."""
 
     name: str
-    family: str  # "llama", "gpt2" or "generic"
+    model_type: str  # transformers' (the architecture: what shard_model and the pipeline adapt)
     hidden: int
     ffn: int
     heads: int
     kv_heads: int
+    head_dim: int  # config.head_dim, else hidden / heads
     layers: int
     vocab: int
     embedding_params: int  # token embedding (vocab x hidden), split by vocab under tp
-    position_params: int  # learned positions (GPT-2), replicated
-    layer_tensors: tuple[tuple[int, bool], ...]  # one decoder layer: (elements, split by tp?) per tensor
-    final_norm_params: int
+    position_params: int  # the rest of the embedding layer (learned positions: GPT-2), replicated
+    layer_tensors: tuple[tuple[int, bool], ...]  # the first decoder layer: (elements, split by tp?) per tensor
+    final_norm_params: int  # every parameter outside the embedding, the decoder layers and the head
     head_params: int  # untied lm_head (0 when tied to the embedding), split by vocab
     tied: bool
+    total_params: int
     dropout: float = 0.0  # residual/attention dropout probability (GPT-2 presets: 0 or 0.1)
     activation: str = "silu"  # the MLP's activation function, as the config names it (hidden_act,
     #                           GPT-2's activation_function): what autograd saves depends on it
+    gated_mlp: bool = True  # act(gate) * up (SwiGLU, GeGLU), else act(fc)
+    fused_qkv: bool = False  # one q|k|v projection whose output is split (GPT-2, Phi-3, GPT-NeoX)
+    layer_norms: int = 2  # norms of a decoder layer (2 pre-norms; Gemma 2/3: 4, OLMo 2: 2 post-norms)
+    norm: Literal["rms", "layer"] = "rms"  # RMSNorm or LayerNorm
+    qk_norm: bool = False  # norms on the queries and keys (Qwen3, Gemma 3, OLMo 2)
+    sliding_window: int | None = None  # tokens a sliding-window layer attends to (None: all)
+    eager_attention: bool = False  # transformers picks eager attention (Gemma 2): s x s scores are kept
+    attn_softcapping: bool = False  # tanh-capped attention scores (Gemma 2): one more s x s tensor
+    logit_softcapping: bool = False  # tanh-capped logits (Gemma 2): one more logits-sized tensor
+    counts: ModelCounts | None = field(default=None, compare=False, repr=False)  # per tp and stage
 
     @property
     def layer_sharded(self) -> int:
@@ -53,17 +69,21 @@ class ModelDesc:
         return sum(n for n, sharded in self.layer_tensors if not sharded)
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    @property
     def layer_params(self) -> int:
         return self.layer_sharded + self.layer_replicated
 
     @property
-    def total_params(self) -> int:
-        return (self.embedding_params + self.position_params + self.layers * self.layer_params
-                + self.final_norm_params + self.head_params)
+    def pp_problem(self) -> str | None:
+        """None when the pipeline cuts this model into stages, else why not."""
+        return self.counts.pipeline_problem
+
+    def tp_problem(self, tp: int) -> str | None:
+        """None when tensor parallelism splits this model over `tp` ranks, else why not."""
+        return None if tp == 1 else self.counts.tp_problem(tp)
+
+    def shares(self, tp: int) -> TensorShares:
+        """One tensor rank's tensors at `tp`, per pipeline layer (planner/count.py)."""
+        return self.counts.shares(tp)
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward = 3 x forward).
@@ -78,70 +98,76 @@ class ModelDesc:
         return 3.0 * (2.0 * matmul + attention)
 
 
-def _llama(config: Any, name: str) -> ModelDesc:
-    h, heads = config.hidden_size, config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or h // heads
-    q, kv = heads * head_dim, kv_heads * head_dim
-    ffn = config.intermediate_size
-    qkv_bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
-    mlp_bias = bool(getattr(config, "mlp_bias", False))
-    tensors = [(h * q, True), (h * kv, True), (h * kv, True), (q * h, True),  # q, k, v, o
-               (h * ffn, True), (h * ffn, True), (ffn * h, True), (h, False), (h, False)]  # mlp; norms
-    if qkv_bias:  # column biases split with their rows; o_proj's (llama only) is replicated
-        tensors += [(q, True), (kv, True), (kv, True)] + ([(h, False)] if config.model_type != "qwen2" else [])
-    if mlp_bias:
-        tensors += [(ffn, True), (ffn, True), (h, False)]
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    return ModelDesc(name=name, family="llama", hidden=h, ffn=ffn, heads=heads, kv_heads=kv_heads,
-                     layers=config.num_hidden_layers, vocab=config.vocab_size,
-                     embedding_params=config.vocab_size * h, position_params=0, layer_tensors=tuple(tensors),
-                     final_norm_params=h,
-                     head_params=0 if tied else config.vocab_size * h, tied=tied,
-                     activation=getattr(config, "hidden_act", None) or "silu")
-
-
-def _gpt2(config: Any, name: str) -> ModelDesc:
-    h = config.n_embd
-    ffn = config.n_inner or 4 * h
-    tensors = ((h * 3 * h, True), (3 * h, True), (h * h, True), (h, False),  # c_attn, attn c_proj
-               (h * ffn, True), (ffn, True), (ffn * h, True), (h, False),  # c_fc, mlp c_proj
-               (h, False), (h, False), (h, False), (h, False))  # ln_1, ln_2 (weight, bias)
-    dropout = max(config.resid_pdrop, config.attn_pdrop)
-    return ModelDesc(name=name, family="gpt2", hidden=h, ffn=ffn, heads=config.n_head, kv_heads=config.n_head,
-                     layers=config.n_layer, vocab=config.vocab_size, embedding_params=config.vocab_size * h,
-                     position_params=config.n_positions * h, layer_tensors=tensors,
-                     final_norm_params=2 * h, head_params=0, tied=True, dropout=dropout,
-                     activation=config.activation_function)
-
-
-def _generic(config: Any, name: str) -> ModelDesc:
-    """Count a weightless instance: the first decoder layer, the embeddings, the rest."""
-    import torch
-
-    with torch.device("meta"):
-        model = causal_lm_class(config)(config)
-    base = model.base_model
-    layers = next(m for m in base.children() if isinstance(m, torch.nn.ModuleList))
-    count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
-    embedding = count(model.get_input_embeddings())
-    tied = model.get_output_embeddings() is not None and (
-        model.get_output_embeddings().weight is model.get_input_embeddings().weight)
-    head = 0 if tied or model.get_output_embeddings() is None else count(model.get_output_embeddings())
-    total = sum(p.numel() for p in model.parameters())
-    layer_tensors = tuple((p.numel(), p.dim() > 1) for p in layers[0].parameters())  # matrices split
-    rest = total - embedding - head - len(layers) * sum(n for n, _ in layer_tensors)
+def _features(config: Any, layer: Any, *, q: int, kv: int, ffn: int) -> dict[str, Any]:
+    """What the activation count needs from one decoder layer's modules: a gated MLP (its matrices
+    of width ffn or 2 ffn hold 3 x hidden x ffn), a fused q|k|v projection (a matrix q + 2 kv wide), its norms (those of
+    the layer itself and, inside attention, q/k norms) and their kind."""
     h = config.hidden_size
-    heads = config.num_attention_heads
-    return ModelDesc(name=name, family="generic", hidden=h, ffn=getattr(config, "intermediate_size", 4 * h),
-                     heads=heads, kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-                     layers=len(layers), vocab=config.vocab_size, embedding_params=embedding, position_params=0,
-                     layer_tensors=layer_tensors, final_norm_params=rest, head_params=head, tied=tied,
-                     activation=getattr(config, "hidden_act", None) or getattr(config, "activation_function", "gelu"))
+    matrices = [tuple(p.shape) for p in layer.parameters() if p.dim() == 2]
+    mlp = sum(a * b for a, b in matrices if {a, b} & {ffn, 2 * ffn})  # (gate|up fused: 2 ffn)
+    norms = [(name, type(module).__name__) for name, module in layer.named_modules() if "Norm" in type(module).__name__]
+    layer_norms = [kind for name, kind in norms if "." not in name]
+    return dict(gated_mlp=mlp >= 3 * h * ffn, fused_qkv=any(q + 2 * kv in shape for shape in matrices),
+                layer_norms=len(layer_norms), qk_norm=any("." in name for name, _ in norms),
+                norm="rms" if any("RMS" in kind for kind in layer_norms) else "layer")
+
+
+def _activation(config: Any) -> str:
+    for field_name in ("hidden_activation", "hidden_act", "activation_function"):
+        if getattr(config, field_name, None):
+            return getattr(config, field_name)
+    return "gelu"
+
+
+def _dropout(config: Any) -> float:
+    """The largest dropout probability in the layers (residual, attention, hidden)."""
+    fields = ("resid_pdrop", "attn_pdrop", "attention_dropout", "hidden_dropout", "residual_dropout")
+    return max([float(getattr(config, f, 0.0) or 0.0) for f in fields])
+
+
+def _sliding_window(config: Any) -> int | None:
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types and "sliding_attention" not in layer_types:
+        return None
+    return getattr(config, "sliding_window", None)
+
+
+def _tp1_layer_tensors(counts: ModelCounts, layer: Any) -> tuple[tuple[int, bool], ...]:
+    """One decoder layer's tensors at tp = 1: (elements, split by tensor parallelism?), the split
+    read from a rank of tp = 2 (or, where the model cannot be split, assumed of its matrices)."""
+    whole = [(p.numel(), p.dim() > 1) for p in layer.parameters()]
+    if counts.tp_problem(2) is not None:
+        return tuple(whole)
+    first = next(i for i, (_, kind) in enumerate(counts.specs_paths) if kind == "layer")
+    halves = counts.shares(2).items[first][0]
+    return tuple((n, half < n) for (n, _), half in zip(whole, halves))
 
 
 def describe_model(config: Any, *, name: str | None = None) -> ModelDesc:
     """The ModelDesc of a transformers config (see the module docstring)."""
     name = name or getattr(config, "name_or_path", None) or config.model_type
-    count = {"llama": _llama, "gpt2": _gpt2}.get(family_of(config.model_type), _generic)
-    return count(config, name)
+    counts = model_counts(config)
+    model = counts.model
+    h, heads = config.hidden_size, config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    ffn = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * h
+    layers = model.get_submodule(counts.layers_path)
+    embedding = model.get_input_embeddings().weight.numel()
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight is model.get_input_embeddings().weight
+    head_params = 0 if tied or head is None else sum(p.numel() for p in head.parameters())
+    first = counts.shares(1).items[0][0]
+    position = sum(first) - embedding
+    total = sum(p.numel() for p in model.parameters())
+    all_layers = sum(p.numel() for p in layers.parameters())
+    return ModelDesc(
+        name=name, model_type=config.model_type, hidden=h, ffn=ffn, heads=heads, kv_heads=kv_heads,
+        head_dim=head_dim, layers=len(layers), vocab=config.vocab_size, embedding_params=embedding,
+        position_params=position, layer_tensors=_tp1_layer_tensors(counts, layers[0]),
+        final_norm_params=total - embedding - position - all_layers - head_params, head_params=head_params,
+        tied=tied, total_params=total, dropout=_dropout(config), activation=_activation(config),
+        sliding_window=_sliding_window(config), eager_attention=model.config._attn_implementation == "eager",
+        attn_softcapping=bool(getattr(config, "attn_logit_softcapping", None)),
+        logit_softcapping=bool(getattr(config, "final_logit_softcapping", None)),
+        **_features(config, layers[0], q=heads * head_dim, kv=kv_heads * head_dim, ffn=ffn), counts=counts)

@@ -4,6 +4,7 @@
     plan.best                        # the fastest candidate that fits (None if none does)
     plan.fitting[:5]                 # ranked by predicted tokens/s
     plan.dropped_families            # {"ZeRO-2": "needs 92.1 GiB > 80.0 GiB per GPU at best ...", ...}
+                                     # and the splits the model refuses: {"tp=2": "tensor parallelism refused: ..."}
     plan.suggestions                 # when nothing fits: what would
 
 The rules are topology.layout_problem's, the ones dsf train applies (dp * tp * pp * cp = world;
@@ -100,15 +101,28 @@ def _divisors(n: int) -> list[int]:
     return sorted(set(small + [n // d for d in small]))
 
 
+def unavailable(desc: ModelDesc, cluster: Cluster, *, tp: int | None = None,
+                pp: int | None = None) -> dict[str, str]:
+    """{'tp=2': why, 'pp > 1': why}: the splits the model's own adapters refuse (shard_model has no
+    plan for the architecture, the pipeline no adapter), among those the cluster would allow."""
+    refused = {f"tp={t}": f"tensor parallelism refused: {desc.tp_problem(t)}" for t in _divisors(cluster.gpus_per_node)
+               if (tp is None or t == tp) and cluster.world % t == 0 and desc.heads % t == 0
+               and desc.tp_problem(t) is not None}
+    if (pp is None or pp > 1) and cluster.world > 1 and desc.layers > 1 and desc.pp_problem is not None:
+        refused["pp > 1"] = f"pipeline parallelism refused: {desc.pp_problem}"
+    return refused
+
+
 def enumerate_layouts(desc: ModelDesc, cluster: Cluster, job: Job, *, tp: int | None = None,
                       pp: int | None = None, zero_stage: int | None = None, cp: int | None = None) -> Iterator[Layout]:
-    """Every layout the rules allow (pin tp, pp, cp or zero_stage to restrict)."""
+    """Every layout the rules allow (pin tp, pp, cp or zero_stage to restrict), within what the
+    model's adapters can split (`unavailable`)."""
     world, per_node = cluster.world, cluster.gpus_per_node
     for t in _divisors(per_node):
-        if (tp is not None and t != tp) or world % t:
+        if (tp is not None and t != tp) or world % t or (desc.heads % t == 0 and desc.tp_problem(t)):
             continue
         for p in _divisors(world // t):
-            if pp is not None and p != pp:
+            if (pp is not None and p != pp) or (p > 1 and desc.pp_problem):
                 continue
             for c in _divisors(world // (t * p)):
                 if cp is not None and c != cp:
@@ -194,6 +208,7 @@ def search(desc: ModelDesc, cluster: Cluster, job: Job, *, tp: int | None = None
         if misses:
             c = min(misses, key=lambda c: c.over)
             dropped[NO_CONTEXT_PARALLEL] = f"needs {c.why_not} at best ({family_of(c.layout)}, {_describe(c.layout)})"
+    dropped.update(unavailable(desc, cluster, tp=tp, pp=pp))
     plan = Plan(desc, cluster, job, candidates, dropped, [])
     if suggest and not plan.fitting:
         plan.suggestions = suggestions(desc, cluster, job, candidates, tp=tp, pp=pp, zero_stage=zero_stage, cp=cp)
@@ -219,5 +234,5 @@ def suggestions(desc: ModelDesc, cluster: Cluster, job: Job, candidates: list[Ca
     return out
 
 
-__all__ = ["Candidate", "Plan", "search", "evaluate", "enumerate_layouts", "family_of",
+__all__ = ["Candidate", "Plan", "search", "evaluate", "enumerate_layouts", "family_of", "unavailable",
            "NO_CONTEXT_PARALLEL"]

@@ -237,7 +237,7 @@ def _overhead(desc: ModelDesc, layout: Layout, cluster: Cluster, step: _Step, co
                      * cluster.op_overhead_s)
     if dims.zero_stage == 3 and dims.zero_ranks > 1:
         threshold = layout.knobs.persistence_threshold
-        fetched = sum(1 for n, s in desc.layer_tensors if (n // dims.tp if s else n) > threshold)
+        fetched = sum(1 for n in desc.shares(dims.tp).layer if n > threshold)
         fetches = 2 * fetched * layers * micro_batches
         overhead += fetches * (step.lat + ZERO3_OPS_PER_FETCH * cluster.op_overhead_s)
     if dims.cp > 1:  # Ulysses' reshapes and copies around its 8 all-to-alls (and the position gather)

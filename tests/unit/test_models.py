@@ -36,7 +36,8 @@ def bpe_tokenizer():
 def _preset_field(config, key):
     if hasattr(config, key):
         return getattr(config, key)
-    return (getattr(config, "rope_parameters", None) or {})[key]  # transformers 5 keeps rope_theta there
+    rope = getattr(config, "rope_parameters", None) or {}  # transformers 5 keeps rope_theta there
+    return rope[key] if key in rope else rope["full_attention"][key]  # (per layer type: Gemma 3)
 
 
 def _state(model) -> dict:
@@ -61,7 +62,8 @@ def test_every_preset_resolves_to_its_config(name):
     assert source.pretrained_dir is None and source.tokenizer_dir is None
     cls = causal_lm_class(source.config)
     assert issubclass(cls, transformers.PreTrainedModel) and cls.config_class is type(source.config)
-    assert cls.__name__ in {"LlamaForCausalLM", "GPT2LMHeadModel"}
+    assert cls.__name__ in {"LlamaForCausalLM", "GPT2LMHeadModel", "Qwen3ForCausalLM", "Gemma3ForCausalLM",
+                            "Phi3ForCausalLM", "Olmo2ForCausalLM"}
 
 
 def test_unknown_name_suggests_a_preset():

@@ -47,6 +47,8 @@ def test_planner_stage_boundaries_are_deepspeeds(name, tp):
     """The planner's stages of real models are DeepSpeed's partition of the planner's weights."""
     ds = _ds()
     desc = describe_model(resolve_model(ModelSpec(name=name)).config, name=name)
+    if desc.tp_problem(tp):
+        pytest.skip(f"no such layout: {desc.tp_problem(tp)}")  # gpt2-124m's 12 heads over 8 ranks
     weights = [n for n, _, _ in _items(desc, tp)]
     for pp in sorted({2, 3, 4, 7, 8, 16, desc.layers // 2, desc.layers}):
         bounds = [int(p) for p in ds.partition_balanced(weights, pp)]

@@ -72,7 +72,9 @@ class _Hidden(nn.Module):
             return getattr(object.__getattribute__(self, "decoder"), name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return _decoder_output_class()(last_hidden_state=self.like.new_zeros(*self.like.shape[:-1], 1))
+        # Distinct values, so that a forward that changes the hidden states before its head is seen
+        hidden = torch.arange(1, self.like.shape[1] + 1, dtype=self.like.dtype, device=self.like.device)
+        return _decoder_output_class()(last_hidden_state=hidden.view(1, -1, 1))
 
 
 class _Logits(nn.Module):
@@ -83,6 +85,7 @@ class _Logits(nn.Module):
         self.logits = logits
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.hidden = hidden
         return self.logits
 
 
@@ -116,12 +119,17 @@ class ThroughForward:
         self.points = self.points or _swap_points(lm)
         (base_parent, base_name), (head_parent, head_name) = self.points
         base, head = base_parent._modules[base_name], head_parent._modules[head_name]
-        base_parent._modules[base_name], head_parent._modules[head_name] = _Hidden(batched, base), _Logits(batched)
+        stub_head = _Logits(batched)
+        base_parent._modules[base_name], head_parent._modules[head_name] = _Hidden(batched, base), stub_head
         try:  # the class's forward: no hooks, no instance-level forward (use_chunked_loss installs one)
             ids = torch.zeros(batched.shape[:2], dtype=torch.long, device=logits.device)
             out = type(lm).forward(lm, input_ids=ids).logits
         finally:
             base_parent._modules[base_name], head_parent._modules[head_name] = base, head
+        seen = getattr(stub_head, "hidden", None)
+        if seen is None or not torch.equal(seen.flatten(), torch.arange(1, seen.numel() + 1, dtype=seen.dtype, device=seen.device)):
+            raise ValueError("its forward changes the hidden states before the head (dsf's heads take them as the "
+                             "decoder gives them)")
         return out.reshape(*logits.shape[:-1], out.shape[-1])
 
 

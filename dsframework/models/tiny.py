@@ -5,6 +5,7 @@ architecture, small enough to build, shard and train on a CPU in seconds.
     tiny_config("gemma2", vocab_size=512)    # overrides win over the tiny sizes
     causal_lm_types_with_tp_plan()           # ['afmoe', 'apertus', ..., 'youtu']: 116 in transformers 5.24
     is_moe("mixtral"), is_moe("llama")       # True, False
+    tiny_twin(config)                        # a user's config at these sizes, its own flags kept
 
 How a config is shrunk: start from the type's defaults (its published size), then walk its
 fields and set each size it has by its name (SIZES: hidden 64, intermediate 128, 4 heads over 2
@@ -162,6 +163,18 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
     fields.update(TYPE_OVERRIDES.get(model_type, {}))
     fields.update(overrides)
     return CONFIG_MAPPING[model_type](**fields)
+
+
+def tiny_twin(config: Any) -> Any:
+    """`config` itself at the tiny sizes: its own flags and layer kinds kept (sliding windows,
+    softcapping, tied embeddings), its sizes shrunk. What a check of the architecture's glue runs on
+    before the real model is built (parallel/pipeline.py `check_stages_reproduce_forward`)."""
+    from transformers import CONFIG_MAPPING
+
+    layers = next((getattr(config, n) for n in DEPTH_FIELDS[:3] if isinstance(getattr(config, n, None), int)), None)
+    depth = layers if layers and layers <= 4 else None  # already small: its own depth (its lists as they are)
+    fields = {**config.to_diff_dict(), **tiny_fields(config, depth=depth), **TYPE_OVERRIDES.get(config.model_type, {})}
+    return CONFIG_MAPPING[config.model_type](**fields)
 
 
 def tiny_fields(config: Any, *, depth: int | None = None) -> dict[str, Any]:

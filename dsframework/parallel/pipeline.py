@@ -75,6 +75,7 @@ from dsframework.models.plans import (
     pipeline_refusal,
 )
 from dsframework.models.tensor_parallel import shard_model
+from dsframework.models.tiny import tiny_twin
 from dsframework.parallel.tensor import LayoutOnlyGroup, VocabParallelEmbedding, VocabParallelLMHead
 from dsframework.runtime_facts import partition_balanced, partition_uniform
 
@@ -113,14 +114,12 @@ class _LayerStub(nn.Module):
     stops the forward at the stage's layer (`plan["stop"]`), or hands the stage's input to the
     rest of the forward after the last layer (`plan["inject"]`)."""
 
-    def __init__(self, index: int, plan: dict, layer: nn.Module):
+    def __init__(self, index: int, plan: dict, layer: nn.Module, returns_tuple: bool):
         super().__init__()
-        self.index, self.plan = index, plan
+        self.index, self.plan, self.returns_tuple = index, plan, returns_tuple
         for name, value in vars(layer).items():  # what the forward may read off a layer (Dory: attention_type)
             if not name.startswith("_") and isinstance(value, (str, int, float, bool, type(None))):
                 setattr(self, name, value)
-        # A layer that returns (hidden states, attention weights), as its annotation says (Bamba)
-        self.returns_tuple = "tuple" in str(inspect.signature(type(layer).forward).return_annotation).lower()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.index == self.plan.get("stop"):
@@ -146,6 +145,25 @@ class _ShapeStub(nn.Module):
         return torch.zeros(*x.shape, self.dim, dtype=self.dtype, device=x.device)
 
 
+@functools.cache
+def _layers_return_tuples(base_class: type, layers: str) -> bool:
+    """Whether the base model's forward unpacks what its layers return (`hidden_states, weights =
+    layer(...)`, `outputs[0]`: Bamba) rather than taking a tensor: read from the loop in its source,
+    since return annotations are stale (Gemma 3's says tuple and returns a tensor)."""
+    try:
+        source = inspect.getsource(base_class.forward)
+    except (OSError, TypeError):
+        return False
+    loop = re.search(rf"for\s+(?:\w+\s*,\s*)?(\w+)\s+in\s+[^\n]*self\.{layers}\b", source)
+    if loop is None:
+        return False
+    call = re.search(rf"^\s*([\w, ]+?)\s*=\s*{loop.group(1)}\(", source[loop.end():], re.M)
+    if call is None:
+        return False
+    target = call.group(1)
+    return "," in target or re.search(rf"\b{target}\[0\]", source) is not None
+
+
 def _has_parameters(module: nn.Module) -> bool:
     return next(module.parameters(), None) is not None
 
@@ -162,7 +180,9 @@ def _skeleton(base: nn.Module, plan: PipelinePlan, *, keep: tuple[str, ...]) -> 
                              _forward_pre_hooks={}, _backward_hooks={})
     for name, child in base.named_children():
         if name == plan.layers:
-            skeleton._modules[name] = nn.ModuleList(_LayerStub(i, stub_plan, layer) for i, layer in enumerate(child))
+            tuples = _layers_return_tuples(type(base), name)
+            skeleton._modules[name] = nn.ModuleList(_LayerStub(i, stub_plan, layer, tuples)
+                                                    for i, layer in enumerate(child))
         elif name not in keep and _has_parameters(child):
             skeleton._modules[name] = _ShapeStub(child)
     return skeleton, stub_plan
@@ -384,16 +404,40 @@ def _path_of(root: nn.Module, module: nn.Module) -> str:
     return next(path for path, child in root.named_modules() if child is module)
 
 
+def check_stages_reproduce_forward(config: Any) -> None:
+    """UserError unless the stages, run one after the other, give the model's own logits, on a
+    tiny random twin of `config` (its flags and layer kinds, tiny sizes; models/tiny.py): the glue
+    between the plan's modules (positions, masks, rotary variants, scales) is checked for this
+    architecture before any rank starts, not assumed. About 0.1 s."""
+    twin = tiny_twin(config)
+    twin._attn_implementation = "eager"
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = causal_lm_class(twin)(twin).float().eval()
+        input_ids = torch.randint(0, twin.vocab_size, (2, 16))
+    with torch.no_grad():
+        want, got = model(input_ids=input_ids).logits, input_ids
+        for spec in pipeline_layer_specs(model):
+            module = spec.build()
+            got = spec.forward_fn(module, got) if getattr(spec, "forward_fn", None) else module(got)
+    worst = (got - want).abs().max().item()
+    if not worst <= 1e-4 * max(1.0, want.abs().max().item()):
+        raise pipeline_refusal(config.model_type, f"has a forward its stages do not reproduce (logits differ by "
+                               f"{worst:.3g} on a tiny random twin)")
+
+
 def check_model_parallelism(config: Any, dims: Any) -> None:
     """UserError (one line) before any rank starts when `config`'s architecture cannot run at
     dims.tp / dims.pp: no plan, a style dsf lacks, heads tp does not divide (models/plans.py); a
     style applied to a module it cannot split (the plan run on a weightless model, rank 0's
-    layout); a forward that uses weights outside its pipeline plan (the stages cut from it)."""
+    layout); a forward that uses weights outside its pipeline plan (the stages cut from it) or
+    that its stages do not reproduce (`check_stages_reproduce_forward`)."""
     check_architecture(config, tp=dims.tp, pp=dims.pp)
     if dims.tp > 1:
         shard_model(_model_of(config), group=LayoutOnlyGroup(size=dims.tp, rank=0))
     if dims.pp > 1:
         pipeline_layer_specs(config)
+        check_stages_reproduce_forward(config)
 
 
 def is_decoder_layer(spec: Any) -> bool:

@@ -45,7 +45,7 @@ def layout(run, active):
     config = resolve_model(run.model).config  # the same rules dsf train applies, before any node starts
     check_model_layout(dims, config, dp=run.parallel.dp, seq_len=run.data.seq_len,
                        ranks_per_node=min(len(slots) for slots in active.values()))
-    check_model_parallelism(config, dims)
+    check_model_parallelism(config, dims, seq_len=run.data.seq_len)
     return dims, config
 
 

@@ -149,3 +149,29 @@ def pipeline_refusal(model_type: str, problem: str, *, pp: int | None = None) ->
     field, value = ("parallel.pp", pp) if pp is not None else ("model.name", model_type)
     return UserError(field, value, f"cannot cut {model_type!r} into pipeline stages: it {problem}",
                      f"use parallel.pp=1 ({WORKING_LAYOUTS})")
+
+
+def sliding_window(config: Any) -> int | None:
+    """The attention window of the sliding layers, or None when no layer slides (Qwen 2 names a
+    window but slides only where `layer_types` / `use_sliding_window` say)."""
+    layer_types = getattr(config, "layer_types", None)
+    if (layer_types and "sliding_attention" not in layer_types) or getattr(config, "use_sliding_window", True) is False:
+        return None
+    return getattr(config, "sliding_window", None)
+
+
+def check_context_parallel(config: Any, *, cp: int, seq_len: int | None) -> None:
+    """UserError when cp > 1 would compute another attention than the model's: dsf's context
+    parallelism (parallel/context.py) runs sdpa, causal over the whole gathered sequence, which
+    knows neither a sliding window shorter than the sequence nor softcapped scores."""
+    if cp <= 1:
+        return
+    window, model_type = sliding_window(config), config.model_type
+    if window is not None and (seq_len is None or window < seq_len):
+        raise UserError("parallel.cp", cp, f"cannot run {model_type!r}'s sliding-window attention ({window} tokens, "
+                        f"sequences of {seq_len}): the context-parallel attention is causal over the whole sequence",
+                        f"use parallel.cp=1 (tensor and pipeline parallelism, ZeRO), or data.seq_len <= {window}")
+    if getattr(config, "attn_logit_softcapping", None):
+        raise UserError("parallel.cp", cp, f"cannot run {model_type!r}'s softcapped attention scores "
+                        "(attn_logit_softcapping): the context-parallel attention is sdpa's",
+                        "use parallel.cp=1 (tensor and pipeline parallelism, ZeRO)")

@@ -71,12 +71,17 @@ from dsframework.models.plans import (
     PipelinePlan,
     architecture_plan,
     check_architecture,
+    check_context_parallel,
     infer_pipeline_plan,
     pipeline_refusal,
 )
 from dsframework.models.tensor_parallel import shard_model
 from dsframework.models.tiny import tiny_twin
-from dsframework.parallel.tensor import LayoutOnlyGroup, VocabParallelEmbedding, VocabParallelLMHead
+from dsframework.parallel.tensor import (
+    LayoutOnlyGroup,
+    VocabParallelEmbedding,
+    VocabParallelLMHead,
+)
 from dsframework.runtime_facts import partition_balanced, partition_uniform
 
 TIED_KEY = "embed"
@@ -352,9 +357,7 @@ def _model_of(model_or_config: Any) -> Any:
     tables and checkpoint names)."""
     if isinstance(model_or_config, nn.Module):
         return model_or_config
-    config = copy.deepcopy(model_or_config)
-    if config._attn_implementation is None:
-        config._attn_implementation = "sdpa"  # what build_model's models use on this torch
+    config = copy.deepcopy(model_or_config)  # (transformers picks its attention: sdpa where the class has it)
     with torch.device("meta"):
         return causal_lm_class(config)(config)
 
@@ -426,13 +429,15 @@ def check_stages_reproduce_forward(config: Any) -> None:
                                f"{worst:.3g} on a tiny random twin)")
 
 
-def check_model_parallelism(config: Any, dims: Any) -> None:
+def check_model_parallelism(config: Any, dims: Any, *, seq_len: int | None = None) -> None:
     """UserError (one line) before any rank starts when `config`'s architecture cannot run at
     dims.tp / dims.pp: no plan, a style dsf lacks, heads tp does not divide (models/plans.py); a
     style applied to a module it cannot split (the plan run on a weightless model, rank 0's
     layout); a forward that uses weights outside its pipeline plan (the stages cut from it) or
-    that its stages do not reproduce (`check_stages_reproduce_forward`)."""
+    that its stages do not reproduce (`check_stages_reproduce_forward`); an attention context
+    parallelism would change (models/plans.py `check_context_parallel`)."""
     check_architecture(config, tp=dims.tp, pp=dims.pp)
+    check_context_parallel(config, cp=dims.cp, seq_len=seq_len)
     if dims.tp > 1:
         shard_model(_model_of(config), group=LayoutOnlyGroup(size=dims.tp, rank=0))
     if dims.pp > 1:

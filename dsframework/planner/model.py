@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from dsframework.models.plans import sliding_window
 from dsframework.planner.count import ModelCounts, TensorShares, model_counts
 
 # (Counts are exact, so the planner can be checked against a live engine to the byte.)
@@ -125,13 +126,6 @@ def _dropout(config: Any) -> float:
     return max([float(getattr(config, f, 0.0) or 0.0) for f in fields])
 
 
-def _sliding_window(config: Any) -> int | None:
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types and "sliding_attention" not in layer_types:
-        return None
-    return getattr(config, "sliding_window", None)
-
-
 def _tp1_layer_tensors(counts: ModelCounts, layer: Any) -> tuple[tuple[int, bool], ...]:
     """One decoder layer's tensors at tp = 1: (elements, split by tensor parallelism?), the split
     read from a rank of tp = 2 (or, where the model cannot be split, assumed of its matrices)."""
@@ -167,7 +161,7 @@ def describe_model(config: Any, *, name: str | None = None) -> ModelDesc:
         position_params=position, layer_tensors=_tp1_layer_tensors(counts, layers[0]),
         final_norm_params=total - embedding - position - all_layers - head_params, head_params=head_params,
         tied=tied, total_params=total, dropout=_dropout(config), activation=_activation(config),
-        sliding_window=_sliding_window(config), eager_attention=model.config._attn_implementation == "eager",
+        sliding_window=sliding_window(config), eager_attention=model.config._attn_implementation == "eager",
         attn_softcapping=bool(getattr(config, "attn_logit_softcapping", None)),
         logit_softcapping=bool(getattr(config, "final_logit_softcapping", None)),
         **_features(config, layers[0], q=heads * head_dim, kv=kv_heads * head_dim, ffn=ffn), counts=counts)

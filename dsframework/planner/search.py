@@ -101,15 +101,28 @@ def _divisors(n: int) -> list[int]:
     return sorted(set(small + [n // d for d in small]))
 
 
+def cp_problem(desc: ModelDesc, seq_len: int) -> str | None:
+    """Why context parallelism would change this model's attention (models/plans.py
+    check_context_parallel, the rule dsf train applies), or None."""
+    if desc.sliding_window is not None and desc.sliding_window < seq_len:
+        return f"its sliding window ({desc.sliding_window} tokens) is shorter than the sequence"
+    if desc.attn_softcapping:
+        return "its attention scores are softcapped"
+    return None
+
+
 def unavailable(desc: ModelDesc, cluster: Cluster, *, tp: int | None = None,
-                pp: int | None = None) -> dict[str, str]:
-    """{'tp=2': why, 'pp > 1': why}: the splits the model's own adapters refuse (shard_model has no
-    plan for the architecture, the pipeline no adapter), among those the cluster would allow."""
+                pp: int | None = None, seq_len: int | None = None) -> dict[str, str]:
+    """{'tp=2': why, 'pp > 1': why, 'cp > 1': why}: the splits the model's own adapters refuse
+    (shard_model has no plan for the architecture, the pipeline no adapter, context parallelism
+    another attention), among those the cluster would allow."""
     refused = {f"tp={t}": f"tensor parallelism refused: {desc.tp_problem(t)}" for t in _divisors(cluster.gpus_per_node)
                if (tp is None or t == tp) and cluster.world % t == 0 and desc.heads % t == 0
                and desc.tp_problem(t) is not None}
     if (pp is None or pp > 1) and cluster.world > 1 and desc.layers > 1 and desc.pp_problem is not None:
         refused["pp > 1"] = f"pipeline parallelism refused: {desc.pp_problem}"
+    if seq_len is not None and cluster.world > 1 and cp_problem(desc, seq_len) is not None:
+        refused["cp > 1"] = f"context parallelism refused: {cp_problem(desc, seq_len)}"
     return refused
 
 
@@ -125,7 +138,7 @@ def enumerate_layouts(desc: ModelDesc, cluster: Cluster, job: Job, *, tp: int | 
             if (pp is not None and p != pp) or (p > 1 and desc.pp_problem):
                 continue
             for c in _divisors(world // (t * p)):
-                if cp is not None and c != cp:
+                if (cp is not None and c != cp) or (c > 1 and cp_problem(desc, job.seq_len)):
                     continue
                 dims = ParallelDims(world=world, tp=t, pp=p, cp=c)
                 if layout_problem(dims, num_heads=desc.heads, num_kv_heads=desc.kv_heads, num_layers=desc.layers,
@@ -208,7 +221,7 @@ def search(desc: ModelDesc, cluster: Cluster, job: Job, *, tp: int | None = None
         if misses:
             c = min(misses, key=lambda c: c.over)
             dropped[NO_CONTEXT_PARALLEL] = f"needs {c.why_not} at best ({family_of(c.layout)}, {_describe(c.layout)})"
-    dropped.update(unavailable(desc, cluster, tp=tp, pp=pp))
+    dropped.update(unavailable(desc, cluster, tp=tp, pp=pp, seq_len=job.seq_len))
     plan = Plan(desc, cluster, job, candidates, dropped, [])
     if suggest and not plan.fitting:
         plan.suggestions = suggestions(desc, cluster, job, candidates, tp=tp, pp=pp, zero_stage=zero_stage, cp=cp)

@@ -341,7 +341,7 @@ def checked_layout(run: RunConfig, config: Any, *, world: int) -> ParallelDims:
     dims = ParallelDims.of(run.parallel, world=world)
     check_model_layout(dims, config, dp=run.parallel.dp, seq_len=run.data.seq_len,
                        ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-    check_model_parallelism(config, dims)
+    check_model_parallelism(config, dims, seq_len=run.data.seq_len)
     return dims
 
 

@@ -1,0 +1,81 @@
+"""Architectures beyond Llama at tp2 x pp2 (4 ranks, ZeRO-1, one launch for all): each trains 4
+steps to the single-process reference (transformers' own model and loss, in this process), its
+export loads in transformers with the trained engine's logits, and every rank holds the parameter
+count the planner predicts for its stage and tensor rank. The shards come from each model's own
+plans (models/plans.py), the stages' glue from its own forward (parallel/pipeline.py), the loss
+from its own post-processing (models/logits.py: Gemma 2's softcapping and Granite's scaling are
+set so that they matter). The whole table of architectures is bench/architectures.py."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsframework.config import build_run_config
+from dsframework.planner.memory import stage_shapes
+from dsframework.planner.model import describe_model
+from tests.distributed.launcher import assert_close, dsf, launch, losses, run_overrides
+from tests.distributed.reference import reference_losses
+
+WORKER = Path(__file__).parent / "workers" / "architectures.py"
+ARCHITECTURES = {  # model type: config fields beside models/tiny.py's sizes
+    "llama": {}, "qwen3": {}, "gemma2": {"final_logit_softcapping": 2.0}, "gemma3_text": {}, "phi3": {},
+    "olmo2": {}, "granite": {"logits_scaling": 0.25}, "starcoder2": {}, "gpt_neox": {},
+}
+LAYOUT = ["parallel.tp=2", "parallel.pp=2", "parallel.zero_stage=1", "train.micro_batch=2", "train.steps=4",
+          "checkpoint.save_final=true"]
+
+
+def overrides(root: Path, model_type: str) -> list[str]:
+    return [f"model.name={root / f'{model_type}.json'}", *LAYOUT]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """The root of one 4-rank launch that trains every architecture (workers/architectures.py)."""
+    from dsframework.models.tiny import tiny_config
+
+    root = tmp_path_factory.mktemp("architectures")
+    for model_type, fields in ARCHITECTURES.items():
+        tiny_config(model_type, **fields).to_json_file(root / f"{model_type}.json")
+    specs = [f"{model_type}|{';'.join(overrides(root, model_type))}" for model_type in ARCHITECTURES]
+    launch([str(WORKER), str(root), *specs], num_ranks=4, timeout=900)
+    return root
+
+
+@pytest.mark.parametrize("model_type", list(ARCHITECTURES))
+def test_tp2_pp2_trains_like_transformers(trained, model_type):
+    run = build_run_config({}, run_overrides(trained / model_type, overrides(trained, model_type)))
+    assert_close(losses(trained / model_type), reference_losses(run), rtol=1e-4, what=model_type)
+
+
+@pytest.mark.parametrize("model_type", list(ARCHITECTURES))
+def test_export_gives_the_engines_logits(trained, tmp_path, model_type):
+    from transformers import AutoModelForCausalLM
+
+    dsf("export", str(trained / model_type / "checkpoints"), str(tmp_path / "hf"))
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True, dtype=torch.float32).eval()
+    assert model.config.model_type == model_type
+    engine = torch.load(trained / model_type / "engine.pt")
+    with torch.no_grad():
+        exported = model(input_ids=engine["input_ids"]).logits
+    assert exported.shape == engine["logits"].shape
+    assert torch.allclose(exported, engine["logits"], atol=1e-5, rtol=0), (
+        f"max |diff| {(exported - engine['logits']).abs().max().item():.3g}")
+
+
+@pytest.mark.parametrize("model_type", list(ARCHITECTURES))
+def test_planner_counts_each_ranks_parameters(trained, model_type):
+    """The planner's parameters per stage and tensor rank (planner/count.py, from the meta model and
+    the plans) are what each rank's engine holds, to the element (fp32: to the byte)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(trained / model_type / "checkpoints" / "hf_config")
+    shapes = stage_shapes(describe_model(config, name=model_type), 2, 2)
+    held = [json.loads(p.read_text()) for p in sorted((trained / model_type).glob("held-rank*.json"))]
+    assert len(held) == 4
+    assert sorted((h["stage"], h["tensor_rank"]) for h in held) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for h in held:
+        assert h["parameters"] == shapes[h["stage"]].params, (h, [s.params for s in shapes])

@@ -5,7 +5,7 @@ plus dsframework's own gpt2, on 2 and 4 CPU ranks.
     .venv/bin/python bench/architectures.py                      # every type (~117), two launches
     .venv/bin/python bench/architectures.py --types llama,qwen3,gemma2
     .venv/bin/python bench/architectures.py --quick              # 2 training steps instead of 4
-    .venv/bin/python bench/architectures.py --dry-run            # llama and gpt2, --quick: ~3 min
+    .venv/bin/python bench/architectures.py --dry-run            # gpt2 (no transformers plan: dsf's), --quick
     .venv/bin/python bench/architectures.py --json               # the rows for machines
 
 Each cell is `pass`, `FAIL (why)` or `refused: <dsframework's one-line UserError>`:
@@ -319,7 +319,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--types", help="comma-separated model types (default: every type with a plan, and gpt2)")
     parser.add_argument("--quick", action="store_true", help="2 training steps instead of 4")
-    parser.add_argument("--dry-run", action="store_true", help="--types llama,gpt2 --quick: the whole path, small")
+    parser.add_argument("--dry-run", action="store_true", help="--types gpt2 --quick: the whole path, small")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON, not the tables")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench_architectures", help="work files")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)  # set by this file: the work dir
@@ -328,7 +328,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # the launcher's
     args = parser.parse_args(argv)
     if args.dry_run:
-        args.types, args.quick = args.types or "llama,gpt2", True
+        args.types, args.quick = args.types or "gpt2", True
     if args.quick and not args.worker:
         args.steps = 2
     return args

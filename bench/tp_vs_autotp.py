@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/tp_vs_autotp.py                        # tiny-llama, 30 steps, A B A B A B
     .venv/bin/python bench/tp_vs_autotp.py --model tiny-gpt2 --repeats 5 --json
+    .venv/bin/python bench/tp_vs_autotp.py --model small-qwen3 --zero-stage 1   # from transformers' Qwen3 plan
 
 Both variants train the same model for the same steps on 2 CPU ranks (gloo, one thread each):
 
@@ -14,7 +15,7 @@ Both variants train the same model for the same steps on 2 CPU ranks (gloo, one 
 What is the same: run config (tiny.yaml + the overrides below), tokenizer (trained once here and
 passed to both as model.tokenizer), packed blocks of the built-in `counting` task, batches
 (BlockSampler at dp=1: both tensor ranks read the same blocks, as AutoTP requires), weight init
-(build_model, same seed), fp32, ZeRO-0, AdamW, lr schedule, clipping, and per-step timing: rank 0
+(build_model, same seed), fp32, ZeRO-0 (or --zero-stage 1), AdamW, lr schedule, clipping, and per-step timing: rank 0
 times each step including one all-reduce of the loss, as `dsf train` does at logging.every=1.
 
 Steady-state tokens/s of one run = tokens / seconds over the steps after --warmup (the per-step
@@ -50,7 +51,7 @@ def run_overrides(args: argparse.Namespace, tokenizer_dir: Path, output_dir: Pat
             "data.num_examples=2000", f"data.seq_len={args.seq_len}", f"train.steps={args.steps}",
             f"train.global_batch={args.global_batch}", "train.micro_batch=null", "train.grad_accum=null",
             "train.lr=3e-3", "train.warmup_steps=2", "train.precision=fp32",
-            f"parallel.tp={TP}", "parallel.zero_stage=0",
+            f"parallel.tp={TP}", f"parallel.zero_stage={args.zero_stage}",
             "logging.every=1", "logging.eval_every=0", "logging.progress=false",
             "checkpoint.every=0", "checkpoint.save_final=false", f"output_dir={output_dir}"]
 
@@ -197,6 +198,8 @@ def summarize(runs: dict[str, list[dict]], warmup: int) -> dict:
                             "loss_first": losses[0], "loss_last": losses[-1]}
     figures["ratio_ours_over_autotp"] = (figures["ours"]["median_tokens_per_s"]
                                          / figures["autotp"]["median_tokens_per_s"])
+    ours, autotp = ({s["step"]: s["loss"] for s in runs[v][0]["steps"] if "loss" in s} for v in ("ours", "autotp"))
+    figures["loss_max_relative_difference"] = max(abs(ours[k] - autotp[k]) / abs(autotp[k]) for k in autotp)
     return figures
 
 
@@ -207,8 +210,10 @@ def markdown(figures: dict, args: argparse.Namespace) -> str:
         f = figures[variant]
         rows.append(f"| {name} | {f['layout']} | {f['median_tokens_per_s']:,.0f} | "
                     f"{f['min']:,.0f}-{f['max']:,.0f} | {f['loss_first']:.4f} | {f['loss_last']:.4f} |")
-    rows.append(f"\nratio ours / AutoTP (medians): **{figures['ratio_ours_over_autotp']:.2f}x**  "
-                f"({args.model}, {args.steps} steps of {args.global_batch} x {args.seq_len} tokens, fp32, "
+    rows.append(f"\nratio ours / AutoTP (medians): **{figures['ratio_ours_over_autotp']:.2f}x**; losses differ by "
+                f"{figures['loss_max_relative_difference']:.1e} at most (relative, per step)  "
+                f"({args.model}, ZeRO-{args.zero_stage}, {args.steps} steps of {args.global_batch} x {args.seq_len} "
+                "tokens, fp32, "
                 f"{args.repeats} runs each, first {args.warmup} steps of each run not timed)")
     return "\n".join(rows)
 
@@ -230,8 +235,11 @@ def check_tensor_parallel(ours: dict, autotp: dict) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="tiny-llama", choices=["tiny-llama", "small-llama", "tiny-gpt2"],
-                        help="a preset; small-llama (hidden 256, 4 layers) shows where the math starts to count")
+    parser.add_argument("--model", default="tiny-llama",
+                        choices=["tiny-llama", "small-llama", "tiny-gpt2", "small-qwen3"],
+                        help="a preset; small-llama (hidden 256, 4 layers) shows where the math starts to count; "
+                             "small-qwen3 shards from transformers' Qwen3 plan (q_norm/k_norm: gradients summed)")
+    parser.add_argument("--zero-stage", type=int, default=0, choices=[0, 1], help="both variants' ZeRO stage")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5, help="steps of each run left out of the timing")
     parser.add_argument("--seq-len", type=int, default=64)

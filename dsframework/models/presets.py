@@ -25,6 +25,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     "small-llama": {**_LLAMA_DEFAULTS, "vocab_size": 8192, "hidden_size": 256, "intermediate_size": 688,
                     "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
                     "max_position_embeddings": 1024},
+    # A few M parameters of Qwen3 (q_norm / k_norm, head_dim apart from hidden / heads): the
+    # architecture bench/tp_vs_autotp.py shards from transformers' own plan.
+    "small-qwen3": {"model_type": "qwen3", "vocab_size": 8192, "hidden_size": 256, "intermediate_size": 688,
+                    "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32,
+                    "max_position_embeddings": 1024, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+                    "tie_word_embeddings": False, "hidden_act": "silu", "attention_dropout": 0.0},
     # Real sizes (Llama-2/3 shapes), described by config only.
     "llama-1b": {**_LLAMA_DEFAULTS, "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192,
                  "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,

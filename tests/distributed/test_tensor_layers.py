@@ -51,16 +51,16 @@ class Expect:
     def __init__(self) -> None:
         self.failures: list[str] = []
 
-    def close(self, what: str, got: torch.Tensor | None, want: torch.Tensor) -> None:
+    def close(self, what: str, got: torch.Tensor | None, want: torch.Tensor, tol: float = TOL) -> None:
         if got is None:
             self.failures.append(f"{what}: got None")
             return
         got, want = got.detach(), want.detach()
         if got.shape != want.shape:
             self.failures.append(f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}")
-        elif not torch.allclose(got, want, atol=TOL, rtol=TOL):
+        elif not torch.allclose(got, want, atol=tol, rtol=tol):
             diff = (got - want).abs().max().item()
-            self.failures.append(f"{what}: max abs diff {diff:.3g} > {TOL}")
+            self.failures.append(f"{what}: max abs diff {diff:.3g} > {tol}")
 
     def true(self, what: str, ok: bool) -> None:
         if not ok:
@@ -335,6 +335,35 @@ def check_no_group_is_not_the_world(ex: Expect, *, rank: int, tp: int) -> None:
             ex.true(f"{name}: refused at tp={tp}", tp > 1)
 
 
+def check_qwen3_qk_norm_gradients(ex: Expect, *, rank: int, tp: int) -> None:
+    """A whole Qwen3 sharded from transformers' own plan (models/tensor_parallel.py): its q_norm and
+    k_norm weights (`replicated_with_grad_allreduce`) see only this rank's heads, and their
+    gradients, summed over the tensor group, equal the single-process model's, on every tensor rank;
+    so do the loss and the replicated input norm's gradient (1e-5: a whole model's sums)."""
+    import copy
+
+    from dsframework.models.hf import causal_lm_class
+    from dsframework.models.tensor_parallel import TensorParallelCausalLM, shard_model
+    from dsframework.models.tiny import tiny_config
+
+    config = tiny_config("qwen3")
+    dense = causal_lm_class(config)(config).float()
+    ids = torch.randint(0, config.vocab_size, (2, 16))
+    sharded = TensorParallelCausalLM(shard_model(copy.deepcopy(dense), group=world()), group=world())
+    want, got = dense(input_ids=ids, labels=ids).loss, sharded(input_ids=ids, labels=ids).loss
+    want.backward()
+    got.backward()
+    ex.close("loss", got, want, tol=1e-5)
+    dense_grads = {name: p.grad for name, p in dense.named_parameters()}
+    checked = [name for name, _ in sharded.model.named_parameters()
+               if name.endswith(("_norm.weight", "layernorm.weight"))]
+    ex.true(f"q_norm and k_norm of each layer among {checked}", sum("q_norm" in n or "k_norm" in n for n in checked)
+            == 2 * config.num_hidden_layers)
+    for name, param in sharded.model.named_parameters():
+        if name in checked:
+            ex.close(f"{name}.grad", param.grad, dense_grads[name], tol=1e-5)
+
+
 CHECKS: dict[str, Callable[..., None]] = {
     "mappings": check_mappings,
     "no_group_is_not_the_world": check_no_group_is_not_the_world,
@@ -352,6 +381,7 @@ CHECKS: dict[str, Callable[..., None]] = {
     "lm_head_tied": check_lm_head_tied,
     "lm_head_untied_with_bias": check_lm_head_untied,
     "indivisible_sizes_raise": check_indivisible_sizes_raise,
+    "qwen3_qk_norm_gradients": check_qwen3_qk_norm_gradients,
 }
 
 

@@ -93,9 +93,10 @@ def test_dsf_launch_refuses_before_anything_starts(tmp_path, capsys):
     """`dsf launch --dry-run` of a Mixtral at tp 2: exit 2, one line naming the model type, the style
     and what works; nothing printed of what would start."""
     tiny_config("mixtral").to_json_file(tmp_path / "mixtral.json")
+    model = f"model.name={tmp_path / 'mixtral.json'}"
     with pytest.raises(SystemExit) as stop:
-        _run_command(["launch", TINY, "--num-gpus", "2", "--dry-run", "--set",
-                      f"model.name={tmp_path / 'mixtral.json'}", "--set", "parallel.tp=2", "--set", "parallel.zero_stage=1"])
+        _run_command(["launch", TINY, "--num-gpus", "2", "--dry-run", "--set", model,
+                      "--set", "parallel.tp=2", "--set", "parallel.zero_stage=1"])
     out = capsys.readouterr()
     assert stop.value.code == 2 and "Traceback" not in out.err and out.out == ""
     (line,) = out.err.splitlines()

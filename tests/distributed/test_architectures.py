@@ -47,8 +47,12 @@ def trained(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("model_type", list(ARCHITECTURES))
 def test_tp2_pp2_trains_like_transformers(trained, model_type):
+    """Step 1's loss is the loss of the untrained model on the same batch (through the pipeline's
+    vocab-parallel head, after the model's own post-processing): 1e-5; the 4 steps: 1e-4."""
     run = build_run_config({}, run_overrides(trained / model_type, overrides(trained, model_type)))
-    assert_close(losses(trained / model_type), reference_losses(run), rtol=1e-4, what=model_type)
+    got, want = losses(trained / model_type), reference_losses(run)
+    assert abs(got[1] - want[1]) <= 1e-5 * abs(want[1]), (got[1], want[1])
+    assert_close(got, want, rtol=1e-4, what=model_type)
 
 
 @pytest.mark.parametrize("model_type", list(ARCHITECTURES))

@@ -92,7 +92,10 @@ def _read_json(path: Path, *, field: str) -> dict[str, Any]:
                         "point to a valid transformers config.json") from None
     if not isinstance(data, dict):
         raise UserError(field, str(path), "is not a JSON object", "point to a transformers config.json")
-    return data
+    from transformers import PretrainedConfig
+
+    # transformers writes inf and nan as {"__float__": "Infinity"} (Bamba's time_step_limit): its own decoding
+    return PretrainedConfig._decode_special_floats(data)
 
 
 # Constructor keywords transformers 5 still accepts but folds into other fields (rope_parameters).

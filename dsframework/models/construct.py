@@ -50,6 +50,9 @@ SAFETENSORS_FILE = "model.safetensors"
 
 # --- meta construction --------------------------------------------------------------------------
 
+CONSTRUCTOR_VALUES_UP_TO = 64  # elements: a parameter this small keeps the value its constructor gave it
+
+
 @contextlib.contextmanager
 def parameters_on_meta():
     """Inside, every nn.Parameter a module registers lands on the meta device (no memory); buffers
@@ -63,6 +66,8 @@ def parameters_on_meta():
             kwargs = param.__dict__
             module._parameters[name] = type(param)(param.to("meta"), requires_grad=param.requires_grad)
             module._parameters[name].__dict__.update(kwargs)
+            if param.numel() <= CONSTRUCTOR_VALUES_UP_TO:  # e.g. xIELU's alphas (Apertus): set here, not by
+                module._parameters[name].constructor_value = param.detach().clone()  # transformers' init
 
     nn.Module.register_parameter = register
     try:
@@ -127,6 +132,17 @@ def _cut(read: Callable[[int, int, int], torch.Tensor], param: nn.Parameter, den
     return torch.cat(parts, dim=dim) if len(parts) > 1 else parts[0].contiguous()
 
 
+def _constructor_value(template: nn.Module, path: str, name: str) -> torch.Tensor:
+    """The value a parameter transformers' `_init_weights` does not set got from its module's
+    constructor (kept for small ones by `parameters_on_meta`); UserError for a large one."""
+    value = getattr(template._parameters[name], "constructor_value", None)
+    if value is None:
+        raise UserError("model.name", f"{path}.{name}", "is set by its module's constructor, not by transformers' "
+                        "init, and is too large to keep while the model is built weightless",
+                        "use parallel.tp=1 and parallel.pp=1 (the dense build), or a pretrained directory")
+    return value
+
+
 class SeededInit:
     """Random initialisation equal to `build_model`'s: a dense twin of each module (CPU, one at a
     time), seeded by the module's name, initialised by transformers' `_init_weights`."""
@@ -144,8 +160,12 @@ class SeededInit:
             for param in twin._parameters.values():
                 if param is not None:
                     param._is_hf_initialized = False  # transformers skips tensors flagged as done
+                    param.fill_(float("nan"))  # what transformers' init leaves alone stays NaN
             torch.manual_seed((self.seed * 1_000_003 + zlib.crc32(path.encode())) % (2**63))
             self.init_weights(twin)
+            for name, param in twin._parameters.items():
+                if param is not None and bool(param.isnan().all()):
+                    param.copy_(_constructor_value(template, path, name))
         out = {}
         for name, param in module._parameters.items():
             if param is None:

@@ -72,10 +72,10 @@ def test_a_forward_the_stages_cannot_follow_is_refused(model_type, fragment):
     assert fragment in str(info.value) and f"'{model_type}'" in str(info.value) and "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "gemma2", "gemma3_text", "gpt_neox", "bamba", "falcon_h1",
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", "gemma3_text", "gpt_neox", "bamba", "lfm2",
                                         "nemotron"])
 def test_stages_reproduce_the_forward(model_type):
-    """With a plan (llama, gemma*, gpt_neox) or inferred from the module tree (bamba, falcon_h1,
+    """With a plan (llama, gemma*, gpt_neox) or inferred from the module tree (bamba, lfm2,
     nemotron): the stages one after the other give the model's own logits."""
     check_stages_reproduce_forward(tiny_config(model_type))
 

@@ -362,7 +362,26 @@ def _model_of(model_or_config: Any) -> Any:
         return causal_lm_class(config)(config)
 
 
-def pipeline_layer_specs(model_or_config: Any) -> list:
+class LayerDescription:
+    """What a DeepSpeed LayerSpec records (its module class, arguments, HF names), without
+    importing DeepSpeed: the planner counts stages from these (`dsf plan` stays a light process)."""
+
+    def __init__(self, typename: type, *args: Any, **kwargs: Any):
+        self.typename, self.args, self.kwargs = typename, args, kwargs
+
+
+class TiedLayerDescription(LayerDescription):
+    def __init__(self, key: str, typename: type, *args: Any, **kwargs: Any):
+        super().__init__(typename, *args, **kwargs)
+        self.key = key
+
+
+def pipeline_layer_descriptions(model_or_config: Any) -> list:
+    """`pipeline_layer_specs` as `LayerDescription`s (same order, `hf_label`, `hf_names`)."""
+    return pipeline_layer_specs(model_or_config, kinds=(LayerDescription, TiedLayerDescription))
+
+
+def pipeline_layer_specs(model_or_config: Any, *, kinds: tuple[type, type] | None = None) -> list:
     """The causal LM as DeepSpeed LayerSpecs: embedding, one per decoder layer, final norm, head,
     cut where the architecture's pipeline plan says (models/plans.py).
 
@@ -371,8 +390,10 @@ def pipeline_layer_specs(model_or_config: Any) -> list:
     `hf_label` (its HF name) and `hf_names` ({wrapper child: HF module paths}) for tables and
     checkpoint export.
     """
-    from deepspeed.pipe import LayerSpec, TiedLayerSpec
-
+    if kinds is None:
+        from deepspeed.pipe import LayerSpec, TiedLayerSpec
+    else:
+        LayerSpec, TiedLayerSpec = kinds  # noqa: N806 - DeepSpeed's names, standing in
     model = _model_of(model_or_config)
     plan, base = _checked_plan(model), model.base_model
     prefix = _path_of(model, base)

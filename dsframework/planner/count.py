@@ -1,7 +1,7 @@
 """Parameters per tensor rank and per pipeline layer, counted on the model itself: built on the
 meta device (no memory, no weights), sharded for one tensor rank by the plan dsf train applies
 (`models.tensor_parallel.shard_model` with a `LayoutOnlyGroup`: no process group), and cut where
-the pipeline's LayerSpecs cut it (`parallel.pipeline.pipeline_layer_specs`, their `hf_names`).
+the pipeline's layers cut it (`parallel.pipeline.pipeline_layer_descriptions`, their `hf_names`).
 
     counts = model_counts(config)          # cached per config: the planner asks thousands of times
     shares = counts.shares(2)              # TensorShares of one rank at tp=2
@@ -25,7 +25,7 @@ import torch
 
 from dsframework.models.hf import causal_lm_class, skip_transformers_init
 from dsframework.models.tensor_parallel import shard_model
-from dsframework.parallel.pipeline import hf_names, pipeline_layer_specs
+from dsframework.parallel.pipeline import hf_names, pipeline_layer_descriptions
 from dsframework.parallel.tensor import LayoutOnlyGroup
 
 
@@ -93,7 +93,7 @@ class ModelCounts:
         from the module tree, and why pp > 1 is not available."""
         layer = re.compile(rf"^{re.escape(self.layers_path)}\.\d+$")
         try:
-            specs = pipeline_layer_specs(self.config)
+            specs = pipeline_layer_descriptions(self.config)
         except Exception as error:  # noqa: BLE001 - any refusal means: no pipeline for this model
             return self._module_tree_paths(), _problem(error)
         out = []

@@ -73,6 +73,13 @@ def llama_fields(hidden: int, layers: int) -> dict:
             "max_position_embeddings": 512, "tie_word_embeddings": False}
 
 
+def rough_params(fields: dict) -> float:
+    """Parameters of a family member, to within a few percent (attention with GQA, MLP, embeddings)."""
+    h, f = fields["hidden_size"], fields["intermediate_size"]
+    kv = h * fields["num_key_value_heads"] // fields["num_attention_heads"]
+    return fields["num_hidden_layers"] * (2 * h * h + 2 * h * kv + 3 * h * f) + 2 * fields["vocab_size"] * h
+
+
 def family(max_hidden: int = 8192) -> list[tuple[int, int]]:
     """(hidden, layers) of the search: hidden in steps of 256, layers even in [h/128, h/32]."""
     return [(h, layers) for h in range(256, max_hidden + 1, 256)
@@ -125,6 +132,8 @@ def search(budget: float, baseline: list[float], *, params_target: float | None 
     best = None
     for hidden, layers in family():
         fields = llama_fields(hidden, layers)
+        if params_target is not None and rough_params(fields) > 1.5 * params_target:
+            continue  # (the planner builds each config on the meta device: skip the hopeless ones)
         prediction = predict(fields)
         if params_target is not None and prediction["params"] > params_target:
             continue

@@ -228,8 +228,8 @@ def worker(out: Path, overrides: list[str]) -> None:
     run = load_run_config(TINY_YAML, overrides)
     import torch
 
-    from dsframework.train import engine, setup
     from dsframework.parallel.topology import build_topology
+    from dsframework.train import engine, setup
     from dsframework.train.world import shutdown_distributed
 
     torch.set_num_threads(1)

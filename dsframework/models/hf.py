@@ -50,3 +50,14 @@ def skip_transformers_init():
 def count_parameters(model: Any) -> int:
     """Parameters of a model, counted whole also when ZeRO-3 has partitioned them."""
     return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+
+
+def is_tied(model: Any) -> bool:
+    """Whether the causal LM's output head is its input embedding's weight (tie_word_embeddings)."""
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    return head is not None and head.weight is getattr(embedding, "weight", None)
+
+
+def module_path(root: Any, module: Any) -> str:
+    """The path of `module` inside `root` ("model.embed_tokens"), found by identity."""
+    return next(path for path, child in root.named_modules() if child is module)

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from dsframework.errors import UserError, divide
-from dsframework.models.hf import causal_lm_class
+from dsframework.models.hf import causal_lm_class, is_tied, module_path
 from dsframework.models.logits import processed_head
 from dsframework.models.loss import causal_lm_loss, chunked_causal_lm_loss, vocab_parallel_token_loss
 from dsframework.models.plans import STYLES, WORKING_LAYOUTS, architecture_plan, check_architecture, pattern_regex
@@ -112,10 +112,6 @@ def _set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
     setattr(root.get_submodule(parent) if parent else root, name, module)
 
 
-def _path_of(root: nn.Module, module: nn.Module) -> str | None:
-    return next((path for path, child in root.named_modules() if child is module), None)
-
-
 def _apply_plan(base: nn.Module, plan: Any, *, group: Any) -> None:
     """Every module a plan pattern matches becomes its style's layer (patterns that match nothing,
     e.g. an optional projection this config lacks, are skipped, as transformers does)."""
@@ -133,11 +129,6 @@ def _apply_plan(base: nn.Module, plan: Any, *, group: Any) -> None:
                                                          parts=plan.parts_of(pattern)))
 
 
-def _is_tied(model: Any) -> bool:
-    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
-    return head is not None and head.weight is getattr(embedding, "weight", None)
-
-
 def _shard_embeddings(model: Any, *, group: Any, tied: bool) -> None:
     """The input embedding split by vocabulary (whether or not the plan lists it: same function,
     1/tp of the memory), and the head vocab-parallel: tied to it, or split from its own weight."""
@@ -147,7 +138,7 @@ def _shard_embeddings(model: Any, *, group: Any, tied: bool) -> None:
             raise UserError("parallel.tp", tensor_parallel_size(group), f"cannot split {model.config.model_type}'s "
                             f"input embedding ({type(embedding).__name__})", f"use {WORKING_LAYOUTS}")
         embedding = _vocab_embedding(embedding, group=group)
-        _set_submodule(base, _path_of(base, model.get_input_embeddings()), embedding)
+        _set_submodule(base, module_path(base, model.get_input_embeddings()), embedding)
     if head is None or not isinstance(head, nn.Linear):
         raise UserError("parallel.tp", tensor_parallel_size(group), f"cannot split {model.config.model_type}'s "
                         f"output head ({type(head).__name__})", f"use {WORKING_LAYOUTS}")
@@ -212,7 +203,7 @@ def shard_model(model: Any, *, group: Any) -> Any:
     plan = check_architecture(model.config, tp=tp) if tp > 1 else architecture_plan(model.config)
     if plan.tp_problem:
         check_architecture(model.config, tp=2)  # raises, naming the problem
-    tied = _is_tied(model)  # (before the plan splits the embedding away from the head)
+    tied = is_tied(model)  # (before the plan splits the embedding away from the head)
     _apply_plan(model.base_model, plan, group=group)
     _shard_embeddings(model, group=group, tied=tied)
     if model.config.model_type in AFTER_SHARD:

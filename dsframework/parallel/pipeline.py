@@ -64,7 +64,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from dsframework.errors import UserError
-from dsframework.models.hf import causal_lm_class
+from dsframework.models.hf import causal_lm_class, is_tied, module_path
 from dsframework.models.logits import logit_postprocess
 from dsframework.models.loss import causal_lm_loss, vocab_parallel_token_loss
 from dsframework.models.plans import (
@@ -324,11 +324,6 @@ def _spec(spec: Any, *, label: str, hf: dict[str, tuple[str, ...]]) -> Any:
     return spec
 
 
-def _is_tied(model: Any) -> bool:
-    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
-    return head is not None and head.weight is getattr(embedding, "weight", None)
-
-
 def _child_name(parent: nn.Module, module: nn.Module) -> str:
     return next(name for name, child in parent.named_children() if child is module)
 
@@ -396,7 +391,7 @@ def pipeline_layer_specs(model_or_config: Any, *, kinds: tuple[type, type] | Non
         LayerSpec, TiedLayerSpec = kinds  # noqa: N806 - DeepSpeed's names, standing in
     model = _model_of(model_or_config)
     plan, base = _checked_plan(model), model.base_model
-    prefix = _path_of(model, base)
+    prefix = module_path(model, base)
     token = _child_name(base, model.get_input_embeddings())
     cfg, base_ref, plan_ref = _Ref(model.config, f"<{model.config.model_type} config>"), _Ref(base, prefix), \
         _Ref(plan, "<pipeline plan>")
@@ -410,7 +405,7 @@ def pipeline_layer_specs(model_or_config: Any, *, kinds: tuple[type, type] | Non
     norm = _spec(LayerSpec(FinalNormPipe, cfg, base_ref, plan_ref), label=f"{prefix}.{'+'.join(plan.last)}",
                  hf={**shared, **{name: hf[name] for name in plan.last}})
     head_name = _child_name(model, model.get_output_embeddings())
-    if _is_tied(model):  # one weight, two places: the embedding's file also names the head
+    if is_tied(model):  # one weight, two places: the embedding's file also names the head
         embed_hf[token] = (*embed_hf[token], head_name)
         attr = [f"{token}.weight"]
         embed = TiedLayerSpec(TIED_KEY, EmbeddingPipe, cfg, base_ref, plan_ref, token, tied_weight_attr=attr)
@@ -422,10 +417,6 @@ def pipeline_layer_specs(model_or_config: Any, *, kinds: tuple[type, type] | Non
         head = _spec(LayerSpec(LMHeadPipe, cfg, _Ref(model.get_output_embeddings(), head_name), post),
                      label=head_name, hf={"lm_head": (head_name,)})
     return [_spec(embed, label=f"{prefix}.{'+'.join(plan.first)}", hf=embed_hf), *layers, norm, head]
-
-
-def _path_of(root: nn.Module, module: nn.Module) -> str:
-    return next(path for path, child in root.named_modules() if child is module)
 
 
 def check_stages_reproduce_forward(config: Any) -> None:

@@ -154,6 +154,9 @@ class SeededInit:
     def values(self, path: str, template: nn.Module, module: nn.Module) -> dict[str, torch.Tensor]:
         twin = copy.copy(template)  # shallow: only this module's own parameters get storage
         twin._parameters = dict(template._parameters)
+        # its own dict: to_empty swaps the buffers too, and a shallow copy shares the template's, which
+        # is the model's own module where no tensor-parallel layer replaced it (xIELU's beta and eps)
+        twin._buffers = dict(template._buffers)
         twin._modules = {}
         twin.to_empty(device="cpu", recurse=False)
         with torch.no_grad():

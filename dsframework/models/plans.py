@@ -65,7 +65,8 @@ class ArchitecturePlan:
         return dict(self.packed_parts).get(pattern, 2)
 
 
-# Model types whose plans transformers does not ship, written as the same data.
+# Model types whose plans transformers does not ship ("tp", "pp"), or whose plan misses a
+# tensor ("tp_extra": added to transformers' plan), written as the same data.
 EXTRA_PLANS: dict[str, dict[str, Any]] = {
     "gpt2": {
         "tp": {"wte": "embedding_rowwise", "h.*.attn.c_attn": "packed_colwise", "h.*.attn.c_proj": "rowwise",
@@ -73,19 +74,21 @@ EXTRA_PLANS: dict[str, dict[str, Any]] = {
         "packed_parts": {"h.*.attn.c_attn": 3},  # [q | k | v], each split by heads
         "pp": {"wte": None, "wpe": None, "drop": None, "h": None, "ln_f": None},
     },
+    # xIELU's learned alphas act on each rank's slice of the MLP's width: their gradient is a sum
+    # over the slices. transformers' plan leaves them out; without the sum the tensor ranks drift
+    # apart (dsf export refuses: "the replicated tensor differs between tensor ranks").
+    **{apertus: {"tp_extra": {"layers.*.mlp.act_fn": "replicated_with_grad_allreduce"}}
+       for apertus in ("apertus", "apertus1p5_text")},
 }
 
 
 # Model types whose plan applies but whose sharded forward is measured wrong (bench/architectures.py):
 # refused rather than trained on another function.
-_ENGINE_OFF = ("gives other logits through dsf's engine than transformers' own "
-               "(bench/architectures.py; not understood yet)")
 TP_MEASURED_WRONG: dict[str, str] = {
     "gemma3n_text": "gives other logits than transformers' own at tp 2 (bench/architectures.py: its AltUp and "
                     "per-layer-input projections run outside the plan)",
-    "apertus": _ENGINE_OFF, "apertus1p5_text": _ENGINE_OFF, "falcon_h1": _ENGINE_OFF,
 }
-PP_MEASURED_WRONG: dict[str, str] = {"apertus": _ENGINE_OFF, "apertus1p5_text": _ENGINE_OFF, "falcon_h1": _ENGINE_OFF}
+PP_MEASURED_WRONG: dict[str, str] = {}
 
 
 def _pipeline_plan(pp: dict[str, Any] | None) -> tuple[PipelinePlan | None, str | None]:
@@ -119,6 +122,7 @@ def architecture_plan(config: Any) -> ArchitecturePlan:
     model_type = config.model_type
     extra = EXTRA_PLANS.get(model_type, {})
     tp = extra.get("tp") or getattr(config, "base_model_tp_plan", None) or {}
+    tp = {**tp, **extra["tp_extra"]} if tp and "tp_extra" in extra else tp
     pp, pp_problem = _pipeline_plan(extra.get("pp") or getattr(config, "base_model_pp_plan", None))
     pp_problem = PP_MEASURED_WRONG.get(model_type, pp_problem)
     tp_problem = None
@@ -190,3 +194,29 @@ def check_context_parallel(config: Any, *, cp: int, seq_len: int | None) -> None
         raise UserError("parallel.cp", cp, f"cannot run {model_type!r}'s softcapped attention scores "
                         "(attn_logit_softcapping): the context-parallel attention is sdpa's",
                         "use parallel.cp=1 (tensor and pipeline parallelism, ZeRO)")
+    problem = context_parallel_problem(config)
+    if problem:
+        raise UserError("parallel.cp", cp, f"cannot split {model_type!r}'s sequences: it {problem}",
+                        "use parallel.cp=1 (tensor and pipeline parallelism, ZeRO)")
+
+
+# layer_types entries that are attention; any other (linear_attention, conv, mamba, hybrid) mixes tokens
+# in a recurrence or a convolution, which context parallelism would run on each rank's sequence shard alone
+ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})
+# Measured (bench/architectures.py, cp2): DeepSpeed's Ulysses attention asserts position_ids in every call
+CP_MEASURED_WRONG: dict[str, str] = {
+    "cohere_compass_text": "calls its attention without position_ids, which DeepSpeed's Ulysses attention requires",
+}
+
+
+def context_parallel_problem(config: Any) -> str | None:
+    """Why context parallelism (Ulysses: attention sees every token, all else its rank's shard) would
+    compute another model than `config`'s, whatever the sequence length; None when it would not."""
+    mixers = sorted(set(getattr(config, "layer_types", None) or ()) - ATTENTION_LAYER_TYPES)
+    if mixers:
+        return (f"has {', '.join(mixers)} layers, which mix tokens outside attention (a rank would see only "
+                "its shard of the sequence)")
+    if getattr(config, "kv_lora_rank", None):
+        return ("uses multi-head latent attention (kv_lora_rank), whose query and value heads differ in size, "
+                "which DeepSpeed's Ulysses attention does not take")
+    return CP_MEASURED_WRONG.get(config.model_type)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from dsframework.models.plans import sliding_window
+from dsframework.models.plans import context_parallel_problem, sliding_window
 from dsframework.planner.count import ModelCounts, TensorShares, model_counts
 
 # (Counts are exact, so the planner can be checked against a live engine to the byte.)
@@ -57,6 +57,7 @@ class ModelDesc:
     eager_attention: bool = False  # transformers picks eager attention (Gemma 2): s x s scores are kept
     attn_softcapping: bool = False  # tanh-capped attention scores (Gemma 2): one more s x s tensor
     logit_softcapping: bool = False  # tanh-capped logits (Gemma 2): one more logits-sized tensor
+    cp_problem: str | None = None  # why context parallelism cannot split it at any length (plans.py)
     counts: ModelCounts | None = field(default=None, compare=False, repr=False)  # per tp and stage
 
     @property
@@ -164,4 +165,5 @@ def describe_model(config: Any, *, name: str | None = None) -> ModelDesc:
         sliding_window=sliding_window(config), eager_attention=model.config._attn_implementation == "eager",
         attn_softcapping=bool(getattr(config, "attn_logit_softcapping", None)),
         logit_softcapping=bool(getattr(config, "final_logit_softcapping", None)),
+        cp_problem=context_parallel_problem(config),
         **_features(config, layers[0], q=heads * head_dim, kv=kv_heads * head_dim, ffn=ffn), counts=counts)

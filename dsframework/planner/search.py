@@ -108,7 +108,7 @@ def cp_problem(desc: ModelDesc, seq_len: int) -> str | None:
         return f"its sliding window ({desc.sliding_window} tokens) is shorter than the sequence"
     if desc.attn_softcapping:
         return "its attention scores are softcapped"
-    return None
+    return desc.cp_problem
 
 
 def unavailable(desc: ModelDesc, cluster: Cluster, *, tp: int | None = None,

@@ -335,18 +335,20 @@ def check_no_group_is_not_the_world(ex: Expect, *, rank: int, tp: int) -> None:
             ex.true(f"{name}: refused at tp={tp}", tp > 1)
 
 
-def check_qwen3_qk_norm_gradients(ex: Expect, *, rank: int, tp: int) -> None:
-    """A whole Qwen3 sharded from transformers' own plan (models/tensor_parallel.py): its q_norm and
-    k_norm weights (`replicated_with_grad_allreduce`) see only this rank's heads, and their
-    gradients, summed over the tensor group, equal the single-process model's, on every tensor rank;
-    so do the loss and the replicated input norm's gradient (1e-5: a whole model's sums)."""
+def check_replicated_gradients(ex: Expect, *, rank: int, tp: int, model_type: str, sharded_inputs: tuple[str, ...],
+                               tensors: int) -> None:
+    """A whole model sharded from its plan (models/tensor_parallel.py): the replicated tensors that
+    see only this rank's slice (`sharded_inputs`: Qwen3's q_norm and k_norm, in transformers' plan;
+    Apertus' xIELU alphas, in dsf's `tp_extra`) get gradients that, summed over the tensor group,
+    equal the single-process model's on every tensor rank; so do the loss and the input norms'
+    gradients (1e-5: a whole model's sums). `tensors`: how many such tensors the model holds."""
     import copy
 
     from dsframework.models.hf import causal_lm_class
     from dsframework.models.tensor_parallel import TensorParallelCausalLM, shard_model
     from dsframework.models.tiny import tiny_config
 
-    config = tiny_config("qwen3")
+    config = tiny_config(model_type)
     dense = causal_lm_class(config)(config).float()
     ids = torch.randint(0, config.vocab_size, (2, 16))
     sharded = TensorParallelCausalLM(shard_model(copy.deepcopy(dense), group=world()), group=world())
@@ -356,9 +358,9 @@ def check_qwen3_qk_norm_gradients(ex: Expect, *, rank: int, tp: int) -> None:
     ex.close("loss", got, want, tol=1e-5)
     dense_grads = {name: p.grad for name, p in dense.named_parameters()}
     checked = [name for name, _ in sharded.model.named_parameters()
-               if name.endswith(("_norm.weight", "layernorm.weight"))]
-    ex.true(f"q_norm and k_norm of each layer among {checked}", sum("q_norm" in n or "k_norm" in n for n in checked)
-            == 2 * config.num_hidden_layers)
+               if name.endswith(("layernorm.weight", *sharded_inputs))]
+    ex.true(f"{tensors} tensors named {sharded_inputs} among {checked}",
+            sum(name.endswith(sharded_inputs) for name in checked) == tensors)
     for name, param in sharded.model.named_parameters():
         if name in checked:
             ex.close(f"{name}.grad", param.grad, dense_grads[name], tol=1e-5)
@@ -381,7 +383,10 @@ CHECKS: dict[str, Callable[..., None]] = {
     "lm_head_tied": check_lm_head_tied,
     "lm_head_untied_with_bias": check_lm_head_untied,
     "indivisible_sizes_raise": check_indivisible_sizes_raise,
-    "qwen3_qk_norm_gradients": check_qwen3_qk_norm_gradients,
+    "qwen3_qk_norm_gradients": partial(check_replicated_gradients, model_type="qwen3",
+                                       sharded_inputs=("q_norm.weight", "k_norm.weight"), tensors=2 * 2),
+    "apertus_xielu_gradients": partial(check_replicated_gradients, model_type="apertus",
+                                       sharded_inputs=("act_fn.alpha_p", "act_fn.alpha_n"), tensors=2 * 2),
 }
 
 

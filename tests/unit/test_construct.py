@@ -127,3 +127,24 @@ def test_buffers_are_real_on_a_meta_model():
     assert all(p.device.type == "meta" for p in model.parameters())
     for (name, buffer), (_, want) in zip(model.named_buffers(), dense.named_buffers()):
         assert buffer.device.type == "cpu" and torch.equal(buffer, want), name
+
+
+def test_buffers_of_a_module_with_parameters_survive_the_seeded_init(one_thread):
+    """Apertus' xIELU holds parameters (its alphas) and buffers (beta, eps): materialising its
+    parameters must leave the buffers as built (they once came back as to_empty's garbage, and
+    tp2/pp2 gave NaN logits), and the whole model must give the dense build's logits."""
+    from dsframework.models.tiny import tiny_config
+
+    config = tiny_config("apertus")
+    source = resolve_model(ModelSpec(name="tiny-llama"))  # any random-init source: no pretrained_dir
+    dense = build_model(source, config, seed=3)
+    model, templates = sharded_meta(config, 1, 0)
+    materialize(model, templates, SeededInit(model, seed=3))
+    buffers = dict(model.named_buffers())
+    xielu = [name for name in buffers if name.endswith("act_fn.beta")]
+    assert xielu, "the tiny Apertus has xIELU activations"
+    for name, want in dense.named_buffers():
+        assert torch.equal(buffers[name], want), name
+    ids = torch.randint(3, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, dense(input_ids=ids).logits)

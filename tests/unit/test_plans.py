@@ -4,13 +4,16 @@ before any rank starts (`dsf launch` / `dsf train`'s preflight), naming the mode
 from __future__ import annotations
 
 import pytest
+import torch
 
 from dsframework.commands.cli import _run_command
 from dsframework.errors import UserError
 from dsframework.layout import ParallelDims
+from dsframework.models.hf import causal_lm_class
 from dsframework.models.plans import STYLES, architecture_plan, check_architecture, check_context_parallel
 from dsframework.models.tiny import tiny_config
 from dsframework.parallel.pipeline import check_model_parallelism, check_stages_reproduce_forward
+from dsframework.planner.model import describe_model
 from tests.unit.test_launch import TINY
 
 
@@ -87,6 +90,34 @@ def test_context_parallel_refuses_what_its_attention_would_change():
     with pytest.raises(UserError, match="softcapped attention scores"):
         check_context_parallel(tiny_config("gemma2", sliding_window=64), cp=2, seq_len=32)
     check_context_parallel(tiny_config("qwen2"), cp=2, seq_len=4096)  # names a window, slides nowhere
+
+
+@pytest.mark.parametrize("model_type, fragment", [
+    ("qwen3_5_text", "has linear_attention layers, which mix tokens outside attention"),
+    ("falcon_h1", "has hybrid layers"), ("bamba", "has linear_attention layers"),
+    ("minicpm3", "multi-head latent attention (kv_lora_rank)"), ("youtu", "multi-head latent attention"),
+    ("cohere_compass_text", "without position_ids"),
+])
+def test_context_parallel_refuses_what_splits_outside_attention(model_type, fragment):
+    """Ulysses gives attention every token and all else its rank's shard of the sequence: a layer
+    that mixes tokens outside attention (a recurrence, a convolution) would compute another model."""
+    with pytest.raises(UserError) as info:
+        check_context_parallel(tiny_config(model_type), cp=2, seq_len=32)
+    assert fragment in str(info.value) and "parallel.cp=1" in str(info.value) and "\n" not in str(info.value)
+    assert describe_model(tiny_config(model_type)).cp_problem  # the planner drops cp for it too
+
+
+def test_a_token_mixer_outside_attention_needs_the_whole_sequence():
+    """Why: Qwen 3.5's gated delta net gives the second half of a sequence other outputs when it
+    sees only that half (as a context-parallel rank would), by much more than rounding."""
+    config = tiny_config("qwen3_5_text")
+    torch.manual_seed(0)
+    model = causal_lm_class(config)(config).eval()
+    mixer = next(layer.linear_attn for layer in model.model.layers if hasattr(layer, "linear_attn"))
+    hidden = torch.randn(1, 32, config.hidden_size)
+    with torch.no_grad():
+        whole, half = mixer(hidden)[:, 16:], mixer(hidden[:, 16:])
+    assert (whole - half).abs().max() > 0.01 * whole.abs().max()
 
 
 def test_dsf_launch_refuses_before_anything_starts(tmp_path, capsys):

@@ -53,7 +53,8 @@ def run_overrides(args: argparse.Namespace, tokenizer_dir: Path, output_dir: Pat
             "train.lr=3e-3", "train.warmup_steps=2", "train.precision=fp32",
             f"parallel.tp={TP}", f"parallel.zero_stage={args.zero_stage}",
             "logging.every=1", "logging.eval_every=0", "logging.progress=false",
-            "checkpoint.every=0", "checkpoint.save_final=false", f"output_dir={output_dir}"]
+            "checkpoint.every=0", "checkpoint.save_final=false", f"output_dir={output_dir}",
+            *([f"model.overrides.vocab_size={args.vocab}"] if args.vocab else [])]
 
 
 def save_tokenizer(directory: Path) -> None:
@@ -244,6 +245,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=5, help="steps of each run left out of the timing")
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--global-batch", type=int, default=8)
+    parser.add_argument("--vocab", type=int, help="the model's vocabulary (default: the task tokenizer's 15 tokens); "
+                        "a real one (small-qwen3's 8192) is where a vocab-parallel head differs from a gathered one")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each variant, alternating A B A B")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON, not a table")
     parser.add_argument("--worker", choices=["autotp"], help=argparse.SUPPRESS)  # set by this file

@@ -162,6 +162,8 @@ class ParallelSpec(_Spec):
     cp: int = Field(1, ge=1, description="context-parallel size (DeepSpeed Ulysses): each rank of a group "
                     "holds seq_len / cp tokens of the same sequences; divides the heads and seq_len")
     dp: int | None = Field(None, ge=1, description="data-parallel size; default: world / (tp * pp * cp)")
+    ep: int = Field(1, ge=1, description="expert-parallel size (DeepSpeed AutoEP, mixture-of-experts models): "
+                    "each group of ep data-parallel ranks splits the experts; divides dp and the experts")
     zero_hpz: int = Field(1, ge=1, description="ZeRO-3 hierarchical partitioning (ZeRO++ hpZ): a secondary copy "
                           "of the weight shards within each group of this many ranks (a node), so the backward "
                           "all-gathers stay on the node's links")
@@ -205,7 +207,7 @@ class ParallelSpec(_Spec):
     def _axes_compose(self) -> "ParallelSpec":
         # The same rules parallel.topology applies with the world known (one rule set).
         problem = composition_problem(tp=self.tp, pp=self.pp, cp=self.cp, zero_stage=self.zero_stage,
-                                      zero_hpz=self.zero_hpz)
+                                      zero_hpz=self.zero_hpz, ep=self.ep)
         if problem is not None:
             raise problem
         return self

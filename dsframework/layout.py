@@ -35,7 +35,8 @@ from dsframework.errors import UserError
 
 # What DeepSpeed 0.19 composes, for the one-line refusals (docs/parallel-layouts.md).
 SUPPORTED_COMPOSITIONS = ("tp x pp x dp with ZeRO 0-1; tp x cp x dp with ZeRO 0-3; "
-                          "zero_hpz with ZeRO-3 over cp x dp (tp = pp = 1)")
+                          "zero_hpz with ZeRO-3 over cp x dp (tp = pp = 1); "
+                          "ep within dp with ZeRO 0-3 (tp = pp = cp = 1)")
 
 
 @dataclass(frozen=True)
@@ -49,9 +50,10 @@ class ParallelDims:
     cp: int = 1        # context-parallel size (DeepSpeed Ulysses: each rank holds seq_len / cp)
     zero_stage: int = 0
     zero_hpz: int = 1  # ZeRO-3 hpZ: a secondary copy of the weights shared within groups of this size
+    ep: int = 1        # expert-parallel size (DeepSpeed AutoEP): each of ep data ranks holds 1/ep of the experts
 
     def __post_init__(self) -> None:
-        for name in ("world", "tp", "pp", "cp", "zero_hpz"):
+        for name in ("world", "tp", "pp", "cp", "zero_hpz", "ep"):
             if getattr(self, name) < 1:
                 raise UserError(f"parallel.{name}", getattr(self, name), "must be >= 1", "use a positive size")
         if self.world % self.model_parallel:
@@ -63,12 +65,12 @@ class ParallelDims:
     def of(cls, parallel: Any, *, world: int) -> "ParallelDims":
         """The layout of a run config's `parallel` section on `world` ranks."""
         return cls(world=world, tp=parallel.tp, pp=parallel.pp, cp=parallel.cp,
-                   zero_stage=parallel.zero_stage, zero_hpz=parallel.zero_hpz)
+                   zero_stage=parallel.zero_stage, zero_hpz=parallel.zero_hpz, ep=parallel.ep)
 
     def as_dict(self) -> dict[str, int]:
         """The layout as a checkpoint manifest stores it (dp too, for a reader's eye; `from_dict` derives it)."""
         return {"world": self.world, "tp": self.tp, "pp": self.pp, "cp": self.cp, "dp": self.dp,
-                "zero_stage": self.zero_stage, "zero_hpz": self.zero_hpz}
+                "zero_stage": self.zero_stage, "zero_hpz": self.zero_hpz, "ep": self.ep}
 
     @classmethod
     def from_dict(cls, data: dict[str, int], *, zero_stage: int = 0) -> "ParallelDims":
@@ -79,13 +81,15 @@ class ParallelDims:
             ParallelDims.from_dict({"world": 4, "tp": 2, "pp": 1, "dp": 2}, zero_stage=1)
         """
         return cls(world=data["world"], tp=data["tp"], pp=data["pp"], cp=data.get("cp", 1),
-                   zero_stage=data.get("zero_stage", zero_stage), zero_hpz=data.get("zero_hpz", 1))
+                   zero_stage=data.get("zero_stage", zero_stage), zero_hpz=data.get("zero_hpz", 1),
+                   ep=data.get("ep", 1))
 
     def __str__(self) -> str:
-        """The layout as every message shows it: 'tp 2 x pp 1 x cp 1 x dp 4' (', hpZ 2' with hpZ);
-        the ZeRO stage is shown by each message where it matters."""
+        """The layout as every message shows it: 'tp 2 x pp 1 x cp 1 x dp 4' (', hpZ 2' with hpZ,
+        ', ep 2' with experts split); the ZeRO stage is shown by each message where it matters."""
         return (f"tp {self.tp} x pp {self.pp} x cp {self.cp} x dp {self.dp}"
-                + (f", hpZ {self.zero_hpz}" if self.hpz_enabled else ""))
+                + (f", hpZ {self.zero_hpz}" if self.hpz_enabled else "")
+                + (f", ep {self.ep}" if self.ep_enabled else ""))
 
     @property
     def model_parallel(self) -> int:
@@ -119,12 +123,17 @@ class ParallelDims:
     def hpz_enabled(self) -> bool:
         return self.zero_hpz > 1
 
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
 
 def _divisors(n: int) -> str:
     return "{" + ", ".join(str(d) for d in range(1, n + 1) if n % d == 0) + "}"
 
 
-def composition_problem(*, tp: int, pp: int, cp: int, zero_stage: int, zero_hpz: int) -> UserError | None:
+def composition_problem(*, tp: int, pp: int, cp: int, zero_stage: int, zero_hpz: int,
+                        ep: int = 1) -> UserError | None:
     """Which axes compose and which ZeRO stage each allows (no world, no model): None if these do.
 
     Checked when the run config is built (`config.ParallelSpec`) and again by `layout_problem`."""
@@ -141,15 +150,30 @@ def composition_problem(*, tp: int, pp: int, cp: int, zero_stage: int, zero_hpz:
         return UserError("parallel.zero_hpz", zero_hpz, f"does not compose with parallel.tp={tp}: DeepSpeed builds "
                          "hpZ groups from consecutive world ranks, which would mix tensor-parallel ranks",
                          f"supported: {SUPPORTED_COMPOSITIONS}")
+    return _expert_composition_problem(ep=ep, tp=tp, pp=pp, cp=cp, zero_hpz=zero_hpz)
+
+
+def _expert_composition_problem(*, ep: int, tp: int, pp: int, cp: int, zero_hpz: int) -> UserError | None:
+    # DeepSpeed's AutoEP refuses tensor parallelism from an mpu (dsf's Megatron layers); the
+    # pipeline engine, Ulysses and hpZ beside it are not probed here, so refused rather than guessed.
+    others = {"tp": tp, "pp": pp, "cp": cp, "zero_hpz": zero_hpz}
+    clash = next((name for name, size in others.items() if size > 1), None)
+    if ep > 1 and clash:
+        return UserError("parallel.ep", ep, f"does not compose with parallel.{clash}={others[clash]}: DeepSpeed's "
+                         "AutoEP splits the experts over data-parallel ranks only",
+                         f"set parallel.{clash}=1 (ep composes with dp and ZeRO 0-3) or parallel.ep=1")
     return None
 
 
 def grid_problem(dims: ParallelDims, *, dp: int | None = None) -> UserError | None:
     """The rules that need the world but not the model (`dsf config --world-size` checks these)."""
     problem = composition_problem(tp=dims.tp, pp=dims.pp, cp=dims.cp, zero_stage=dims.zero_stage,
-                                  zero_hpz=dims.zero_hpz)
+                                  zero_hpz=dims.zero_hpz, ep=dims.ep)
     if problem is not None:
         return problem
+    if dims.dp % dims.ep:
+        return UserError("parallel.ep", dims.ep, f"does not divide the {dims.dp} data-parallel ranks (world "
+                         f"{dims.world} / tp*pp*cp = {dims.model_parallel})", f"choose ep in {_divisors(dims.dp)}")
     if dp is not None and dp != dims.dp:
         return UserError("parallel.dp", dp, f"but world {dims.world} / (tp*pp*cp = {dims.model_parallel}) = {dims.dp}",
                          f"set parallel.dp={dims.dp} or leave it out, or run on {dp * dims.model_parallel} ranks")

@@ -147,9 +147,12 @@ def save(engine: Any, ckpt_dir: Path, *, step: int, consumed_samples: int, layou
     )
 
     # The universal-checkpoint marker is the client's to write (Megatron-DeepSpeed does the same):
-    # ds_to_universal refuses a checkpoint without it.
-    client_state = {"dsf": {"step": step, "consumed_samples": consumed_samples},
-                    UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
+    # ds_to_universal refuses a checkpoint without it. On the module, where DeepSpeed's save reads it
+    # and adds its own (AutoEP's expert patterns; AutoEP refuses the key in client_state).
+    if getattr(engine.module, UNIVERSAL_CHECKPOINT_INFO, None) is None:
+        setattr(engine.module, UNIVERSAL_CHECKPOINT_INFO,
+                {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE})
+    client_state = {"dsf": {"step": step, "consumed_samples": consumed_samples}}
     frozen, trainable = _frozen_and_trainable(engine)
     write_shards(engine, partial, client_state=client_state, exclude_frozen=frozen)
     dist.barrier()  # every rank's files are on disk

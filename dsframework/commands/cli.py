@@ -58,6 +58,8 @@ def cli() -> None:
 @click.option("--tp", type=int, default=1, show_default=True, help="tensor-parallel size")
 @click.option("--pp", type=int, default=1, show_default=True, help="pipeline stages (ZeRO 0/1 only)")
 @click.option("--cp", type=int, default=1, show_default=True, help="context-parallel size (DeepSpeed Ulysses)")
+@click.option("--ep", type=int, default=1, show_default=True,
+              help="expert-parallel size (DeepSpeed AutoEP, mixture-of-experts models; divides dp)")
 @click.option("--zero-hpz", type=int, default=1, show_default=True,
               help="ZeRO-3 hpZ: secondary weight shards within groups of this many ranks")
 @click.option("--optimizer", type=click.Choice(["adamw", "adam"]), default="adamw", show_default=True)
@@ -96,7 +98,8 @@ def config_cmd(world_size: int | None, output: Path | None, force: bool, auto_kn
                                 ("--world-size", world_size)))
     train_keys = ("micro_batch", "grad_accum", "global_batch", "optimizer", "lr", "weight_decay",
                   "grad_clip", "warmup_steps", "steps", "lr_schedule", "precision")
-    parallel_keys = ("zero_stage", "offload_optimizer", "offload_param", "nvme_path", "tp", "pp", "cp", "zero_hpz")
+    parallel_keys = ("zero_stage", "offload_optimizer", "offload_param", "nvme_path", "tp", "pp", "cp", "zero_hpz",
+                     "ep")
     sections = {"train": {k: flags[k] for k in train_keys if flags[k] is not None},
                 "parallel": {k: flags[k] for k in parallel_keys}}
     if output is not None and output.exists() and not force:
@@ -318,7 +321,8 @@ def launch_cmd(run_yaml: Path, hostfile: Path | None, include: str, exclude: str
                overrides: tuple[str, ...], resume: bool, overwrite: bool) -> None:
     """Check the hostfile, layout and memory of RUN_YAML, then start `deepspeed` on every node."""
     from dsframework.config import load_run_config
-    from dsframework.launching import hostfile as launch, steps
+    from dsframework.launching import hostfile as launch
+    from dsframework.launching import steps
     from dsframework.launching.launchers import Job
 
     run = load_run_config(run_yaml, overrides)

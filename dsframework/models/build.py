@@ -22,6 +22,7 @@ from typing import Any
 from dsframework.config import ModelSpec
 from dsframework.errors import UserError, did_you_mean
 from dsframework.models.construct import check_pretrained_files
+from dsframework.models.experts import train_router_loss
 from dsframework.models.hf import causal_lm_class, check_causal_lm, skip_transformers_init
 from dsframework.models.lora import check_lora_targets
 from dsframework.models.presets import PRESETS
@@ -38,6 +39,7 @@ class ModelSource:
     config: Any  # transformers.PretrainedConfig
     pretrained_dir: Path | None = None
     vocab_overridden: bool = False  # model.overrides.vocab_size was given
+    router_loss_overridden: bool = False  # model.overrides.output_router_logits was given
 
     @property
     def tokenizer_dir(self) -> Path | None:
@@ -67,6 +69,8 @@ class ModelSource:
             token_id = getattr(tokenizer, name, None)
             if token_id is not None:
                 setattr(config, name, token_id)
+        if not self.router_loss_overridden:
+            train_router_loss(config)  # a mixture of experts trains with its load-balancing loss
         return config
 
 
@@ -161,7 +165,8 @@ def resolve_model(spec: ModelSpec) -> ModelSource:
         check_lora_targets(config, spec.lora)
     if pretrained_dir is not None:
         check_pretrained_files(pretrained_dir, config)
-    return ModelSource(config, pretrained_dir, vocab_overridden="vocab_size" in spec.overrides)
+    return ModelSource(config, pretrained_dir, vocab_overridden="vocab_size" in spec.overrides,
+                       router_loss_overridden="output_router_logits" in spec.overrides)
 
 
 def _gathered(params: list, *, modifier_rank: int | None = 0):

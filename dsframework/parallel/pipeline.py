@@ -64,6 +64,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from dsframework.errors import UserError
+from dsframework.models.experts import check_expert_parallel
 from dsframework.models.hf import causal_lm_class, is_tied, module_path
 from dsframework.models.logits import logit_postprocess
 from dsframework.models.loss import causal_lm_loss, vocab_parallel_token_loss
@@ -447,9 +448,11 @@ def check_model_parallelism(config: Any, dims: Any, *, seq_len: int | None = Non
     style applied to a module it cannot split (the plan run on a weightless model, rank 0's
     layout); a forward that uses weights outside its pipeline plan (the stages cut from it) or
     that its stages do not reproduce (`check_stages_reproduce_forward`); an attention context
-    parallelism would change (models/plans.py `check_context_parallel`)."""
+    parallelism would change (models/plans.py `check_context_parallel`); experts that expert
+    parallelism cannot split (models/experts.py `check_expert_parallel`)."""
     check_architecture(config, tp=dims.tp, pp=dims.pp)
     check_context_parallel(config, cp=dims.cp, seq_len=seq_len)
+    check_expert_parallel(config, ep=dims.ep)
     if dims.tp > 1:
         shard_model(_model_of(config), group=LayoutOnlyGroup(size=dims.tp, rank=0))
     if dims.pp > 1:

@@ -39,6 +39,7 @@ from dsframework.data.examples import use_chat_template
 from dsframework.dsconfig import Batch, build_ds_config, resolve_batch
 from dsframework.errors import UserError
 from dsframework.layout import ParallelDims, check_model_layout
+from dsframework.models.autoep_compat import bridge_output_capture_registry
 from dsframework.models.build import build_model, resolve_model
 from dsframework.models.construct import build_for_layout
 from dsframework.models.hf import count_parameters
@@ -294,6 +295,8 @@ def build_engine(run: RunConfig, model: Any, ds_config: dict[str, Any], world: W
     decides after timing the first steps: train/loop.py)."""
     import deepspeed
 
+    if world.dims.ep_enabled:
+        bridge_output_capture_registry()  # DeepSpeed 0.19.8's AutoEP on transformers 5.24
     # A PipelineModule brings its own grid (DeepSpeed refuses an mpu beside it).
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config,

@@ -15,16 +15,20 @@ from deepspeed.runtime import lr_schedules
 from dsframework.config import RunConfig
 from dsframework.data import IGNORE_INDEX, BlockSampler, load_texts, load_tokenizer, store_cache_dir, token_stores
 from tests.packing_reference import pack_splits  # the blocks as packed in memory: the store must match them
-from dsframework.dsconfig import build_ds_config
+from dsframework.dsconfig import build_ds_config, resolve_batch
 from dsframework.models.build import build_model, resolve_model
 
 
-def reference_losses(run: RunConfig, *, steps: int | None = None) -> dict[int, float]:
-    return reference_train(run, steps=steps)[0]
+def reference_losses(run: RunConfig, *, steps: int | None = None, dp: int | None = None) -> dict[int, float]:
+    return reference_train(run, steps=steps, dp=dp)[0]
 
 
-def reference_train(run: RunConfig, *, steps: int | None = None) -> tuple[dict[int, float], torch.nn.Module]:
-    """(step -> loss, the trained model) of the plain PyTorch loop."""
+def reference_train(run: RunConfig, *, steps: int | None = None,
+                    dp: int | None = None) -> tuple[dict[int, float], torch.nn.Module]:
+    """(step -> loss, the trained model) of the plain PyTorch loop. With `dp`, each step's loss is
+    the mean of the model's losses on the micro-batches `dp` data ranks see (BlockSampler's split),
+    not its loss on the whole global batch: the same for a mean over tokens, not for a mixture of
+    experts' load-balancing loss, which transformers computes per forward."""
     torch.manual_seed(0)
     tokenizer = load_tokenizer(run.checkpoint_dir / "tokenizer")
     supervised = run.data.format != "text"
@@ -50,6 +54,8 @@ def reference_train(run: RunConfig, *, steps: int | None = None) -> tuple[dict[i
         indices = sampler.global_indices((step - 1) * global_batch)
         if supervised:
             loss = _mean_over_trained_tokens(model, train_blocks, indices)
+        elif dp is not None:
+            loss = _mean_over_micro_batches(model, train_blocks, run, dp=dp, consumed=(step - 1) * global_batch)
         else:
             input_ids = train_blocks[indices]
             loss = model(input_ids=input_ids, labels=input_ids).loss
@@ -61,6 +67,19 @@ def reference_train(run: RunConfig, *, steps: int | None = None) -> tuple[dict[i
         optimizer.zero_grad(set_to_none=True)
         out[step] = loss.item()
     return out, model
+
+
+def _mean_over_micro_batches(model: torch.nn.Module, store, run: RunConfig, *, dp: int, consumed: int) -> torch.Tensor:
+    """The mean of the model's own losses on every data rank's micro-batches of one step."""
+    batch = resolve_batch(run.train.micro_batch, run.train.grad_accum, run.train.global_batch, dp_size=dp)
+    losses = []
+    for rank in range(dp):
+        sampler = BlockSampler(len(store), micro_batch=batch.micro_batch, grad_accum=batch.grad_accum, dp_size=dp,
+                               dp_rank=rank, seed=run.data.seed)
+        for indices in sampler.micro_batches(consumed):
+            input_ids = store[indices]
+            losses.append(model(input_ids=input_ids, labels=input_ids).loss)
+    return torch.stack(losses).mean()
 
 
 def _mean_over_trained_tokens(model: torch.nn.Module, store, indices: list[int]) -> torch.Tensor:

@@ -575,10 +575,16 @@ LAYOUT_ERRORS = {  # (world, settings, the one line)
                              "train.chunked_loss=True: is not offered with parallel.pp=2: the pipeline's last stage "
                              "gets its logits from its head layer (a LayerSpec), not from a loss that calls the head; "
                              "set train.chunked_loss=auto (whole logits with pp) or false, or use parallel.tp"),
+    "ep-on-a-dense-model": (2, ("parallel.ep=2",),
+                            "parallel.ep=2: needs a mixture-of-experts model; 'llama' has no routed experts; "
+                            "set parallel.ep=1 (dense models train with dp, tp, pp, cp and ZeRO)"),
+    "ep-not-dividing-dp": (2, ("parallel.ep=4",),
+                           "parallel.ep=4: does not divide the 2 data-parallel ranks (world 2 / tp*pp*cp = 1); "
+                           "choose ep in {1, 2}"),
     "cp-with-pp": (4, ("parallel.zero_stage=1", "parallel.pp=2", "parallel.cp=2"),
                    "parallel.cp=2: does not compose with parallel.pp=2: DeepSpeed's Ulysses runs in its plain engine, "
                    "not the pipeline engine; supported: tp x pp x dp with ZeRO 0-1; tp x cp x dp with ZeRO 0-3; "
-                   "zero_hpz with ZeRO-3 over cp x dp (tp = pp = 1)"),
+                   "zero_hpz with ZeRO-3 over cp x dp (tp = pp = 1); ep within dp with ZeRO 0-3 (tp = pp = cp = 1)"),
 }
 
 

@@ -1,0 +1,86 @@
+"""Mixture-of-experts models: which configs have experts, how many, DeepSpeed AutoEP's preset for
+them, and what `parallel.ep` needs of them.
+
+    moe = expert_layout(config)          # None for a dense model
+    moe.experts, moe.top_k               # 4, 2 (a tiny Mixtral)
+    check_expert_parallel(config, ep=2)  # UserError (one line) when ep cannot run for it
+    train_router_loss(config)            # the model's loss adds router_aux_loss_coef x its aux loss
+
+Expert parallelism itself is DeepSpeed's AutoEP (`deepspeed/module_inject/auto_ep*.py`): at
+`deepspeed.initialize` it finds the MoE blocks of a transformers model (by the preset of its model
+type), builds the expert and expert-data groups and swaps in a block that sends tokens to the rank
+holding their expert (all-to-all). dsframework writes its JSON section (`dsconfig.py`), checks the
+layout before any rank starts (here and `layout.py`), and bridges the installed transformers
+(`models/autoep_compat.py`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from dsframework.errors import UserError
+
+# The config fields transformers' MoE configs name their routed experts and experts per token by.
+EXPERTS_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+TOP_K_FIELDS = ("num_experts_per_tok", "moe_topk", "top_k")
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """A MoE config's routed experts and how many each token goes to."""
+
+    experts: int
+    top_k: int
+
+
+def expert_layout(config: Any) -> ExpertLayout | None:
+    """The routed experts of `config` (None: a dense model, or an MoE config with one expert)."""
+    experts = next((getattr(config, f) for f in EXPERTS_FIELDS if isinstance(getattr(config, f, None), int)), None)
+    if not experts or experts < 2:
+        return None
+    top_k = next((getattr(config, f) for f in TOP_K_FIELDS if isinstance(getattr(config, f, None), int)), 1)
+    return ExpertLayout(experts=experts, top_k=top_k)
+
+
+def autoep_preset(model_type: str) -> str | None:
+    """The name of DeepSpeed AutoEP's preset for a transformers model type, or None."""
+    from deepspeed.module_inject.auto_ep_presets.registry import PRESET_MODELS
+
+    return next((name for name, preset in PRESET_MODELS.items() if model_type in preset.hf_model_types), None)
+
+
+def autoep_model_types() -> list[str]:
+    """Every model type some AutoEP preset recognises (for the refusals' 'what works')."""
+    from deepspeed.module_inject.auto_ep_presets.registry import PRESET_MODELS
+
+    return sorted({t for preset in PRESET_MODELS.values() for t in preset.hf_model_types})
+
+
+def check_expert_parallel(config: Any, *, ep: int) -> None:
+    """UserError in one line, before any rank starts, when `config` cannot train at ep: a dense
+    model, an MoE type DeepSpeed's AutoEP has no preset for, or ep not dividing the experts."""
+    if ep <= 1:
+        return
+    model_type, moe = config.model_type, expert_layout(config)
+    if moe is None:
+        raise UserError("parallel.ep", ep, f"needs a mixture-of-experts model; {model_type!r} has no routed experts",
+                        "set parallel.ep=1 (dense models train with dp, tp, pp, cp and ZeRO)")
+    if autoep_preset(model_type) is None:
+        raise UserError("parallel.ep", ep, f"cannot split {model_type!r}'s experts: DeepSpeed's AutoEP has no preset "
+                        f"for it (it knows {', '.join(autoep_model_types())})",
+                        "set parallel.ep=1 (its experts then train as dense weights under ZeRO)")
+    if moe.experts % ep:
+        divisors = [d for d in range(1, moe.experts + 1) if moe.experts % d == 0]
+        raise UserError("parallel.ep", ep, f"does not divide {model_type}'s {moe.experts} experts",
+                        f"choose ep in {{{', '.join(map(str, divisors))}}}")
+
+
+def train_router_loss(config: Any) -> bool:
+    """Turn on the router's load-balancing loss for training, as transformers computes it: with
+    `output_router_logits` the CausalLM's forward adds `router_aux_loss_coef` x its aux loss to
+    the loss (off by default in most MoE configs, which are written for inference). True when it
+    did; a config that sets it to False on purpose (model.overrides) is left alone by the caller."""
+    if expert_layout(config) is None or not hasattr(config, "output_router_logits"):
+        return False
+    config.output_router_logits = True
+    return True

@@ -1,0 +1,77 @@
+"""Mixture-of-experts models at expert parallelism (DeepSpeed AutoEP through `parallel.ep`): tiny
+random Mixtral and Qwen3-MoE, ep 2 x dp 2 at ZeRO 1, 2 and 3, in one 4-rank launch
+(workers/architectures.py). Each trains 5 steps to the single-process reference (transformers'
+own model and loss, the router's load-balancing loss included as transformers computes it on each
+forward), and each rank holds only its half of the experts."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dsframework.config import build_run_config
+from tests.distributed.launcher import assert_close, launch, losses, run_overrides
+from tests.distributed.reference import reference_losses
+
+WORKER = Path(__file__).parent / "workers" / "architectures.py"
+# router_aux_loss_coef raised from 0.001 so that the load-balancing loss is well above the tolerance
+MODELS = {"mixtral": {"router_aux_loss_coef": 0.05}, "qwen3_moe": {"router_aux_loss_coef": 0.05}}
+STAGES = (1, 2, 3)
+CASES = [(model_type, stage) for model_type in MODELS for stage in STAGES]
+WORLD, EP = 4, 2
+
+
+def case_name(model_type: str, stage: int) -> str:
+    return f"{model_type}-ep{EP}-zero{stage}"
+
+
+def overrides(root: Path, model_type: str, stage: int) -> list[str]:
+    return [f"model.name={root / f'{model_type}.json'}", f"parallel.ep={EP}", f"parallel.zero_stage={stage}",
+            "train.micro_batch=2", "train.steps=5", "checkpoint.save_final=true"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    from dsframework.models.tiny import tiny_config
+
+    root = tmp_path_factory.mktemp("experts")
+    for model_type, fields in MODELS.items():
+        tiny_config(model_type, **fields).to_json_file(root / f"{model_type}.json")
+    specs = [f"{case_name(*case)}|{';'.join(overrides(root, *case))}" for case in CASES]
+    launch([str(WORKER), str(root), *specs], num_ranks=WORLD, timeout=900)
+    return root
+
+
+@pytest.mark.parametrize("model_type, stage", CASES, ids=[case_name(*case) for case in CASES])
+def test_expert_parallel_trains_like_transformers(trained, model_type, stage):
+    """5 steps within 1e-4 of the reference, whose loss adds the router's aux loss per forward; the
+    same reference without it is further off than that (so the run did train with it)."""
+    name = case_name(model_type, stage)
+    run = build_run_config({}, run_overrides(trained / name, overrides(trained, model_type, stage)))
+    got, want = losses(trained / name), reference_losses(run, dp=WORLD)
+    assert_close(got, want, rtol=1e-4, what=name)
+    without = build_run_config({}, run_overrides(trained / name, [*overrides(trained, model_type, stage),
+                                                                  "model.overrides.output_router_logits=false"]))
+    plain = reference_losses(without, steps=1, dp=WORLD)
+    assert abs(plain[1] - got[1]) > 1e-3 * abs(got[1]), "the load-balancing loss is in the trained loss"
+
+
+@pytest.mark.parametrize("model_type", list(MODELS))
+def test_each_rank_holds_half_the_experts(trained, model_type):
+    """At ZeRO-1 (weights whole on every rank): a rank holds the dense part and 1/ep of the experts."""
+    from transformers import AutoConfig
+
+    from dsframework.models.experts import expert_layout
+    from dsframework.models.hf import causal_lm_class
+
+    name = case_name(model_type, 1)
+    config = AutoConfig.from_pretrained(trained / name / "checkpoints" / "hf_config")
+    assert config.output_router_logits, "dsf trains a mixture of experts with its load-balancing loss"
+    model = causal_lm_class(config)(config)
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    total = sum(p.numel() for p in model.parameters())
+    assert expert_layout(config).experts % EP == 0 and experts > 0
+    for rank in range(WORLD):
+        held = json.loads((trained / name / f"held-rank{rank}.json").read_text())["parameters"]
+        assert held == total - experts + experts // EP, (rank, held, total, experts)

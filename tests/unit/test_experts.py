@@ -1,0 +1,118 @@
+"""Mixture-of-experts models (models/experts.py, models/autoep_compat.py, `parallel.ep`): which
+configs have experts, what ep refuses before any rank starts, the DeepSpeed JSON section (checked
+by DeepSpeed's own DeepSpeedConfig), and the one bridge between the installed DeepSpeed AutoEP and
+transformers, which must go once transformers no longer needs it."""
+from __future__ import annotations
+
+import json
+
+import deepspeed  # noqa: F401 - imported before CliRunner swaps sys.stdout: its logger binds the real one
+import pytest
+from click.testing import CliRunner
+
+from dsframework.commands.cli import cli
+from dsframework.config import build_run_config
+from dsframework.dsconfig import build_ds_config, validate_ds_config
+from dsframework.errors import UserError
+from dsframework.layout import ParallelDims, grid_problem
+from dsframework.models.experts import autoep_preset, check_expert_parallel, expert_layout, train_router_loss
+from dsframework.models.tiny import tiny_config
+
+
+@pytest.mark.parametrize("model_type, experts, top_k, preset", [
+    ("mixtral", 4, 2, "mixtral"), ("qwen3_moe", 4, 2, "qwen3_moe"), ("qwen2_moe", 4, 2, "qwen3_moe"),
+    ("deepseek_v3", 4, 2, "deepseek_v3"), ("olmoe", 4, 2, None), ("gpt_oss", 4, 2, None),
+])
+def test_experts_and_autoep_presets_of_moe_types(model_type, experts, top_k, preset):
+    config = tiny_config(model_type)
+    assert expert_layout(config) is not None
+    assert (expert_layout(config).experts, expert_layout(config).top_k) == (experts, top_k)
+    assert autoep_preset(model_type) == preset
+    assert train_router_loss(config) and config.output_router_logits
+
+
+def test_a_dense_model_has_no_experts():
+    config = tiny_config("llama")
+    assert expert_layout(config) is None and not train_router_loss(config)
+
+
+@pytest.mark.parametrize("model_type, ep, fragment", [
+    ("llama", 2, "parallel.ep=2: needs a mixture-of-experts model; 'llama' has no routed experts"),
+    ("olmoe", 2, "cannot split 'olmoe''s experts: DeepSpeed's AutoEP has no preset for it (it knows deepseek_v2,"),
+    ("mixtral", 3, "parallel.ep=3: does not divide mixtral's 4 experts; choose ep in {1, 2, 4}"),
+])
+def test_what_expert_parallelism_cannot_run_is_refused_in_one_line(model_type, ep, fragment):
+    with pytest.raises(UserError) as info:
+        check_expert_parallel(tiny_config(model_type), ep=ep)
+    assert fragment in str(info.value) and "\n" not in str(info.value)
+    check_expert_parallel(tiny_config(model_type), ep=1)  # ep 1: nothing to check
+
+
+@pytest.mark.parametrize("others, fragment", [
+    ({"tp": 2}, "parallel.ep=2: does not compose with parallel.tp=2: DeepSpeed's AutoEP splits the experts over "
+                "data-parallel ranks only; set parallel.tp=1 (ep composes with dp and ZeRO 0-3) or parallel.ep=1"),
+    ({"pp": 2, "zero_stage": 1}, "does not compose with parallel.pp=2"),
+    ({"cp": 2}, "does not compose with parallel.cp=2"),
+    ({"zero_stage": 3, "zero_hpz": 2}, "does not compose with parallel.zero_hpz=2"),
+])
+def test_ep_composes_with_dp_and_zero_only(others, fragment):
+    with pytest.raises(UserError, match="parallel.ep=2") as info:
+        build_run_config({"parallel": {"ep": 2, **others}})
+    assert fragment in str(info.value)
+
+
+def test_ep_divides_the_data_parallel_ranks():
+    assert grid_problem(ParallelDims(world=4, ep=2)) is None
+    assert grid_problem(ParallelDims(world=4, ep=4)) is None
+    problem = grid_problem(ParallelDims(world=6, ep=4))
+    assert str(problem) == ("parallel.ep=4: does not divide the 6 data-parallel ranks (world 6 / tp*pp*cp = 1); "
+                            "choose ep in {1, 2, 3, 6}")
+    assert str(ParallelDims(world=4, ep=2)) == "tp 1 x pp 1 x cp 1 x dp 4, ep 2"
+    assert ParallelDims.from_dict(ParallelDims(world=4, ep=2).as_dict()).ep == 2
+    assert ParallelDims.from_dict({"world": 4, "tp": 1, "pp": 1, "dp": 4}).ep == 1  # manifests before ep
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_the_expert_parallel_section_passes_deepspeed_config(stage):
+    run = build_run_config({"train": {"micro_batch": 2}, "parallel": {"ep": 2, "zero_stage": stage}})
+    ds = build_ds_config(run.train, run.parallel, dp_size=4)
+    assert ds["expert_parallel"] == {"enabled": True, "autoep_size": 2}
+    assert ds["train_batch_size"] == 2 * 4  # expert-parallel ranks are data-parallel ranks
+    validate_ds_config(ds, dp_size=4)
+    assert "expert_parallel" not in build_ds_config(run.train, run.parallel.model_copy(update={"ep": 1}), dp_size=4)
+
+
+def test_dsf_config_writes_ep():
+    result = CliRunner().invoke(cli, ["config", "--zero-stage", "2", "--ep", "2", "--world-size", "4",
+                                      "--micro-batch", "1"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["expert_parallel"] == {"enabled": True, "autoep_size": 2}
+    bad = CliRunner().invoke(cli, ["config", "--ep", "4", "--world-size", "6", "--micro-batch", "1"])
+    assert isinstance(bad.exception, UserError)  # dsf's main prints it in one line and exits 2 (test_bad_input)
+    assert str(bad.exception).startswith("--ep=4: does not divide the 6 data-parallel ranks")
+
+
+def test_the_transformers_bridge_is_still_needed_and_works():
+    """Fails once the installed transformers' registry takes AutoEP's calls itself: then delete
+    models/autoep_compat.py and its call in train/setup.py."""
+    from transformers.utils.output_capturing import _CanRecordRegistry
+
+    from dsframework.models.autoep_compat import bridge_output_capture_registry, registry_needs_bridge
+
+    original_get, original_set = _CanRecordRegistry.get, _CanRecordRegistry.__setitem__
+    try:
+        if not getattr(original_get, "dsf_bridge", False):
+            assert registry_needs_bridge(), "transformers' _CanRecordRegistry.get takes a default now: drop the bridge"
+            with pytest.raises(TypeError):
+                _CanRecordRegistry().get("<class 'x'>", None)  # the call DeepSpeed 0.19.8's AutoEP makes
+        bridge_output_capture_registry()
+        registry = _CanRecordRegistry()
+        model = tiny_config("llama")  # any object: keyed by its class, as transformers does
+        registry[model] = {"router_logits": 1}
+        assert registry.get(model) == {"router_logits": 1} == registry.get(str(model.__class__), None)
+        registry["<class 'other'>"] = {"x": 2}  # AutoEP's restore: keyed by the name it was given
+        assert dict(registry)["<class 'other'>"] == {"x": 2}
+        assert registry.get("<class 'missing'>", "default") == "default" and registry.get(object()) == {}
+        assert not registry_needs_bridge() and not bridge_output_capture_registry()  # idempotent
+    finally:
+        _CanRecordRegistry.get, _CanRecordRegistry.__setitem__ = original_get, original_set

@@ -213,18 +213,20 @@ def verify(ckpt_dir: Path, tag: str) -> dict[str, Any] | None:
     return manifest
 
 
-def to_universal(ckpt_dir: Path, tag: str) -> str:
-    """Convert `tag` with deepspeed's ds_to_universal (once; rank 0); returns the universal tag.
+def to_universal(ckpt_dir: Path, tag: str, *, into: Path | None = None) -> str:
+    """Convert `tag` with deepspeed's ds_to_universal (once; rank 0); returns the universal tag,
+    written beside the checkpoint or in the directory `into` (dsf export's scratch).
 
     A universal checkpoint holds each parameter's fp32 weights and optimizer states whole, so a
     run saved at one data-parallel size loads at another.
     """
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
-    out = Path(ckpt_dir) / (tag + UNIVERSAL)
+    root = Path(into or ckpt_dir)
+    out = root / (tag + UNIVERSAL)
     if out.is_dir():  # renamed into place only when complete
         return out.name
-    tmp = Path(ckpt_dir) / (tag + UNIVERSAL + PARTIAL)
+    tmp = root / (tag + UNIVERSAL + PARTIAL)
     shutil.rmtree(tmp, ignore_errors=True)
     ds_to_universal(Namespace(input_folder=str(Path(ckpt_dir) / tag), output_folder=str(tmp), num_extract_workers=1,
                               num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True))

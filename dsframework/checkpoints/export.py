@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from dsframework.checkpoints import checkpoint as ckpt
+from dsframework.checkpoints.experts import autoep_layers, expert_checkpoint_entries
 from dsframework.config import load_run_config
 from dsframework.data import load_tokenizer
 from dsframework.errors import UserError
@@ -299,6 +300,8 @@ def _rank_reader(ckpt_dir: Path, tag: str, config: Any, *, tensor_rank: int | No
 
     tag_dir = ckpt_dir / tag
     mapped = frozenset(str(path.resolve()) for path in tag_dir.iterdir())
+    if tensor_rank is None and autoep_layers(tag_dir):  # expert parallelism (tp = pp = 1)
+        return TensorReader(expert_checkpoint_entries(ckpt_dir, tag, config, scratch=scratch), mapped=mapped)
     is_pipeline = any(tag_dir.glob("layer_*-model_states.pt"))
     if is_pipeline:  # DeepSpeed's pipeline engine
         entries = _pipeline_entries(tag_dir, config, tensor_rank=tensor_rank)

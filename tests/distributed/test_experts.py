@@ -1,8 +1,9 @@
 """Mixture-of-experts models at expert parallelism (DeepSpeed AutoEP through `parallel.ep`): tiny
-random Mixtral and Qwen3-MoE, ep 2 x dp 2 at ZeRO 1, 2 and 3, in one 4-rank launch
-(workers/architectures.py). Each trains 5 steps to the single-process reference (transformers'
-own model and loss, the router's load-balancing loss included as transformers computes it on each
-forward), and each rank holds only its half of the experts."""
+random Mixtral and Qwen3-MoE, ep 2 x dp 2 at ZeRO 1, 2 and 3 (and Mixtral at ZeRO-0), in one
+4-rank launch (workers/architectures.py). Each trains 5 steps to the single-process reference
+(transformers' own model and loss, the router's load-balancing loss included as transformers
+computes it on each forward), each rank holds only its half of the experts, and `dsf export`
+writes transformers' own expert layout, which gives the trained engine's logits."""
 from __future__ import annotations
 
 import json
@@ -17,8 +18,7 @@ from tests.distributed.reference import reference_losses
 WORKER = Path(__file__).parent / "workers" / "architectures.py"
 # router_aux_loss_coef raised from 0.001 so that the load-balancing loss is well above the tolerance
 MODELS = {"mixtral": {"router_aux_loss_coef": 0.05}, "qwen3_moe": {"router_aux_loss_coef": 0.05}}
-STAGES = (1, 2, 3)
-CASES = [(model_type, stage) for model_type in MODELS for stage in STAGES]
+CASES = [("mixtral", 0), *((model_type, stage) for model_type in MODELS for stage in (1, 2, 3))]
 WORLD, EP = 4, 2
 
 
@@ -75,3 +75,26 @@ def test_each_rank_holds_half_the_experts(trained, model_type):
     for rank in range(WORLD):
         held = json.loads((trained / name / f"held-rank{rank}.json").read_text())["parameters"]
         assert held == total - experts + experts // EP, (rank, held, total, experts)
+
+
+@pytest.mark.parametrize("model_type, stage", CASES, ids=[case_name(*case) for case in CASES])
+def test_export_writes_transformers_experts_with_the_engines_logits(trained, tmp_path, model_type, stage):
+    """ZeRO 1-3 through DeepSpeed's universal conversion (in export's scratch: the checkpoint
+    directory is left as it was), ZeRO-0 from the per-expert files; AutoEP's w1 | w3 and w2 back
+    to transformers' gate_up_proj and down_proj."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.distributed.launcher import dsf
+
+    name = case_name(model_type, stage)
+    before = sorted(p.name for p in (trained / name / "checkpoints").iterdir())
+    dsf("export", str(trained / name / "checkpoints"), str(tmp_path / "hf"))
+    assert sorted(p.name for p in (trained / name / "checkpoints").iterdir()) == before
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True, dtype=torch.float32).eval()
+    assert model.config.model_type == model_type
+    engine = torch.load(trained / name / "engine.pt")
+    with torch.no_grad():
+        exported = model(input_ids=engine["input_ids"]).logits
+    assert torch.allclose(exported, engine["logits"], atol=1e-5, rtol=0), (
+        f"max |diff| {(exported - engine['logits']).abs().max().item():.3g}")

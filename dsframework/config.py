@@ -343,6 +343,10 @@ class RunConfig(_Spec):
             raise UserError("model.lora", None, f"runs at tp = pp = cp = 1 with ZeRO 0-3 (got tp={par.tp}, pp={par.pp}, "
                             f"cp={par.cp}): peft wraps whole HF modules, not tensor shards or pipeline stages",
                             "set parallel.tp=1 parallel.pp=1 parallel.cp=1 (or remove model.lora)")
+        if self.model.lora is not None and par.ep > 1:
+            raise UserError("model.lora", None, f"is not offered with parallel.ep={par.ep}: DeepSpeed's AutoEP "
+                            "replaces the MoE blocks peft would wrap (not tried here)",
+                            "set parallel.ep=1 (LoRA on a mixture of experts at ep 1 trains its adapters under ZeRO)")
         if self.data.format != "text" and (par.pp, par.cp) != (1, 1):
             raise UserError("data.format", self.data.format, f"runs at tp x dp with ZeRO 0-3 (got pp={par.pp}, "
                             f"cp={par.cp}): its loss is normalised over the trained tokens of the whole batch",

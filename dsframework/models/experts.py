@@ -5,6 +5,7 @@ them, and what `parallel.ep` needs of them.
     moe.experts, moe.top_k               # 4, 2 (a tiny Mixtral)
     check_expert_parallel(config, ep=2)  # UserError (one line) when ep cannot run for it
     train_router_loss(config)            # the model's loss adds router_aux_loss_coef x its aux loss
+    describe_experts(config, ep=2)       # '160,768 active per token: 4 experts, top 2, 2 per rank'
 
 Expert parallelism itself is DeepSpeed's AutoEP (`deepspeed/module_inject/auto_ep*.py`): at
 `deepspeed.initialize` it finds the MoE blocks of a transformers model (by the preset of its model
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsframework.errors import UserError
+from dsframework.models.hf import causal_lm_class
 
 # The config fields transformers' MoE configs name their routed experts and experts per token by.
 EXPERTS_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
@@ -84,3 +86,26 @@ def train_router_loss(config: Any) -> bool:
         return False
     config.output_router_logits = True
     return True
+
+
+def routed_expert_parameters(config: Any) -> tuple[int, int]:
+    """(all parameters, those of the routed experts) of `config`'s model, counted on the meta device.
+    Routed experts are the tensors under an `experts` module (shared experts and routers are not)."""
+    import torch
+
+    with torch.device("meta"):
+        model = causal_lm_class(config)(config)
+    total = sum(p.numel() for p in model.parameters())
+    routed = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    return total, routed
+
+
+def describe_experts(config: Any, *, ep: int) -> str | None:
+    """What the run's first line says of its experts (None for a dense model): the parameters a token
+    passes through (the dense part and top_k of the routed experts), experts, top-k, experts per rank."""
+    moe = expert_layout(config)
+    if moe is None:
+        return None
+    total, routed = routed_expert_parameters(config)
+    active = total - routed + routed * moe.top_k // moe.experts
+    return f"{active:,} active per token: {moe.experts} experts, top {moe.top_k}, {moe.experts // ep} per rank"

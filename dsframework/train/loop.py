@@ -20,6 +20,7 @@ from dsframework.config import RunConfig
 from dsframework.data import BlockSampler
 from dsframework.data.store import describe_store
 from dsframework.errors import UserError
+from dsframework.models.experts import describe_experts
 from dsframework.train import step as one_step
 from dsframework.train.compiling import AUTO_PROBE_STEPS, auto_compile, compile_engine, compile_seconds
 from dsframework.train.guards import NonFiniteWatch, StopRequest
@@ -93,7 +94,9 @@ def run_steps(run: RunConfig, session: Session, sinks: Any, *, resume: bool) -> 
 def print_summary(run: RunConfig, session: Session, meter: FlopsMeter) -> None:
     """Rank 0's two lines on what is about to train: parameters, layout, batch, data, peak, loss."""
     dims, batch, train_blocks = session.dims, session.batch, session.train_blocks
-    print(f"dsf: {session.num_parameters:,} parameters | world {dims.world} = {dims} "
+    experts = describe_experts(session.model_config, ep=dims.ep)
+    print(f"dsf: {session.num_parameters:,} parameters" + (f" ({experts})" if experts else "")
+          + f" | world {dims.world} = {dims} "
           f"| ZeRO-{dims.zero_stage} | batch {batch.micro_batch} x {batch.grad_accum} x {dims.dp}"
           f" = {batch.global_batch} | {len(train_blocks):,} train / {len(session.eval_blocks):,} eval "
           f"blocks of {run.data.seq_len} tokens | peak {meter.peak_per_rank / 1e12:.3g} TFLOP/s per rank "

@@ -377,8 +377,11 @@ def resume_tag(run: RunConfig, dims: ParallelDims, manifest: dict[str, Any] | No
         raise UserError("parallel.cp", dims.cp, f"differs from the checkpoint's {was.cp} (a resume "
                         "keeps the context-parallel size; tp, pp and dp may change)",
                         f"resume with parallel.cp={was.cp}")
-    if (was.tp, was.pp, was.dp) == (dims.tp, dims.pp, dims.dp):
+    if (was.tp, was.pp, was.dp, was.ep) == (dims.tp, dims.pp, dims.dp, dims.ep):
         return tag, False
+    if was.ep_enabled or dims.ep_enabled:  # (AutoEP's universal route to another ep or dp is not tested here)
+        raise UserError("parallel.ep", dims.ep, f"runs with split experts resume at their saved layout only (saved "
+                        f"{was}, now {dims})", f"resume on {was.world} ranks with parallel.ep={was.ep}")
     if dims.cp_enabled:  # (the universal-checkpoint conversions below are not tested with cp's ZeRO groups)
         raise UserError("parallel.cp", dims.cp, f"runs resume at their saved layout only (saved {was}, now {dims})",
                         f"resume on {was.world} ranks with parallel.tp={was.tp}")

@@ -18,6 +18,7 @@ from tests.distributed.reference import reference_losses
 WORKER = Path(__file__).parent / "workers" / "architectures.py"
 # router_aux_loss_coef raised from 0.001 so that the load-balancing loss is well above the tolerance
 MODELS = {"mixtral": {"router_aux_loss_coef": 0.05}, "qwen3_moe": {"router_aux_loss_coef": 0.05}}
+RESUMED = ("mixtral", 3)  # stopped after step 3 and resumed (same layout, same process group, from disk)
 CASES = [("mixtral", 0), *((model_type, stage) for model_type in MODELS for stage in (1, 2, 3))]
 WORLD, EP = 4, 2
 
@@ -39,7 +40,10 @@ def trained(tmp_path_factory) -> Path:
     for model_type, fields in MODELS.items():
         tiny_config(model_type, **fields).to_json_file(root / f"{model_type}.json")
     specs = [f"{case_name(*case)}|{';'.join(overrides(root, *case))}" for case in CASES]
-    launch([str(WORKER), str(root), *specs], num_ranks=WORLD, timeout=900)
+    stopped = ";".join([*overrides(root, *RESUMED), "train.stop_after=3", "checkpoint.save_final=false"])
+    specs += [f"stopped|{stopped}", f"stopped|{';'.join(overrides(root, *RESUMED))}|resume"]
+    proc = launch([str(WORKER), str(root), *specs], num_ranks=WORLD, timeout=900)
+    (root / "stdout.txt").write_text(proc.stdout)
     return root
 
 
@@ -98,3 +102,29 @@ def test_export_writes_transformers_experts_with_the_engines_logits(trained, tmp
         exported = model(input_ids=engine["input_ids"]).logits
     assert torch.allclose(exported, engine["logits"], atol=1e-5, rtol=0), (
         f"max |diff| {(exported - engine['logits']).abs().max().item():.3g}")
+
+
+def test_resume_at_the_same_layout_is_exact(trained):
+    """Steps 4 and 5 after a stop at step 3 and a resume from its checkpoint (AutoEP's ZeRO-3
+    partitions of the experts) equal the straight run's."""
+    straight, resumed = losses(trained / case_name(*RESUMED)), losses(trained / "stopped")
+    assert sorted(resumed) == [1, 2, 3, 4, 5]
+    assert_close({s: resumed[s] for s in (4, 5)}, {s: straight[s] for s in (4, 5)}, rtol=1e-6, what="resumed")
+
+
+def test_resume_at_another_ep_is_refused_in_one_line(trained):
+    from dsframework.errors import UserError
+    from dsframework.layout import ParallelDims
+    from dsframework.train.setup import resume_tag
+
+    run = build_run_config({}, run_overrides(trained / "stopped", overrides(trained, *RESUMED)))
+    manifest = json.loads((trained / "stopped" / "checkpoints" / "global_step5" / "dsf_manifest.json").read_text())
+    with pytest.raises(UserError, match=r"parallel.ep=1: runs with split experts resume at their saved layout only "
+                                        r"\(saved tp 1 x pp 1 x cp 1 x dp 4, ep 2, now tp 1 x pp 1 x cp 1 x dp 4\)"):
+        resume_tag(run, ParallelDims(world=WORLD, zero_stage=3), manifest, None)
+
+
+def test_the_first_line_names_the_experts(trained):
+    lines = [line for line in (trained / "stdout.txt").read_text().splitlines() if " parameters (" in line]
+    assert lines and all(" active per token: 4 experts, top 2, 2 per rank) | world 4 = tp 1 x pp 1 x cp 1 x dp 4, "
+                         "ep 2 | ZeRO-" in line for line in lines), lines[:2]

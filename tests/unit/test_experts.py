@@ -15,7 +15,14 @@ from dsframework.config import build_run_config
 from dsframework.dsconfig import build_ds_config, validate_ds_config
 from dsframework.errors import UserError
 from dsframework.layout import ParallelDims, grid_problem
-from dsframework.models.experts import autoep_preset, check_expert_parallel, expert_layout, train_router_loss
+from dsframework.models.experts import (
+    autoep_preset,
+    check_expert_parallel,
+    describe_experts,
+    expert_layout,
+    routed_expert_parameters,
+    train_router_loss,
+)
 from dsframework.models.tiny import tiny_config
 
 
@@ -116,3 +123,21 @@ def test_the_transformers_bridge_is_still_needed_and_works():
         assert not registry_needs_bridge() and not bridge_output_capture_registry()  # idempotent
     finally:
         _CanRecordRegistry.get, _CanRecordRegistry.__setitem__ = original_get, original_set
+
+
+def test_the_first_line_counts_active_parameters():
+    """Mixtral's routed experts, from its config (3 matrices of hidden x ffn per expert and layer),
+    not from the module names the count uses; a token passes through top_k of them."""
+    config = tiny_config("mixtral")
+    h, f, layers, experts = config.hidden_size, config.intermediate_size, config.num_hidden_layers, 4
+    total, routed = routed_expert_parameters(config)
+    assert routed == layers * experts * 3 * h * f
+    active = total - routed + routed // 2
+    assert describe_experts(config, ep=2) == f"{active:,} active per token: 4 experts, top 2, 2 per rank"
+    assert describe_experts(tiny_config("llama"), ep=1) is None
+
+
+def test_lora_with_ep_is_refused_in_one_line():
+    with pytest.raises(UserError, match=r"model.lora: is not offered with parallel.ep=2: DeepSpeed's AutoEP replaces "
+                                        r"the MoE blocks peft would wrap"):
+        build_run_config({"model": {"lora": {"r": 4}}, "parallel": {"ep": 2}})

@@ -5,7 +5,8 @@ what its engine holds, and the rank holding the trained engine's logits saves th
     deepspeed --num_gpus 4 architectures.py OUT_ROOT 'qwen3|model.name=/x/qwen3.json;parallel.tp=2' ...
 
 Each spec is NAME|OVERRIDES (`;`-separated, on top of the tests' BASE_OVERRIDES), trained into
-OUT_ROOT/NAME as `dsf train` does (prepare, then the loop). Then:
+OUT_ROOT/NAME as `dsf train` does (prepare, then the loop); NAME|OVERRIDES|resume continues the run
+already in OUT_ROOT/NAME (`dsf train --resume`). Then:
 - OUT_ROOT/NAME/held-rank{R}.json: {"parameters": elements of the engine's parameters on this rank
   (a tied weight once per stage that holds a copy), "stage", "tensor_rank"};
 - OUT_ROOT/NAME/engine.pt: {"input_ids", "logits"} of the trained engine on two evaluation blocks
@@ -38,13 +39,13 @@ def held(session) -> dict:
             "tensor_rank": engine.mpu.get_slice_parallel_rank() if dims.tp_enabled else 0}
 
 
-def one_run(out: Path, overrides: list[str]) -> None:
+def one_run(out: Path, overrides: list[str], *, resume: bool = False) -> None:
     run = load_run_config(TINY_YAML, run_overrides(out, overrides))
-    session = prepare(run, resume=False)
+    session = prepare(run, resume=resume)
     (out / f"held-rank{session.rank}.json").write_text(json.dumps(held(session)))
     sinks = open_sinks(run, resume_step=None, enabled=session.rank == 0)
     try:
-        run_steps(run, session, sinks, resume=False)
+        run_steps(run, session, sinks, resume=resume)
     finally:
         sinks.close()
     vocab_size = AutoConfig.from_pretrained(str(run.checkpoint_dir / "hf_config")).vocab_size
@@ -59,8 +60,8 @@ def one_run(out: Path, overrides: list[str]) -> None:
 def main(root: str, specs: list[str]) -> None:
     for spec in specs:
         forget_previous_run()
-        name, overrides = spec.split("|")
-        one_run(Path(root) / name, [o for o in overrides.split(";") if o])
+        name, overrides, *flags = spec.split("|")
+        one_run(Path(root) / name, [o for o in overrides.split(";") if o], resume="resume" in flags)
 
 
 if __name__ == "__main__":

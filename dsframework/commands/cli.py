@@ -212,14 +212,15 @@ def _flag_for(field: str) -> str:
 @click.option("--tp", type=click.IntRange(min=1), help="pin the tensor-parallel size")
 @click.option("--pp", type=click.IntRange(min=1), help="pin the pipeline size")
 @click.option("--cp", type=click.IntRange(min=1), help="pin the context-parallel size")
+@click.option("--ep", type=click.IntRange(min=1), help="pin the expert-parallel size (mixture-of-experts models)")
 @click.option("--zero-stage", type=click.IntRange(0, 3), help="pin the ZeRO stage")
 @click.option("--json", "as_json", is_flag=True, help="every candidate as JSON (schema in docs/planner.md)")
 @click.option("-o", "--output-dir", type=click.Path(file_okay=False, path_type=Path),
               help="write ds_config.json and run.yaml of the best layout here")
 @click.option("--force", is_flag=True, help="replace files already in --output-dir")
 def plan_cmd(model_name: str, cluster_name: str, nodes: int, gpus_per_node: int, seq_len: int, global_batch: int,
-             precision: str, top: int, tp: int | None, pp: int | None, cp: int | None, zero_stage: int | None, as_json: bool,
-             output_dir: Path | None, force: bool) -> None:
+             precision: str, top: int, tp: int | None, pp: int | None, cp: int | None, ep: int | None,
+             zero_stage: int | None, as_json: bool, output_dir: Path | None, force: bool) -> None:
     """Rank the layouts that fit MODEL on the cluster by predicted tokens/s, with memory per GPU."""
     from dsframework.config import ModelSpec
     from dsframework.models.build import resolve_model
@@ -237,7 +238,7 @@ def plan_cmd(model_name: str, cluster_name: str, nodes: int, gpus_per_node: int,
                             "choose another directory or pass --force")
     desc = describe_model(resolve_model(ModelSpec(name=model_name)).config, name=model_name)
     plan = search(desc, cluster, Job(seq_len=seq_len, global_batch=global_batch, precision=precision),
-                  tp=tp, pp=pp, cp=cp, zero_stage=zero_stage)
+                  tp=tp, pp=pp, cp=cp, ep=ep, zero_stage=zero_stage)
     if as_json:
         click.echo(json.dumps({"model": model_name, "cluster": cluster.to_dict(), "seq_len": seq_len,
                                "global_batch": global_batch, "precision": precision,

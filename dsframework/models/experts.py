@@ -35,6 +35,12 @@ class ExpertLayout:
     top_k: int
 
 
+# The model types DeepSpeed 0.19's AutoEP presets recognise (auto_ep_presets/*.py `hf_model_types`),
+# for the planner, which does not import DeepSpeed; tests/unit/test_experts.py pins it to the registry.
+AUTOEP_MODEL_TYPES = frozenset({"mixtral", "qwen3_moe", "qwen2_moe", "qwen3_5_moe_text", "deepseek_v2",
+                                "deepseek_v3", "minimax_m3_vl_text"})
+
+
 def expert_layout(config: Any) -> ExpertLayout | None:
     """The routed experts of `config` (None: a dense model, or an MoE config with one expert)."""
     experts = next((getattr(config, f) for f in EXPERTS_FIELDS if isinstance(getattr(config, f, None), int)), None)

@@ -3,7 +3,7 @@
     PRESETS["tiny-llama"]["num_key_value_heads"]   # 2: grouped-query attention even when tiny
 
 The tiny presets train on a CPU in seconds; the real-size ones (llama-7b, llama-70b, ...; qwen3-8b,
-gemma3-12b, phi4-14b, olmo2-13b in their published shapes) exist for planning and for GPUs. A randomly
+gemma3-12b, phi4-14b, olmo2-13b, the mixture of experts qwen3-30b-a3b in their published shapes) exist for planning and for GPUs. A randomly
 initialised model takes the tokenizer's vocabulary size at build time.
 """
 from __future__ import annotations
@@ -48,6 +48,14 @@ PRESETS: dict[str, dict[str, Any]] = {
     "llama3-8b": {**_LLAMA_DEFAULTS, "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
                   "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
                   "max_position_embeddings": 8192, "rope_theta": 500000.0},
+    # Qwen3-30B-A3B (Qwen/Qwen3-30B-A3B config.json): 128 experts, 8 per token; 30.5B parameters, 3.3B active.
+    "qwen3-30b-a3b": {"model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048,
+                      "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+                      "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+                      "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                      "norm_topk_prob": True, "router_aux_loss_coef": 0.001, "max_position_embeddings": 40960,
+                      "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+                      "hidden_act": "silu", "attention_dropout": 0.0},
     "qwen3-8b": {"model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
                  "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
                  "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,

@@ -409,14 +409,41 @@ def trained(desc: ModelDesc, shape: StageShape, job: Job) -> Trained:
                    persistent=job.trainable_persistent * share)
 
 
-def _model_states(shape: StageShape, layout: Layout, job: Job, train: Trained) -> dict[str, float]:
+def _model_states(desc: ModelDesc, shape: StageShape, layout: Layout, job: Job, train: Trained) -> dict[str, float]:
     """Bytes of params, grads, optimizer (on the device) and cpu_* (offloaded) for one rank.
     ZeRO partitions over data x context ranks (`ParallelDims.zero_ranks`); hpZ adds its secondary
     partition of the weights, w P / zero_hpz (`hpz_secondary`, counted in params). Parameters
-    count the stage's and any adapters (P + A); gradients and optimizer states what trains (T)."""
-    P, d, w, z = shape.params + train.added, layout.dims.zero_ranks, job.param_bytes, layout.dims.zero_stage
-    T = train.elements
-    persistent = shape.persistent + train.persistent
+    count the stage's and any adapters (P + A); gradients and optimizer states what trains (T).
+    With expert parallelism (ep > 1, tp = pp = 1, the whole model on the stage) the `routed`
+    experts' parameters are a rank's 1/ep of them, which ZeRO partitions over its expert-data group
+    (zero_ranks / ep ranks: DeepSpeed AutoEP's), and the rest as before."""
+    ep, routed = layout.dims.ep, desc.routed_params
+    if ep > 1 and routed and job.trainable_params is None:
+        kept, kept_at_ep = _persistent_experts(desc, layout.knobs.persistence_threshold, ep)
+        dense = _states(shape.params - routed, shape.params - routed, shape.persistent - kept, layout, job,
+                        zero_ranks=layout.dims.zero_ranks)
+        experts = _states(routed // ep, routed // ep, kept_at_ep, layout, job, zero_ranks=layout.dims.zero_ranks // ep)
+        return {key: dense[key] + experts[key] for key in dense}
+    return _states(shape.params + train.added, train.elements, shape.persistent + train.persistent, layout, job,
+                   zero_ranks=layout.dims.zero_ranks)
+
+
+def _persistent_experts(desc: ModelDesc, threshold: int, ep: int) -> tuple[int, int]:
+    """(routed-expert elements ZeRO-3 keeps whole in transformers' layout, in AutoEP's at `ep`).
+    transformers holds a layer's experts as gate_up_proj (2 m elements) and down_proj (m); AutoEP as
+    w1, w3 and w2 of m / ep each on a rank (m: `expert_matrix`)."""
+    m = desc.expert_matrix
+    if not m:
+        return 0, 0
+    layers = desc.routed_params // (3 * m)
+    whole = layers * (2 * m * (2 * m <= threshold) + m * (m <= threshold))
+    return whole, layers * 3 * (m // ep) * (m // ep <= threshold)
+
+
+def _states(P: float, T: float, persistent: float, layout: Layout, job: Job, *, zero_ranks: int) -> dict[str, float]:
+    """`_model_states` of P parameters (T of them trained, `persistent` kept whole by ZeRO-3) that
+    ZeRO partitions over `zero_ranks` ranks."""
+    d, w, z = zero_ranks, job.param_bytes, layout.dims.zero_stage
     if z == 3:  # the partition, plus gathered copies of the persistent ones (one rank: the same)
         params = w * P / d + (w * persistent if d > 1 else 0)
     else:
@@ -514,7 +541,7 @@ def stage_memories(desc: ModelDesc, layout: Layout, job: Job, *, distinct: bool 
         edge = _edge_activation_bytes(desc, shape, micro_batch=layout.micro_batch, seq_len=job.seq_len,
                                       tp=dims.tp, precision=job.precision, cp=dims.cp, chunked=chunk is not None)
         train = trained(desc, shape, job)
-        states = _model_states(shape, layout, job, train)
+        states = _model_states(desc, shape, layout, job, train)
         hpz = states.pop("hpz_secondary")
         memories.append(Memory(**states, activations=in_flight * (shape.layers * kept_per_layer + edge),
                                buffers=_buffers(desc, shape, layout, job, layer_act, train), stage=index,

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from dsframework.models.experts import AUTOEP_MODEL_TYPES, expert_layout
 from dsframework.models.plans import context_parallel_problem, sliding_window
 from dsframework.planner.count import ModelCounts, TensorShares, model_counts
 
@@ -58,6 +59,11 @@ class ModelDesc:
     attn_softcapping: bool = False  # tanh-capped attention scores (Gemma 2): one more s x s tensor
     logit_softcapping: bool = False  # tanh-capped logits (Gemma 2): one more logits-sized tensor
     cp_problem: str | None = None  # why context parallelism cannot split it at any length (plans.py)
+    experts: int = 0  # routed experts of a mixture of experts (0: dense)
+    top_k: int = 0  # experts each token goes to
+    routed_params: int = 0  # the routed experts' parameters, all layers (what expert parallelism splits)
+    expert_matrix: int = 0  # one layer's down projections of all experts (experts x hidden x ffn elements)
+    autoep: bool = False  # DeepSpeed's AutoEP has a preset for its model type (parallel.ep > 1 can run)
     counts: ModelCounts | None = field(default=None, compare=False, repr=False)  # per tp and stage
 
     @property
@@ -87,6 +93,16 @@ class ModelDesc:
         """One tensor rank's tensors at `tp`, per pipeline layer (planner/count.py)."""
         return self.counts.shares(tp)
 
+    @property
+    def idle_expert_params(self) -> int:
+        """The routed experts' parameters a token does not pass through (experts - top_k of them)."""
+        return self.routed_params * (self.experts - self.top_k) // self.experts if self.experts else 0
+
+    @property
+    def active_params(self) -> int:
+        """Parameters a token passes through: all of a dense model's."""
+        return self.total_params - self.idle_expert_params
+
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward = 3 x forward).
 
@@ -95,7 +111,7 @@ class ModelDesc:
         [s x s] products, QK^T and AV: 2 x 2 x seq_len x hidden per layer per token (counted in
         full, as Megatron's and PaLM's MFU formulas do, though causal kernels skip half).
         """
-        matmul = self.layers * self.layer_sharded + self.vocab * self.hidden
+        matmul = self.layers * self.layer_sharded + self.vocab * self.hidden - self.idle_expert_params
         attention = 4 * self.layers * seq_len * self.hidden
         return 3.0 * (2.0 * matmul + attention)
 
@@ -112,6 +128,17 @@ def _features(config: Any, layer: Any, *, q: int, kv: int, ffn: int) -> dict[str
     return dict(gated_mlp=mlp >= 3 * h * ffn, fused_qkv=any(q + 2 * kv in shape for shape in matrices),
                 layer_norms=len(layer_norms), qk_norm=any("." in name for name, _ in norms),
                 norm="rms" if any("RMS" in kind for kind in layer_norms) else "layer")
+
+
+def _experts(config: Any, model: Any) -> dict[str, Any]:
+    """A mixture of experts' routed experts, top-k and their parameters (on the meta model)."""
+    moe = expert_layout(config)
+    if moe is None:
+        return {}
+    routed = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    down = next((p.numel() for name, p in model.named_parameters() if name.endswith(".experts.down_proj")), 0)
+    return dict(experts=moe.experts, top_k=moe.top_k, routed_params=routed, expert_matrix=down,
+                autoep=config.model_type in AUTOEP_MODEL_TYPES)
 
 
 def _activation(config: Any) -> str:
@@ -165,5 +192,5 @@ def describe_model(config: Any, *, name: str | None = None) -> ModelDesc:
         sliding_window=sliding_window(config), eager_attention=model.config._attn_implementation == "eager",
         attn_softcapping=bool(getattr(config, "attn_logit_softcapping", None)),
         logit_softcapping=bool(getattr(config, "final_logit_softcapping", None)),
-        cp_problem=context_parallel_problem(config),
+        cp_problem=context_parallel_problem(config), **_experts(config, model),
         **_features(config, layers[0], q=heads * head_dim, kv=kv_heads * head_dim, ffn=ffn), counts=counts)

@@ -29,7 +29,8 @@ def candidate_row(rank: int, c: Candidate) -> list[str]:
     lay, mem = c.layout, c.memory
     offload = "+".join(w for w, on in (("opt", lay.offload_optimizer), ("param", lay.offload_param)) if on) or "-"
     zero = f"{lay.dims.zero_stage} hpZ{lay.dims.zero_hpz}" if lay.dims.zero_hpz > 1 else str(lay.dims.zero_stage)
-    return [str(rank), str(lay.dims.tp), str(lay.dims.pp), str(lay.dims.cp), str(lay.dims.dp), zero, offload,
+    dp = f"{lay.dims.dp} ep{lay.dims.ep}" if lay.dims.ep > 1 else str(lay.dims.dp)  # (as hpZ beside ZeRO)
+    return [str(rank), str(lay.dims.tp), str(lay.dims.pp), str(lay.dims.cp), dp, zero, offload,
             f"{lay.micro_batch}x{lay.grad_accum}", lay.activation_checkpointing,
             _gib(mem.params), _gib(mem.grads), _gib(mem.optimizer), _gib(mem.activations), _gib(mem.buffers),
             _gib(mem.total), _gib(mem.cpu_per_rank), _gib(c.host.peak) if c.host else "-", f"{c.time.total:.3g}",
@@ -110,7 +111,8 @@ def run_config_dict(candidate: Candidate, *, model_name: str, seq_len: int, glob
         "model": {"name": model_name},
         "data": {"seq_len": seq_len},
         "train": train,
-        "parallel": {"tp": lay.dims.tp, "pp": lay.dims.pp, "cp": lay.dims.cp, "zero_stage": lay.dims.zero_stage, "zero_hpz": lay.dims.zero_hpz,
+        "parallel": {"tp": lay.dims.tp, "pp": lay.dims.pp, "cp": lay.dims.cp, "zero_stage": lay.dims.zero_stage,
+                     "zero_hpz": lay.dims.zero_hpz, "ep": lay.dims.ep,
                      "offload_optimizer": "cpu" if lay.offload_optimizer else "none",
                      "offload_param": "cpu" if lay.offload_param else "none",
                      "activation_checkpointing": lay.activation_checkpointing,

@@ -91,7 +91,8 @@ class Plan:
 def family_of(layout: Layout) -> str:
     """'ZeRO-2', 'ZeRO-3 + hpZ', 'ZeRO-3 + offload (optimizer, params)', ... for the
     dropped-families report."""
-    name = f"ZeRO-{layout.dims.zero_stage}" + (" + hpZ" if layout.dims.zero_hpz > 1 else "")
+    name = (f"ZeRO-{layout.dims.zero_stage}" + (" + hpZ" if layout.dims.zero_hpz > 1 else "")
+            + (" + ep" if layout.dims.ep > 1 else ""))
     offloaded = [what for what, on in (("optimizer", layout.offload_optimizer), ("params", layout.offload_param)) if on]
     return name + (f" + offload ({', '.join(offloaded)})" if offloaded else "")
 
@@ -126,9 +127,19 @@ def unavailable(desc: ModelDesc, cluster: Cluster, *, tp: int | None = None,
     return refused
 
 
+def expert_sizes(desc: ModelDesc, dims: ParallelDims, ep: int | None) -> list[int]:
+    """The ep sizes of a grid: 1, and for a mixture of experts AutoEP knows, at tp = pp = cp = 1
+    without hpZ, every divisor of the data-parallel ranks that divides the experts (`ep` pins one)."""
+    sizes = [1]
+    if desc.autoep and dims.model_parallel == 1 and dims.zero_hpz == 1:
+        sizes += [e for e in _divisors(dims.dp) if e > 1 and desc.experts % e == 0]
+    return [e for e in sizes if ep is None or e == ep]
+
+
 def enumerate_layouts(desc: ModelDesc, cluster: Cluster, job: Job, *, tp: int | None = None,
-                      pp: int | None = None, zero_stage: int | None = None, cp: int | None = None) -> Iterator[Layout]:
-    """Every layout the rules allow (pin tp, pp, cp or zero_stage to restrict), within what the
+                      pp: int | None = None, zero_stage: int | None = None, cp: int | None = None,
+                      ep: int | None = None) -> Iterator[Layout]:
+    """Every layout the rules allow (pin tp, pp, cp, ep or zero_stage to restrict), within what the
     model's adapters can split (`unavailable`)."""
     world, per_node = cluster.world, cluster.gpus_per_node
     for t in _divisors(per_node):
@@ -155,8 +166,10 @@ def enumerate_layouts(desc: ModelDesc, cluster: Cluster, job: Job, *, tp: int | 
                                         and n <= per_node] if stage == 3 and t == 1 else [])
                     offloads = [(False, False)] + ([(True, False)] if stage >= 1 else []) + (
                         [(True, True)] if stage == 3 else [])
-                    for hpz in hpz_sizes:
-                        grid = ParallelDims(world=world, tp=t, pp=p, cp=c, zero_stage=stage, zero_hpz=hpz)
+                    grids = [ParallelDims(world=world, tp=t, pp=p, cp=c, zero_stage=stage, zero_hpz=hpz, ep=e)
+                             for hpz in hpz_sizes
+                             for e in expert_sizes(desc, ParallelDims(world=world, tp=t, pp=p, cp=c, zero_hpz=hpz), ep)]
+                    for grid in grids:
                         assert layout_problem(grid, num_heads=desc.heads,
                                               num_kv_heads=desc.kv_heads, num_layers=desc.layers) is None
                         for offload_optimizer, offload_param in offloads:
@@ -201,7 +214,8 @@ NO_CONTEXT_PARALLEL = "cp 1 (no context parallelism)"
 
 
 def search(desc: ModelDesc, cluster: Cluster, job: Job, *, tp: int | None = None, pp: int | None = None,
-           zero_stage: int | None = None, cp: int | None = None, suggest: bool = True, knobs: bool = True) -> Plan:
+           zero_stage: int | None = None, cp: int | None = None, ep: int | None = None, suggest: bool = True,
+           knobs: bool = True) -> Plan:
     """All candidates, fitting ones first by predicted tokens/s, then the rest by memory.
 
     `dropped_families` gives, for each family (ZeRO stage, hpZ, offload) none of whose layouts
@@ -209,7 +223,8 @@ def search(desc: ModelDesc, cluster: Cluster, job: Job, *, tp: int | None = None
     (key NO_CONTEXT_PARALLEL): why the plan splits the sequence. `knobs`: choose ZeRO's knobs for
     each fitting layout (evaluate); without, dsf's defaults (what fits is the same either way)."""
     candidates = [evaluate(desc, layout, job, cluster, knobs=knobs)
-                  for layout in enumerate_layouts(desc, cluster, job, tp=tp, pp=pp, zero_stage=zero_stage, cp=cp)]
+                  for layout in enumerate_layouts(desc, cluster, job, tp=tp, pp=pp, zero_stage=zero_stage, cp=cp,
+                                                  ep=ep)]
     candidates.sort(key=lambda c: (not c.fits, -c.tokens_per_s if c.fits else 0, c.memory.total))
     dropped: dict[str, str] = {}
     fitting_families = {c.family for c in candidates if c.fits}
@@ -224,7 +239,8 @@ def search(desc: ModelDesc, cluster: Cluster, job: Job, *, tp: int | None = None
     dropped.update(unavailable(desc, cluster, tp=tp, pp=pp, seq_len=job.seq_len))
     plan = Plan(desc, cluster, job, candidates, dropped, [])
     if suggest and not plan.fitting:
-        plan.suggestions = suggestions(desc, cluster, job, candidates, tp=tp, pp=pp, zero_stage=zero_stage, cp=cp)
+        plan.suggestions = suggestions(desc, cluster, job, candidates, tp=tp, pp=pp, zero_stage=zero_stage, cp=cp,
+                                       ep=ep)
     return plan
 
 

@@ -39,6 +39,7 @@ DP_OVERLAP = 0.5  # share of ZeRO's gradient reduction hidden behind the backwar
 ZERO3_GATHER_OVERLAP = 0.5  # share of ZeRO-3's parameter all-gathers hidden by prefetching a whole layer
 TP_OVERLAP = 0.0  # Megatron TP all-reduces sit on the critical path
 CP_OVERLAP = 0.0  # Ulysses' all-to-alls too: attention waits for them, the next linear for the result
+EP_OVERLAP = 0.0  # and expert parallelism's: the experts wait for their tokens, the residual for the result
 CPU_ADAM_PARAMS_PER_S = 1.0e9  # DeepSpeedCPUAdam, parameters updated per second per rank
 OPS_PER_LAYER = 90  # operator calls of one decoder layer's forward + backward, one micro-batch
 OPS_PER_STEP = 200  # the engine's per-step calls: clipping, optimizer, schedule, bookkeeping
@@ -60,11 +61,12 @@ class StepTime:
     offload: float
     overhead: float = 0.0  # operator calls and ZeRO-3 fetch bookkeeping, independent of size
     cp_comm: float = 0.0  # Ulysses' all-to-alls
+    ep_comm: float = 0.0  # expert parallelism's all-to-alls (tokens to their experts' ranks and back)
 
     @property
     def total(self) -> float:
         return (self.compute + self.tp_comm + self.cp_comm + self.dp_comm + self.pp_bubble + self.pp_comm
-                + self.offload + self.overhead)
+                + self.offload + self.overhead + self.ep_comm)
 
 
 def _ring(bytes_: float, ranks: int, bandwidth: float, *, all_reduce: bool, latency: float) -> float:
@@ -128,7 +130,7 @@ def step_time(desc: ModelDesc, layout: Layout, job: Job, cluster: Cluster) -> St
     return StepTime(compute=compute, tp_comm=_tp_comm(layout, cluster, step),
                     dp_comm=_dp_comm(desc, layout, cluster, step), pp_bubble=bubble, pp_comm=pp_comm,
                     offload=_offload(layout, cluster, step), overhead=_overhead(desc, layout, cluster, step, compute),
-                    cp_comm=_cp_comm(desc, layout, cluster, step))
+                    cp_comm=_cp_comm(desc, layout, cluster, step), ep_comm=_ep_comm(desc, layout, cluster, step))
 
 
 def _compute(desc: ModelDesc, layout: Layout, job: Job, cluster: Cluster) -> float:
@@ -166,6 +168,18 @@ def _cp_comm(desc: ModelDesc, layout: Layout, cluster: Cluster, step: _Step) -> 
     return (1 - CP_OVERLAP) * ((2 + recompute) * per_pass + forwards * lat) * layers * step.micro_batches
 
 
+def _ep_comm(desc: ModelDesc, layout: Layout, cluster: Cluster, step: _Step) -> float:
+    """Expert parallelism (DeepSpeed AutoEP): per MoE layer, each token's top_k copies go to their
+    experts' ranks and come back (two all-to-alls) forward, again with recompute, and their
+    gradients twice backward, over the ep group (consecutive ranks: a node's links while ep fits one)."""
+    ep = layout.dims.ep
+    if ep <= 1:
+        return 0.0
+    routed_bytes = step.local_tokens * desc.top_k * desc.hidden * step.w
+    one = _all_to_all(routed_bytes, ep, _bandwidth(cluster, ep), latency=step.lat)
+    return (1 - EP_OVERLAP) * 2 * (2 + step.recompute) * one * step.busiest.layers * step.micro_batches
+
+
 def _dp_comm(desc: ModelDesc, layout: Layout, cluster: Cluster, step: _Step) -> float:
     """Data parallel: ZeRO's group is data x context; its ranks sit tp apart (tensor ranks are
     innermost), and an hpZ group is zero_hpz consecutive ranks. One latency per bucket: bigger
@@ -173,10 +187,12 @@ def _dp_comm(desc: ModelDesc, layout: Layout, cluster: Cluster, step: _Step) -> 
     dims, knobs, busiest, lat, micro_batches = layout.dims, layout.knobs, step.busiest, step.lat, step.micro_batches
     d = dims.zero_ranks
     dp_bw = _bandwidth(cluster, d * dims.tp)
-    grad_bytes = busiest.params * step.w
-    reduce_lat = lat * _buckets(busiest.params, knobs.reduce_bucket)
+    # with ep, a rank holds 1/ep of the routed experts (whose ZeRO group is d / ep: the same bytes each)
+    held = busiest.params - desc.routed_params + desc.routed_params // dims.ep if dims.ep > 1 else busiest.params
+    grad_bytes = held * step.w
+    reduce_lat = lat * _buckets(held, knobs.reduce_bucket)
     if dims.zero_stage == 0:  # one all-reduce, bucketed behind the backward pass
-        reduce = _ring(grad_bytes, d, dp_bw, all_reduce=True, latency=lat * _buckets(busiest.params,
+        reduce = _ring(grad_bytes, d, dp_bw, all_reduce=True, latency=lat * _buckets(held,
                                                                                      STAGE0_ALLREDUCE_BUCKET))
         gather = 0.0
     elif dims.zero_stage in (1, 2):  # gradients reduced to their owners, updated params gathered after
@@ -184,10 +200,10 @@ def _dp_comm(desc: ModelDesc, layout: Layout, cluster: Cluster, step: _Step) -> 
         if dims.zero_stage == 2:  # reduce-scattered at every micro-batch
             reduce *= micro_batches
         gather = _ring(grad_bytes, d, dp_bw, all_reduce=False,
-                       latency=lat * _buckets(busiest.params, knobs.allgather_bucket))
+                       latency=lat * _buckets(held, knobs.allgather_bucket))
     else:  # ZeRO-3: gather the non-persistent parameters for forward and backward of every micro-batch
         reduce = micro_batches * _ring(grad_bytes, d, dp_bw, all_reduce=False, latency=reduce_lat)
-        gathered_bytes = (busiest.params - busiest.persistent) * step.w  # persistent tensors are never gathered
+        gathered_bytes = (held - busiest.persistent) * step.w  # persistent tensors are never gathered
         forward = _ring(gathered_bytes, d, dp_bw, all_reduce=False, latency=lat)
         if dims.zero_hpz > 1:  # backward's from the secondary partition, inside the hpZ group
             backward = _ring(gathered_bytes, dims.zero_hpz, _bandwidth(cluster, dims.zero_hpz),

@@ -3,9 +3,10 @@ parameters, gradients and optimizer states are within 5% of what the engine hold
 workers/model_states.py for what is counted), at world 1, 2 and 4, ZeRO 0-3, with CPU optimizer
 (and parameter) offload, at tp2 and pp2, and for LoRA (model.lora, peft's all-linear adapters at r 8:
 the frozen base held whole at ZeRO-2 and partitioned at ZeRO-3, gradients and optimizer states of the
-adapters alone; the planner's Job.trainable_params from models/lora.py count_lora_parameters), and
-with ZeRO's knobs set (parallel.zero_knobs): the tensors ZeRO-3 keeps whole at a persistence
-threshold are the planner's persistent elements, and its reduce bucket the bytes the planner counts.
+adapters alone; the planner's Job.trainable_params from models/lora.py count_lora_parameters), for a
+mixture of experts at ep 2 (ZeRO-1 and ZeRO-3: a rank's half of the experts; to the byte), and with
+ZeRO's knobs set (parallel.zero_knobs): the tensors ZeRO-3 keeps whole at a persistence threshold are
+the planner's persistent elements, and its reduce bucket the bytes the planner counts.
 
 One launch per world size trains every case of that world one step, case after case.
 """
@@ -21,6 +22,7 @@ from dsframework.config import load_run_config
 from dsframework.dsconfig import resolve_batch
 from dsframework.layout import ParallelDims
 from dsframework.models.lora import count_lora_parameters
+from dsframework.models.tiny import tiny_config
 from dsframework.planner.memory import Job, Knobs, Layout, stage_memories
 from dsframework.planner.model import describe_model
 from tests.distributed.launcher import TINY_YAML, launch
@@ -41,7 +43,10 @@ CASES = {  # world: {case: overrides}
                        "parallel.zero_knobs.reduce_bucket=3000000,parallel.zero_knobs.prefetch_bucket=20000,"
                        "parallel.zero_knobs.max_live_parameters=40000"},
     4: {"zero1": "parallel.zero_stage=1", "tp2_zero1": "parallel.zero_stage=1,parallel.tp=2",
-        "pp2_zero1": "parallel.zero_stage=1,parallel.pp=2,train.micro_batch=1"},
+        "pp2_zero1": "parallel.zero_stage=1,parallel.pp=2,train.micro_batch=1",
+        # a tiny Mixtral (4 experts) at ep 2: each rank's half of the experts, ZeRO over the expert-data group
+        "ep2_zero1": "parallel.zero_stage=1,parallel.ep=2,model.name={mixtral}",
+        "ep2_zero3": "parallel.zero_stage=3,parallel.ep=2,model.name={mixtral}"},
 }
 
 
@@ -52,8 +57,10 @@ def measured(tmp_path_factory):
     for world, cases in CASES.items():
         out = tmp_path_factory.mktemp(f"world{world}")
         sets = [arg for o in BASE for arg in ("--set", o)]
-        launch([str(WORKER), str(out), str(TINY_YAML), *[f"case:{n}:{o}" for n, o in cases.items()], *sets],
-               num_ranks=world)
+        mixtral = out / "mixtral.json"
+        tiny_config("mixtral").to_json_file(mixtral)
+        launch([str(WORKER), str(out), str(TINY_YAML),
+                *[f"case:{n}:{o.format(mixtral=mixtral)}" for n, o in cases.items()], *sets], num_ranks=world)
         for name in cases:
             ranks = sorted(out.glob(f"{name}-rank*.json"))
             assert len(ranks) == world, f"{name}: {len(ranks)} of {world} ranks reported"
@@ -71,7 +78,7 @@ def predicted(output_dir: Path, world: int):
     par = run.parallel
     dp = world // (par.tp * par.pp)
     batch = resolve_batch(run.train.micro_batch, run.train.grad_accum, run.train.global_batch, dp_size=dp)
-    layout = Layout(ParallelDims(world=world, tp=par.tp, pp=par.pp, zero_stage=par.zero_stage),
+    layout = Layout(ParallelDims(world=world, tp=par.tp, pp=par.pp, zero_stage=par.zero_stage, ep=par.ep),
                     offload_optimizer=par.offload_optimizer == "cpu", offload_param=par.offload_param == "cpu",
                     micro_batch=batch.micro_batch, grad_accum=batch.grad_accum,
                     activation_checkpointing=par.activation_checkpointing, knobs=Knobs.of(par.zero_knobs))
@@ -107,3 +114,14 @@ def test_zero3_knobs_match_the_live_engine(measured, case):
     for got in ranks:
         assert got["persistent"] == want.parts["persistent_elements"], (case, got["persistent"])
         assert got["reduce_bucket"] == knobs.reduce_bucket * 4, (case, got["reduce_bucket"])
+
+
+@pytest.mark.parametrize("case", ["ep2_zero1", "ep2_zero3"])
+def test_expert_parallel_states_match_to_the_byte(measured, case):
+    """At ep 2 the planner puts the dense part's states over the 4 ZeRO ranks and each rank's half of
+    the experts over its expert-data group of 2 (at ZeRO-3 AutoEP's grouped tensors, small here, are
+    kept whole, not transformers' fused ones): every rank's bytes, exactly."""
+    output_dir, ranks = measured[(4, case)]
+    want = predicted(output_dir, 4)[0]
+    for got in ranks:
+        assert (got["params"], got["grads"], got["optimizer"]) == (want.params, want.grads, want.optimizer), got

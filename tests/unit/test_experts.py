@@ -141,3 +141,50 @@ def test_lora_with_ep_is_refused_in_one_line():
     with pytest.raises(UserError, match=r"model.lora: is not offered with parallel.ep=2: DeepSpeed's AutoEP replaces "
                                         r"the MoE blocks peft would wrap"):
         build_run_config({"model": {"lora": {"r": 4}}, "parallel": {"ep": 2}})
+
+
+def test_the_planners_autoep_types_are_deepspeeds():
+    """planner/model.py reads models/experts.AUTOEP_MODEL_TYPES (the planner imports no DeepSpeed)."""
+    from dsframework.models.experts import AUTOEP_MODEL_TYPES, autoep_model_types
+
+    assert sorted(AUTOEP_MODEL_TYPES) == autoep_model_types()
+
+
+def test_the_planner_counts_qwen3_30b_a3b_as_published():
+    """Qwen3-30B-A3B's model card: 30.5B parameters, 3.3B activated (128 experts, 8 per token)."""
+    from dsframework.config import ModelSpec
+    from dsframework.models.build import resolve_model
+    from dsframework.planner.model import describe_model
+
+    desc = describe_model(resolve_model(ModelSpec(name="qwen3-30b-a3b")).config, name="qwen3-30b-a3b")
+    assert (desc.experts, desc.top_k, desc.autoep) == (128, 8, True)
+    assert abs(desc.total_params / 30.5e9 - 1) < 0.01 and abs(desc.active_params / 3.3e9 - 1) < 0.03
+    assert desc.routed_params == 48 * 128 * 3 * 2048 * 768
+    dense = describe_model(tiny_config("llama"))
+    assert dense.active_params == dense.total_params and dense.experts == 0
+
+
+@pytest.mark.parametrize("nodes", [1, 4])
+def test_dsf_plan_ranks_expert_parallel_layouts(nodes):
+    """On 1 x 8 and 4 x 8 H100: ep layouts are ranked with the rest (their all-to-alls priced); at
+    pp = 1, splitting the experts beats training them as dense weights under ZeRO (what the planner
+    did before ep); tensor parallelism is refused in one line (transformers' plan shards experts with
+    moe_* styles dsf does not implement)."""
+    from dsframework.config import ModelSpec
+    from dsframework.models.build import resolve_model
+    from dsframework.planner.cluster import cluster_preset
+    from dsframework.planner.memory import Job
+    from dsframework.planner.model import describe_model
+    from dsframework.planner.search import search
+
+    desc = describe_model(resolve_model(ModelSpec(name="qwen3-30b-a3b")).config, name="qwen3-30b-a3b")
+    cluster, job = cluster_preset("h100-80gb", nodes=nodes, gpus_per_node=8), Job(seq_len=4096,
+                                                                                   global_batch=64 * nodes)
+    plan = search(desc, cluster, job, pp=1)
+    experts_split = [c for c in plan.fitting if c.layout.dims.ep > 1]
+    assert experts_split and all(c.time.ep_comm > 0 for c in experts_split)
+    assert plan.best.layout.dims.ep > 1, plan.best.layout
+    dense = search(desc, cluster, job, pp=1, ep=1)
+    assert dense.best is None or dense.best.tokens_per_s < plan.best.tokens_per_s
+    assert not any(c.layout.dims.tp > 1 for c in plan.candidates)
+    assert "moe_tp_experts" in plan.dropped_families["tp=2"] and "\n" not in plan.dropped_families["tp=2"]

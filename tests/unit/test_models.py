@@ -63,7 +63,7 @@ def test_every_preset_resolves_to_its_config(name):
     cls = causal_lm_class(source.config)
     assert issubclass(cls, transformers.PreTrainedModel) and cls.config_class is type(source.config)
     assert cls.__name__ in {"LlamaForCausalLM", "GPT2LMHeadModel", "Qwen3ForCausalLM", "Gemma3ForCausalLM",
-                            "Phi3ForCausalLM", "Olmo2ForCausalLM"}
+                            "Phi3ForCausalLM", "Olmo2ForCausalLM", "Qwen3MoeForCausalLM"}
 
 
 def test_unknown_name_suggests_a_preset():

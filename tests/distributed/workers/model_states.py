@@ -20,10 +20,13 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repo: tests.distributed.launcher
+
 from dsframework.config import load_run_config
-from dsframework.train.setup import prepare
 from dsframework.launching.supervise import exit_process
+from dsframework.train.setup import prepare
 from dsframework.train.world import shutdown_distributed
+from tests.distributed.launcher import forget_previous_run
 
 
 def _storages(tensors) -> int:
@@ -140,6 +143,7 @@ def main(argv, measure=measure):
     for case in cases:
         _, name, spec = case.split(":", 2)
         overrides = [*sets, *spec.split(","), f"output_dir={out_dir / name}"]
+        forget_previous_run()  # each case as in a fresh process (an ep run read a tp run's stale mpu)
         result = measure(load_run_config(run_yaml, overrides))
         (out_dir / f"{name}-rank{result['rank']}.json").write_text(json.dumps(result))
     shutdown_distributed()

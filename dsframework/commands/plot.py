@@ -4,7 +4,8 @@
     dsf plot runs/zero2 runs/zero3 -o cmp.png   # both runs overlaid, named by their directories
 
 Reads each run's `metrics.jsonl` (it may still be training: a half-written last line is left
-out) and draws four panels with matplotlib's Agg renderer (no display needed). One run's default
+out) and draws four panels with matplotlib's Agg renderer (no display needed), six for a mixture
+of experts (its router's aux loss and expert load). One run's default
 output is RUN_DIR/metrics.png; several runs' is metrics.png in the current directory. In Python:
 
     from dsframework.commands.plot import read_metrics, draw
@@ -28,6 +29,12 @@ PANELS = [
     ("learning rate", "lr", [("lr", "-", "")]),
     ("throughput", "tokens/s (all ranks)", [("tokens_per_s", "-", "")]),
     ("model FLOPs utilisation", "MFU (%)", [("mfu", "-", "")]),
+]
+# A mixture of experts' router (train/expert_load.py): a third row, drawn when a run logged it.
+EXPERT_PANELS = [
+    ("router load-balancing loss", "aux loss", [("aux_loss", "-", "")]),
+    ("expert load", "tokens per expert", [("expert_load_cv", "-", "CV"),
+                                          ("expert_load_max_share", "--", "busiest share")]),
 ]
 FIX_RUN_DIR = "pass a dsf train output_dir (the directory that holds metrics.jsonl)"
 
@@ -90,16 +97,19 @@ def _series(records: list[dict[str, Any]], key: str, scale: float = 1.0) -> tupl
 
 
 def draw(runs: dict[str, list[dict[str, Any]]], output: Path) -> None:
-    """Four panels (loss and eval loss, lr, tokens/s, MFU) of every run in `runs` (label -> records)."""
+    """Four panels (loss and eval loss, lr, tokens/s, MFU) of every run in `runs` (label -> records),
+    and two more (the router's aux loss, the experts' load) when a run is a mixture of experts."""
     try:
         from matplotlib.figure import Figure  # a Figure of its own: no pyplot state, Agg for PNG
     except ImportError:
         raise UserError("dsf plot", None, "needs matplotlib, which is not installed",
                         "pip install matplotlib (or pip install dsframework[metrics])") from None
-    fig = Figure(figsize=(11, 7.5), layout="constrained")
-    axes = fig.subplots(2, 2, sharex=True).flat
+    experts = any("aux_loss" in record for records in runs.values() for record in records)
+    panels = PANELS + (EXPERT_PANELS if experts else [])
+    fig = Figure(figsize=(11, 11 if experts else 7.5), layout="constrained")
+    axes = fig.subplots(len(panels) // 2, 2, sharex=True).flat
     colours = [f"C{i % 10}" for i in range(len(runs))]
-    for ax, (title, ylabel, lines) in zip(axes, PANELS):
+    for ax, (title, ylabel, lines) in zip(axes, panels):
         drawn = False
         for (label, records), colour in zip(runs.items(), colours):
             for key, style, suffix in lines:
@@ -115,7 +125,7 @@ def draw(runs: dict[str, list[dict[str, Any]]], output: Path) -> None:
             ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="grey")
         elif ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize="small")
-    for ax in list(fig.axes)[2:]:
+    for ax in list(fig.axes)[-2:]:
         ax.set_xlabel("step")
     fig.suptitle(" vs ".join(runs) if len(runs) > 1 else next(iter(runs)))
     try:

@@ -22,7 +22,12 @@ from dsframework.data.store import describe_store
 from dsframework.errors import UserError
 from dsframework.models.experts import describe_experts
 from dsframework.train import step as one_step
-from dsframework.train.compiling import AUTO_PROBE_STEPS, auto_compile, compile_engine, compile_seconds
+from dsframework.train.compiling import (
+    AUTO_PROBE_STEPS,
+    auto_compile,
+    compile_engine,
+    compile_seconds,
+)
 from dsframework.train.guards import NonFiniteWatch, StopRequest
 from dsframework.train.setup import Session
 from dsframework.train.step import StepBreakdown, mean_over_ranks
@@ -136,7 +141,8 @@ class Window:
 
     def metrics(self, step: int, step_loss: Any, *, probe: CompileProbe, done: bool) -> dict[str, Any]:
         """What is logged at `step`, the window's last: loss, lr, tokens/s, MFU, the step's time
-        breakdown, compile seconds, the evaluation when due, fp16's skipped steps."""
+        breakdown, compile seconds, the evaluation when due, fp16's skipped steps, a mixture of
+        experts' aux loss and expert load."""
         run, engine = self.session.run, self.session.engine
         loss_value = mean_over_ranks(step_loss.item())
         compiling = compile_seconds() - self.compile_start
@@ -152,6 +158,8 @@ class Window:
             last["eval_loss"] = evaluate(self.session)
         if run.train.precision == "fp16":
             last["skipped_steps"] = engine.skipped_steps  # overflowing steps the loss scaler dropped
+        if self.session.expert_load is not None:  # a mixture of experts: its router's figures
+            last.update(self.session.expert_load.read())
         return last
 
 

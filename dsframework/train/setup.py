@@ -34,7 +34,13 @@ from typing import Any, Iterator
 from dsframework.checkpoints import checkpoint as ckpt
 from dsframework.checkpoints.reshard import reshard, universal_tag
 from dsframework.config import RunConfig, dump_run_config
-from dsframework.data import load_texts, load_tokenizer, store_cache_dir, token_stores, train_tokenizer
+from dsframework.data import (
+    load_texts,
+    load_tokenizer,
+    store_cache_dir,
+    token_stores,
+    train_tokenizer,
+)
 from dsframework.data.examples import use_chat_template
 from dsframework.dsconfig import Batch, build_ds_config, resolve_batch
 from dsframework.errors import UserError
@@ -47,10 +53,15 @@ from dsframework.models.lora import apply_lora
 from dsframework.models.loss import check_chunked_loss_layout, use_chunked_loss
 from dsframework.models.tensor_parallel import TensorParallelCausalLM
 from dsframework.parallel.context import use_ulysses_attention, zero_gradient_scale
-from dsframework.parallel.pipeline import build_pipeline_module, check_model_parallelism, stage_table
+from dsframework.parallel.pipeline import (
+    build_pipeline_module,
+    check_model_parallelism,
+    stage_table,
+)
 from dsframework.parallel.topology import build_grid, build_topology
 from dsframework.runtime_facts import loss_chunking as rank_loss_chunking
 from dsframework.train.compiling import compile_engine, use_inductor_cache
+from dsframework.train.expert_load import ExpertLoad
 from dsframework.train.metrics import check_no_previous_outputs, remove_previous_outputs
 from dsframework.train.world import init_distributed, rank_zero_first
 
@@ -78,7 +89,8 @@ def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False,
         engine = build_engine(run, model.module, ds_config, world)
     session = Session(run, world.rank, world.dims, world.dp_rank, batch, engine, data.tokenizer, data.train_blocks,
                       data.eval_blocks, model.num_parameters, data.config, built=model.construction,
-                      grid=world.grid, loss_chunk_tokens=model.chunk_tokens)
+                      grid=world.grid, loss_chunk_tokens=model.chunk_tokens,
+                      expert_load=None if world.dims.pp_enabled else ExpertLoad.attach(engine.module, data.config))
     if resume:
         with clock.phase("restore"):
             restore(session, load_tag)
@@ -470,6 +482,7 @@ class Session:
     built: Any = None  # tp/pp: what this rank materialised and read (models.construct.Materialized)
     grid: Any = None  # tp or cp: the mpu deepspeed.initialize got (parallel.topology.build_grid)
     loss_chunk_tokens: int | None = None  # the causal LM loss in chunks of this many tokens (models/loss.py)
+    expert_load: Any = None  # a mixture of experts' router figures (train/expert_load.py), else None
 
     @property
     def loss_kw(self) -> dict[str, Any]:

@@ -82,6 +82,30 @@ def _mean_over_micro_batches(model: torch.nn.Module, store, run: RunConfig, *, d
     return torch.stack(losses).mean()
 
 
+def reference_router_figures(run: RunConfig, *, dp: int, top_k: int, experts: int) -> dict[str, float]:
+    """A mixture of experts' step-1 router figures in one process, from transformers' own outputs:
+    the mean aux_loss of the ranks' micro-batch forwards, and the CV and busiest share of tokens per
+    (layer, expert) from router_logits' top_k (what train/expert_load.py logs)."""
+    tokenizer = load_tokenizer(run.checkpoint_dir / "tokenizer")
+    train_blocks, _ = pack_splits(load_texts(run.data), tokenizer, run.data)
+    source = resolve_model(run.model)
+    model = build_model(source, source.config_for(tokenizer), seed=run.train.seed).train()
+    batch = resolve_batch(run.train.micro_batch, run.train.grad_accum, run.train.global_batch, dp_size=dp)
+    aux, counts = [], torch.zeros(experts, dtype=torch.float64)
+    with torch.no_grad():
+        for rank in range(dp):
+            sampler = BlockSampler(len(train_blocks), micro_batch=batch.micro_batch, grad_accum=batch.grad_accum,
+                                   dp_size=dp, dp_rank=rank, seed=run.data.seed)
+            for indices in sampler.micro_batches(0):
+                out = model(input_ids=train_blocks[indices], labels=train_blocks[indices])
+                aux.append(out.aux_loss.item())
+                layers = torch.stack([torch.bincount(logits.topk(top_k, dim=-1).indices.flatten(), minlength=experts)
+                                      for logits in out.router_logits]).double()
+                counts = layers if counts.dim() == 1 else counts + layers
+    return {"aux_loss": sum(aux) / len(aux), "expert_load_cv": (counts.std(unbiased=False) / counts.mean()).item(),
+            "expert_load_max_share": (counts.max(dim=1).values / counts.sum(dim=1)).max().item()}
+
+
 def _mean_over_trained_tokens(model: torch.nn.Module, store, indices: list[int]) -> torch.Tensor:
     """The global batch's loss by hand: cross-entropy of every trained label, summed, over their count."""
     batch = store.micro_batch(indices, weight=None)

@@ -128,3 +128,19 @@ def test_the_first_line_names_the_experts(trained):
     lines = [line for line in (trained / "stdout.txt").read_text().splitlines() if " parameters (" in line]
     assert lines and all(" active per token: 4 experts, top 2, 2 per rank) | world 4 = tp 1 x pp 1 x cp 1 x dp 4, "
                          "ep 2 | ZeRO-" in line for line in lines), lines[:2]
+
+
+@pytest.mark.parametrize("model_type", list(MODELS))
+def test_the_routers_figures_are_logged(trained, model_type):
+    """Step 1's logged aux loss and expert load (train/expert_load.py, read from AutoEP's blocks on
+    4 ranks) equal those of transformers' own forwards on the same micro-batches in one process."""
+    from tests.distributed.launcher import read_metrics
+    from tests.distributed.reference import reference_router_figures
+
+    name = case_name(model_type, 1)
+    run = build_run_config({}, run_overrides(trained / name, overrides(trained, model_type, 1)))
+    logged = next(r for r in read_metrics(trained / name) if r.get("step") == 1)
+    want = reference_router_figures(run, dp=WORLD, top_k=2, experts=4)
+    for key, value in want.items():
+        assert abs(logged[key] - value) <= 1e-5 * abs(value), (key, logged[key], value)
+    assert 0.25 <= logged["expert_load_max_share"] <= 1

@@ -181,3 +181,22 @@ def test_env_names_the_installed_versions_and_the_accelerator(tmp_path):
     for op in ALL_OPS:
         if op != "deepspeed_not_implemented":
             assert value(op).startswith(("compatible", "not compatible")), op
+
+
+def test_plot_draws_the_experts_panels_of_a_mixture_of_experts(tmp_path):
+    """A run that logged its router's figures (train/expert_load.py) gets a third row: the aux loss
+    and the expert load; the picture is taller and differs from the same run without them."""
+    from PIL import Image
+
+    dense = write_run(tmp_path / "dense")
+    moe = write_run(tmp_path / "moe")
+    rows = [json.loads(line) for line in (moe / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        row.update(aux_loss=2.0 + 0.1 / (1 + row["step"]), expert_load_cv=0.4 - 0.01 * row["step"],
+                   expert_load_max_share=0.5 - 0.005 * row["step"])
+    (moe / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for run in (dense, moe):
+        assert dsf("plot", str(run), cwd=tmp_path).returncode == 0
+    assert_png_drawn(moe / "metrics.png")
+    with Image.open(dense / "metrics.png") as a, Image.open(moe / "metrics.png") as b:
+        assert b.size[1] > a.size[1] * 1.3 and b.size[0] == a.size[0]

@@ -264,11 +264,22 @@ class PretrainedSlices:
         self._open.clear()
 
 
-def check_pretrained_files(directory: Path, config: Any) -> None:
+def converted_at_load(model_type: str) -> bool:
+    """True when transformers renames or merges this type's stored tensors as it loads them (its
+    conversion mapping: Qwen3-MoE's per-expert gate/up/down into fused experts, GPT-NeoX, ...):
+    its own save_pretrained writes the stored names, which are not the model's."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    return bool(get_checkpoint_conversion_mapping(model_type))
+
+
+def check_pretrained_files(directory: Path, config: Any, *, sliced: bool = False) -> None:
     """UserError unless the directory's safetensors (one file or an index of shards) hold every
     tensor of `config`'s model at its shape. Reads the files' headers only; run before any rank
     starts, so a broken download is named at once, whatever the layout. (pytorch_model.bin
-    directories are left to transformers.)"""
+    directories are left to transformers.) A type transformers converts at load may store other
+    names: accepted for from_pretrained (which converts and checks them itself), refused for
+    `sliced` loading (tp or pp), which reads the model's own names slice by slice."""
     directory = Path(directory)
     if not any((directory / name).is_file() for name in (SAFETENSORS_FILE, SAFETENSORS_INDEX)):
         return
@@ -276,6 +287,12 @@ def check_pretrained_files(directory: Path, config: Any) -> None:
     reader = PretrainedSlices(directory, aliases=tied_aliases(model), prefix=model.base_model_prefix)
     try:
         for name, param in model.named_parameters():
+            if reader._stored_name(name) is None and converted_at_load(config.model_type):
+                if not sliced:
+                    return
+                raise UserError("model.name", str(directory), f"stores {config.model_type}'s weights under the names "
+                                f"transformers converts at load (no {name!r}), which tp/pp's sliced loading does not "
+                                "read", "use parallel.tp=1 and parallel.pp=1 (from_pretrained converts them)")
             reader.stored(name, param.shape)
     finally:
         reader.close()

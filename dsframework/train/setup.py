@@ -47,7 +47,7 @@ from dsframework.errors import UserError
 from dsframework.layout import ParallelDims, check_model_layout
 from dsframework.models.autoep_compat import bridge_output_capture_registry
 from dsframework.models.build import build_model, resolve_model
-from dsframework.models.construct import build_for_layout
+from dsframework.models.construct import build_for_layout, check_pretrained_files
 from dsframework.models.hf import count_parameters
 from dsframework.models.lora import apply_lora
 from dsframework.models.loss import check_chunked_loss_layout, use_chunked_loss
@@ -169,7 +169,9 @@ def preflight(run: RunConfig, *, resume: bool, overwrite: bool) -> tuple[dict[st
     source = resolve_model(run.model)
     # A model or layout that cannot run is named before the process group forms (no rank waits at
     # the rendezvous for it), then checked again at the world the group reports.
-    checked_layout(run, source.config, world=int(os.environ.get("WORLD_SIZE", "1")))
+    dims = checked_layout(run, source.config, world=int(os.environ.get("WORLD_SIZE", "1")))
+    if source.pretrained_dir is not None and (dims.tp_enabled or dims.pp_enabled):
+        check_pretrained_files(source.pretrained_dir, source.config, sliced=True)
     return manifest, source
 
 

@@ -144,3 +144,20 @@ def test_the_routers_figures_are_logged(trained, model_type):
     for key, value in want.items():
         assert abs(logged[key] - value) <= 1e-5 * abs(value), (key, logged[key], value)
     assert 0.25 <= logged["expert_load_max_share"] <= 1
+
+
+def test_a_pretrained_moe_chat_model_fine_tunes_at_ep2_under_zero3(tmp_path):
+    """A local pretrained Qwen3-MoE directory (saved here, with a chat template) fine-tunes on chats
+    at ep 2 under ZeRO-3 (loaded partitioned, its experts split by AutoEP): the held-out loss on
+    the assistant's tokens falls."""
+    from tests.distributed.launcher import read_metrics, train_run
+    from tests.distributed.test_sft import addition_chats, pretrained_chat_model
+
+    chats = addition_chats(tmp_path / "chats.jsonl")
+    pretrained_chat_model(tmp_path / "pretrained", chats, model_type="qwen3_moe")
+    train_run(tmp_path / "run", [
+        f"model.name={tmp_path / 'pretrained'}", f"data.dataset={tmp_path / 'chats.jsonl'}", "data.format=chat",
+        "data.seq_len=128", "data.eval_fraction=0.1", "parallel.zero_stage=3", "parallel.ep=2", "train.steps=30",
+        "train.global_batch=8", "logging.eval_every=15"])
+    evals = [row["eval_loss"] for row in read_metrics(tmp_path / "run") if "eval_loss" in row]
+    assert len(evals) == 3 and evals[-1] < 0.7 * evals[0], evals

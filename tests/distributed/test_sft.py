@@ -42,38 +42,45 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
-def _pretrained_chat_model(directory, chats) -> None:
-    """A saved Llama and tokenizer with a chat template: what a user's pretrained directory holds."""
+def pretrained_chat_model(directory, chats, *, model_type: str = "llama", **fields) -> None:
+    """A saved model (a tiny `model_type`, models/tiny.py's sizes) and tokenizer with a chat
+    template: what a user's pretrained directory holds."""
     import datasets
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from dsframework.config import DataSpec
     from dsframework.data import train_tokenizer
+    from dsframework.models.tiny import tiny_config
 
     rows = datasets.Dataset.from_dict({"messages": chats})
     tokenizer = train_tokenizer(rows, DataSpec(dataset="chats.jsonl", format="chat", tokenizer_vocab_size=400))
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(directory)
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    config = tiny_config(model_type, vocab_size=len(tokenizer), max_position_embeddings=256,
                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                         bos_token_id=tokenizer.bos_token_id)
-    LlamaForCausalLM(config).save_pretrained(directory)
+                         bos_token_id=tokenizer.bos_token_id, **fields)
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
 
 
-def test_a_pretrained_chat_model_fine_tunes_under_zero3(tmp_path):
+def addition_chats(path, n: int = 600) -> None:
+    """`n` chats asking for a sum, written as chats.jsonl; returns the chats."""
     rng = random.Random(1)
     chats = []
-    for _ in range(600):
+    for _ in range(n):
         a, b = rng.randrange(100), rng.randrange(100)
         chats.append([{"role": "system", "content": "You add numbers."},
                       {"role": "user", "content": f"What is {a} plus {b}?"},
                       {"role": "assistant", "content": f"{a} plus {b} is {a + b}."}])
-    with open(tmp_path / "chats.jsonl", "w") as f:
+    with open(path, "w") as f:
         f.writelines(json.dumps({"messages": chat}) + "\n" for chat in chats)
-    _pretrained_chat_model(tmp_path / "pretrained", chats)
+    return chats
+
+
+def test_a_pretrained_chat_model_fine_tunes_under_zero3(tmp_path):
+    chats = addition_chats(tmp_path / "chats.jsonl")
+    pretrained_chat_model(tmp_path / "pretrained", chats, intermediate_size=176)
     train_run(tmp_path / "run", [
         f"model.name={tmp_path / 'pretrained'}", f"data.dataset={tmp_path / 'chats.jsonl'}", "data.format=chat",
         "data.seq_len=128", "data.eval_fraction=0.1", "parallel.zero_stage=3", "train.steps=30",

@@ -148,3 +148,21 @@ def test_buffers_of_a_module_with_parameters_survive_the_seeded_init(one_thread)
     ids = torch.randint(3, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, dense(input_ids=ids).logits)
+
+
+def test_a_directory_transformers_converts_at_load_is_for_from_pretrained_only(tmp_path, one_thread):
+    """transformers' own save_pretrained of a Qwen3-MoE stores each expert's gate/up/down apart
+    (its conversion mapping fuses them at load): accepted for from_pretrained, refused in one line
+    for tp/pp's sliced loading, which reads the model's own names."""
+    from transformers import AutoModelForCausalLM
+
+    from dsframework.models.construct import converted_at_load
+    from dsframework.models.tiny import tiny_config
+
+    config = tiny_config("qwen3_moe")
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    assert converted_at_load("qwen3_moe") and not converted_at_load("llama")
+    check_pretrained_files(tmp_path, config)
+    with pytest.raises(UserError, match=r"stores qwen3_moe's weights under the names transformers converts at load "
+                                        r"\(no 'model.layers.0.mlp.experts.gate_up_proj'\).*use parallel.tp=1"):
+        check_pretrained_files(tmp_path, config, sliced=True)

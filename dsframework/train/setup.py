@@ -369,6 +369,7 @@ def resume_tag(run: RunConfig, dims: ParallelDims, manifest: dict[str, Any] | No
     tp, pp and dp may change, with the same global batch. Rank 0 converts the checkpoint once and
     every rank then loads its new shard of it (`checkpoint.load_universal`):
     - dp alone, at tp = pp = 1, ZeRO-1/2/3: deepspeed's ds_to_universal (`checkpoint.to_universal`);
+      with split experts, ep and dp (ep > 1 before and after: AutoEP's own names), the same;
     - tp or pp (and dp beside them), ZeRO-1/2: `reshard.reshard`, through the dense layout.
     ZeRO-0 states are whole on every rank of a layout: dp may change, tp and pp may not. ZeRO-3 with
     tensor parallelism, and context parallelism, resume at their saved layout only (cp itself may not
@@ -393,9 +394,12 @@ def resume_tag(run: RunConfig, dims: ParallelDims, manifest: dict[str, Any] | No
                         f"resume with parallel.cp={was.cp}")
     if (was.tp, was.pp, was.dp, was.ep) == (dims.tp, dims.pp, dims.dp, dims.ep):
         return tag, False
-    if was.ep_enabled or dims.ep_enabled:  # (AutoEP's universal route to another ep or dp is not tested here)
-        raise UserError("parallel.ep", dims.ep, f"runs with split experts resume at their saved layout only (saved "
-                        f"{was}, now {dims})", f"resume on {was.world} ranks with parallel.ep={was.ep}")
+    if was.ep_enabled != dims.ep_enabled or (dims.ep_enabled and stage == 0):
+        # AutoEP's checkpoints name its grouped experts (experts.w1, ...), not transformers' fused ones;
+        # DeepSpeed's universal conversion moves them to another ep or dp, between AutoEP runs, at ZeRO 1-3.
+        raise UserError("parallel.ep", dims.ep, f"cannot resume at {dims} from a checkpoint saved at {was}: split "
+                        "experts resume at another ep or dp only between runs that both split them, at ZeRO 1-3",
+                        f"resume with parallel.ep={was.ep}" + (" on the saved layout" if stage == 0 else ""))
     if dims.cp_enabled:  # (the universal-checkpoint conversions below are not tested with cp's ZeRO groups)
         raise UserError("parallel.cp", dims.cp, f"runs resume at their saved layout only (saved {was}, now {dims})",
                         f"resume on {was.world} ranks with parallel.tp={was.tp}")

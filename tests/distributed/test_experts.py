@@ -42,6 +42,10 @@ def trained(tmp_path_factory) -> Path:
     specs = [f"{case_name(*case)}|{';'.join(overrides(root, *case))}" for case in CASES]
     stopped = ";".join([*overrides(root, *RESUMED), "train.stop_after=3", "checkpoint.save_final=false"])
     specs += [f"stopped|{stopped}", f"stopped|{';'.join(overrides(root, *RESUMED))}|resume"]
+    # stopped at ep 2 and resumed at ep 4 (DeepSpeed's universal conversion of AutoEP's experts)
+    at_ep2 = ";".join([*overrides(root, "mixtral", 1), "train.stop_after=3", "checkpoint.save_final=false"])
+    at_ep4 = ";".join([*overrides(root, "mixtral", 1), "parallel.ep=4"])
+    specs += [f"ep2-to-ep4|{at_ep2}", f"ep2-to-ep4|{at_ep4}|resume"]
     proc = launch([str(WORKER), str(root), *specs], num_ranks=WORLD, timeout=900)
     (root / "stdout.txt").write_text(proc.stdout)
     return root
@@ -112,22 +116,38 @@ def test_resume_at_the_same_layout_is_exact(trained):
     assert_close({s: resumed[s] for s in (4, 5)}, {s: straight[s] for s in (4, 5)}, rtol=1e-6, what="resumed")
 
 
-def test_resume_at_another_ep_is_refused_in_one_line(trained):
+def test_resume_at_another_ep_continues_the_run(trained):
+    """Stopped at ep 2 after step 3, resumed at ep 4 through DeepSpeed's universal conversion:
+    steps 4 and 5 equal the straight ep 2 run's (the experts' fp32 weights and Adam moments moved)."""
+    straight, resumed = losses(trained / case_name("mixtral", 1)), losses(trained / "ep2-to-ep4")
+    assert sorted(resumed) == [1, 2, 3, 4, 5]
+    assert_close({s: resumed[s] for s in (4, 5)}, {s: straight[s] for s in (4, 5)}, rtol=1e-5, what="ep2 -> ep4")
+    assert (trained / "ep2-to-ep4" / "checkpoints" / "global_step3.universal").is_dir()
+
+
+def test_resume_between_split_and_whole_experts_is_refused_in_one_line(trained):
     from dsframework.errors import UserError
     from dsframework.layout import ParallelDims
     from dsframework.train.setup import resume_tag
 
     run = build_run_config({}, run_overrides(trained / "stopped", overrides(trained, *RESUMED)))
     manifest = json.loads((trained / "stopped" / "checkpoints" / "global_step5" / "dsf_manifest.json").read_text())
-    with pytest.raises(UserError, match=r"parallel.ep=1: runs with split experts resume at their saved layout only "
-                                        r"\(saved tp 1 x pp 1 x cp 1 x dp 4, ep 2, now tp 1 x pp 1 x cp 1 x dp 4\)"):
+    with pytest.raises(UserError, match=r"parallel.ep=1: cannot resume at tp 1 x pp 1 x cp 1 x dp 4 from a checkpoint "
+                                        r"saved at tp 1 x pp 1 x cp 1 x dp 4, ep 2: split experts resume at another ep "
+                                        r"or dp only between runs that both split them, at ZeRO 1-3; resume with "
+                                        r"parallel.ep=2"):
         resume_tag(run, ParallelDims(world=WORLD, zero_stage=3), manifest, None)
 
 
 def test_the_first_line_names_the_experts(trained):
+    import re
+
     lines = [line for line in (trained / "stdout.txt").read_text().splitlines() if " parameters (" in line]
-    assert lines and all(" active per token: 4 experts, top 2, 2 per rank) | world 4 = tp 1 x pp 1 x cp 1 x dp 4, "
-                         "ep 2 | ZeRO-" in line for line in lines), lines[:2]
+    first = re.compile(r"active per token: 4 experts, top 2, (\d) per rank\) \| world 4 = tp 1 x pp 1 x cp 1 x dp 4, "
+                       r"ep (\d) \| ZeRO-")
+    found = [first.search(line) for line in lines]
+    assert lines and all(found), lines[:2]
+    assert {(int(m.group(1)), int(m.group(2))) for m in found} == {(2, 2), (1, 4)}  # the ep 4 resume too
 
 
 @pytest.mark.parametrize("model_type", list(MODELS))

@@ -383,15 +383,7 @@ def resume_tag(run: RunConfig, dims: ParallelDims, manifest: dict[str, Any] | No
     if was is None:  # written before manifests: its layout is unknown, taken to be this one
         return tag, False
     stage = dims.zero_stage
-    if was.zero_stage != stage:
-        raise UserError("parallel.zero_stage", stage, f"differs from the checkpoint's {was.zero_stage} (a "
-                        "resume keeps the ZeRO stage; tp, pp and dp may change)",
-                        f"resume with parallel.zero_stage={was.zero_stage}")
-    # zero_hpz may change: DeepSpeed never saves hpZ's secondary copy (same files, same tensors).
-    if was.cp != dims.cp:
-        raise UserError("parallel.cp", dims.cp, f"differs from the checkpoint's {was.cp} (a resume "
-                        "keeps the context-parallel size; tp, pp and dp may change)",
-                        f"resume with parallel.cp={was.cp}")
+    check_same_stage_and_cp(was, dims)
     if (was.tp, was.pp, was.dp, was.ep) == (dims.tp, dims.pp, dims.dp, dims.ep):
         return tag, False
     if was.ep_enabled != dims.ep_enabled or (dims.ep_enabled and stage == 0):
@@ -425,6 +417,19 @@ def resume_tag(run: RunConfig, dims: ParallelDims, manifest: dict[str, Any] | No
             else:
                 reshard(run.checkpoint_dir, tag, config, saved=was, target=dims)
     return target, True
+
+
+def check_same_stage_and_cp(was: ParallelDims, dims: ParallelDims) -> None:
+    """A resume keeps the ZeRO stage and the context-parallel size (zero_hpz may change: DeepSpeed
+    never saves hpZ's secondary copy, the files and tensors are the same)."""
+    if was.zero_stage != dims.zero_stage:
+        raise UserError("parallel.zero_stage", dims.zero_stage, f"differs from the checkpoint's {was.zero_stage} "
+                        "(a resume keeps the ZeRO stage; tp, pp and dp may change)",
+                        f"resume with parallel.zero_stage={was.zero_stage}")
+    if was.cp != dims.cp:
+        raise UserError("parallel.cp", dims.cp, f"differs from the checkpoint's {was.cp} (a resume "
+                        "keeps the context-parallel size; tp, pp and dp may change)",
+                        f"resume with parallel.cp={was.cp}")
 
 
 def obtain_tokenizer(run: RunConfig, source: Any, texts: Any, *, resume: bool, rank: int) -> Any:

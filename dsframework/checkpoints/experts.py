@@ -23,11 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from deepspeed.moe.fused_expert_layout import classify_fused_gate_up_layout
 
 from dsframework.checkpoints.checkpoint import to_universal
-from dsframework.checkpoints.reshard import hf_parameter_shapes
 from dsframework.errors import UserError
+from dsframework.models.hf import hf_parameter_shapes
 
 _EXPERT_FILE = re.compile(r"layer_(\d+)_expert_(\d+)_mp_rank_00_model_states\.pt$")
 
@@ -133,6 +132,8 @@ def expert_checkpoint_entries(ckpt_dir: Path, tag: str, config: Any, *, scratch:
 
 def _fused_experts(block: str, grouped: dict[str, _Loaded], shapes: dict[str, torch.Size]) -> dict[str, _Joined]:
     """transformers' gate_up_proj and down_proj of one MoE block from AutoEP's w1, w3 and w2."""
+    from deepspeed.moe.fused_expert_layout import classify_fused_gate_up_layout
+
     gate_up, down = f"{block}.experts.gate_up_proj", f"{block}.experts.down_proj"
     if gate_up not in shapes or down not in shapes:
         raise UserError("checkpoint", block, "holds AutoEP experts, and the config's model has no fused "

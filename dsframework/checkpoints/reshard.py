@@ -64,7 +64,7 @@ from deepspeed.checkpoint.constants import (
 from dsframework.checkpoints.checkpoint import MANIFEST, PARTIAL, UNIVERSAL, read_manifest, saved_layout
 from dsframework.errors import UserError
 from dsframework.layout import ParallelDims
-from dsframework.models.hf import causal_lm_class
+from dsframework.models.hf import hf_parameter_shapes
 from dsframework.models.tensor_parallel import merge_tensor_parallel_tensor, shard_layouts
 from dsframework.parallel.pipeline import hf_names, pipeline_layer_specs
 
@@ -117,13 +117,6 @@ class LayoutNames:
         if self.from_hf_paths:
             return _swap_prefix(name, self.from_hf_paths)
         return "model." + name if self.tp_wrapped else name
-
-
-def hf_parameter_shapes(config: Any) -> dict[str, torch.Size]:
-    """{transformers name: dense shape} of every trainable parameter, tied copies once."""
-    with torch.device("meta"):
-        model = causal_lm_class(config)(config)
-    return {name: param.shape for name, param in model.named_parameters()}
 
 
 def _tensor_layouts(config: Any, tp: int) -> list[dict[str, tuple[int, torch.Tensor, bool]]]:

@@ -61,3 +61,13 @@ def is_tied(model: Any) -> bool:
 def module_path(root: Any, module: Any) -> str:
     """The path of `module` inside `root` ("model.embed_tokens"), found by identity."""
     return next(path for path, child in root.named_modules() if child is module)
+
+
+def hf_parameter_shapes(config: Any) -> dict[str, Any]:
+    """{transformers name: dense shape} of every trainable parameter of `config`'s causal LM, tied
+    copies once (built on the meta device: no memory)."""
+    import torch
+
+    with torch.device("meta"):
+        model = causal_lm_class(config)(config)
+    return {name: param.shape for name, param in model.named_parameters()}

@@ -159,7 +159,8 @@ def test_dense_and_shards_round_trip_as_the_plan_cuts_them(case):
     from dsframework.models.presets import PRESETS
     from dsframework.models.tensor_parallel import merge_tensor_parallel_tensor, shard_layouts, shard_model
     from dsframework.parallel.tensor import LayoutOnlyGroup
-    from dsframework.checkpoints.reshard import concatenated_shards, hf_parameter_shapes
+    from dsframework.checkpoints.reshard import concatenated_shards
+    from dsframework.models.hf import hf_parameter_shapes
 
     preset, overrides, tp = SHARD_CASES[case]
     fields = {**PRESETS[preset], "vocab_size": 17, **overrides}  # 17: padded to a multiple of tp

@@ -164,6 +164,9 @@ class ParallelSpec(_Spec):
     dp: int | None = Field(None, ge=1, description="data-parallel size; default: world / (tp * pp * cp)")
     ep: int = Field(1, ge=1, description="expert-parallel size (DeepSpeed AutoEP, mixture-of-experts models): "
                     "each group of ep data-parallel ranks splits the experts; divides dp and the experts")
+    autoep: bool = Field(False, description="at ep 1 too, train the experts in DeepSpeed AutoEP's blocks (every "
+                         "rank holds all of them, no all-to-all): a resume at ep 1 from a checkpoint saved at "
+                         "ep > 1 turns it on; start with it to resume at ep > 1 later")
     zero_hpz: int = Field(1, ge=1, description="ZeRO-3 hierarchical partitioning (ZeRO++ hpZ): a secondary copy "
                           "of the weight shards within each group of this many ranks (a node), so the backward "
                           "all-gathers stay on the node's links")
@@ -207,7 +210,7 @@ class ParallelSpec(_Spec):
     def _axes_compose(self) -> "ParallelSpec":
         # The same rules parallel.topology applies with the world known (one rule set).
         problem = composition_problem(tp=self.tp, pp=self.pp, cp=self.cp, zero_stage=self.zero_stage,
-                                      zero_hpz=self.zero_hpz, ep=self.ep)
+                                      zero_hpz=self.zero_hpz, ep=self.ep, autoep=self.autoep)
         if problem is not None:
             raise problem
         return self
@@ -343,10 +346,12 @@ class RunConfig(_Spec):
             raise UserError("model.lora", None, f"runs at tp = pp = cp = 1 with ZeRO 0-3 (got tp={par.tp}, pp={par.pp}, "
                             f"cp={par.cp}): peft wraps whole HF modules, not tensor shards or pipeline stages",
                             "set parallel.tp=1 parallel.pp=1 parallel.cp=1 (or remove model.lora)")
-        if self.model.lora is not None and par.ep > 1:
-            raise UserError("model.lora", None, f"is not offered with parallel.ep={par.ep}: DeepSpeed's AutoEP "
+        if self.model.lora is not None and (par.ep > 1 or par.autoep):
+            setting = f"parallel.ep={par.ep}" + (" autoep=true" if par.autoep else "")
+            raise UserError("model.lora", None, f"is not offered with {setting}: DeepSpeed's AutoEP "
                             "replaces the MoE blocks peft would wrap (not tried here)",
-                            "set parallel.ep=1 (LoRA on a mixture of experts at ep 1 trains its adapters under ZeRO)")
+                            "set parallel.ep=1 parallel.autoep=false (LoRA on a mixture of experts at ep 1 trains "
+                            "its adapters under ZeRO)")
         if self.data.format != "text" and (par.pp, par.cp) != (1, 1):
             raise UserError("data.format", self.data.format, f"runs at tp x dp with ZeRO 0-3 (got pp={par.pp}, "
                             f"cp={par.cp}): its loss is normalised over the trained tokens of the whole batch",

@@ -158,9 +158,10 @@ def build_ds_config(train: TrainSpec, parallel: ParallelSpec, *, dp_size: int, w
     if parallel.cp > 1:
         # DeepSpeed Ulysses: ZeRO shards and reduces over data x context ranks; the batch counts replicas.
         ds["sequence_parallel_size"] = parallel.cp
-    if parallel.ep > 1:
+    if parallel.ep > 1 or parallel.autoep:
         # DeepSpeed AutoEP (models/experts.py): at initialize it swaps each MoE block for one whose
-        # experts are split over groups of ep data-parallel ranks; the batch still counts every rank.
+        # experts are split over groups of ep data-parallel ranks (at ep 1: each rank holds them all);
+        # the batch still counts every rank.
         ds["expert_parallel"] = {"enabled": True, "autoep_size": parallel.ep}
     if train.grad_clip > 0:
         ds["gradient_clipping"] = train.grad_clip

@@ -51,6 +51,7 @@ class ParallelDims:
     zero_stage: int = 0
     zero_hpz: int = 1  # ZeRO-3 hpZ: a secondary copy of the weights shared within groups of this size
     ep: int = 1        # expert-parallel size (DeepSpeed AutoEP): each of ep data ranks holds 1/ep of the experts
+    autoep: bool = False  # AutoEP's expert blocks at ep 1 too (all experts on each rank, no all-to-all)
 
     def __post_init__(self) -> None:
         for name in ("world", "tp", "pp", "cp", "zero_hpz", "ep"):
@@ -65,12 +66,14 @@ class ParallelDims:
     def of(cls, parallel: Any, *, world: int) -> "ParallelDims":
         """The layout of a run config's `parallel` section on `world` ranks."""
         return cls(world=world, tp=parallel.tp, pp=parallel.pp, cp=parallel.cp,
-                   zero_stage=parallel.zero_stage, zero_hpz=parallel.zero_hpz, ep=parallel.ep)
+                   zero_stage=parallel.zero_stage, zero_hpz=parallel.zero_hpz, ep=parallel.ep,
+                   autoep=parallel.autoep)
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, int | bool]:
         """The layout as a checkpoint manifest stores it (dp too, for a reader's eye; `from_dict` derives it)."""
         return {"world": self.world, "tp": self.tp, "pp": self.pp, "cp": self.cp, "dp": self.dp,
-                "zero_stage": self.zero_stage, "zero_hpz": self.zero_hpz, "ep": self.ep}
+                "zero_stage": self.zero_stage, "zero_hpz": self.zero_hpz, "ep": self.ep,
+                "autoep": self.autoep_blocks}
 
     @classmethod
     def from_dict(cls, data: dict[str, int], *, zero_stage: int = 0) -> "ParallelDims":
@@ -82,14 +85,16 @@ class ParallelDims:
         """
         return cls(world=data["world"], tp=data["tp"], pp=data["pp"], cp=data.get("cp", 1),
                    zero_stage=data.get("zero_stage", zero_stage), zero_hpz=data.get("zero_hpz", 1),
-                   ep=data.get("ep", 1))
+                   ep=data.get("ep", 1), autoep=data.get("autoep", False))
 
     def __str__(self) -> str:
         """The layout as every message shows it: 'tp 2 x pp 1 x cp 1 x dp 4' (', hpZ 2' with hpZ,
-        ', ep 2' with experts split); the ZeRO stage is shown by each message where it matters."""
+        ', ep 2' with experts split, ', ep 1 (AutoEP)' with AutoEP's blocks at ep 1); the ZeRO stage is
+        shown by each message where it matters."""
         return (f"tp {self.tp} x pp {self.pp} x cp {self.cp} x dp {self.dp}"
                 + (f", hpZ {self.zero_hpz}" if self.hpz_enabled else "")
-                + (f", ep {self.ep}" if self.ep_enabled else ""))
+                + (f", ep {self.ep}" if self.ep_enabled else "")
+                + (" (AutoEP)" if self.autoep_blocks and not self.ep_enabled else ""))
 
     @property
     def model_parallel(self) -> int:
@@ -127,13 +132,19 @@ class ParallelDims:
     def ep_enabled(self) -> bool:
         return self.ep > 1
 
+    @property
+    def autoep_blocks(self) -> bool:
+        """DeepSpeed AutoEP swaps the MoE blocks in: at ep > 1, or at ep 1 with `autoep` (a checkpoint
+        of its blocks moves between ep sizes by DeepSpeed's universal conversion, not to transformers' own)."""
+        return self.ep > 1 or self.autoep
+
 
 def _divisors(n: int) -> str:
     return "{" + ", ".join(str(d) for d in range(1, n + 1) if n % d == 0) + "}"
 
 
 def composition_problem(*, tp: int, pp: int, cp: int, zero_stage: int, zero_hpz: int,
-                        ep: int = 1) -> UserError | None:
+                        ep: int = 1, autoep: bool = False) -> UserError | None:
     """Which axes compose and which ZeRO stage each allows (no world, no model): None if these do.
 
     Checked when the run config is built (`config.ParallelSpec`) and again by `layout_problem`."""
@@ -150,25 +161,28 @@ def composition_problem(*, tp: int, pp: int, cp: int, zero_stage: int, zero_hpz:
         return UserError("parallel.zero_hpz", zero_hpz, f"does not compose with parallel.tp={tp}: DeepSpeed builds "
                          "hpZ groups from consecutive world ranks, which would mix tensor-parallel ranks",
                          f"supported: {SUPPORTED_COMPOSITIONS}")
-    return _expert_composition_problem(ep=ep, tp=tp, pp=pp, cp=cp, zero_hpz=zero_hpz)
+    return _expert_composition_problem(ep=ep, tp=tp, pp=pp, cp=cp, zero_hpz=zero_hpz, autoep=autoep)
 
 
-def _expert_composition_problem(*, ep: int, tp: int, pp: int, cp: int, zero_hpz: int) -> UserError | None:
+def _expert_composition_problem(*, ep: int, tp: int, pp: int, cp: int, zero_hpz: int,
+                                autoep: bool) -> UserError | None:
     # DeepSpeed's AutoEP refuses tensor parallelism from an mpu (dsf's Megatron layers); the
     # pipeline engine, Ulysses and hpZ beside it are not probed here, so refused rather than guessed.
     others = {"tp": tp, "pp": pp, "cp": cp, "zero_hpz": zero_hpz}
     clash = next((name for name, size in others.items() if size > 1), None)
-    if ep > 1 and clash:
-        return UserError("parallel.ep", ep, f"does not compose with parallel.{clash}={others[clash]}: DeepSpeed's "
+    if (ep > 1 or autoep) and clash:
+        field, value = ("parallel.ep", ep) if ep > 1 else ("parallel.autoep", True)
+        return UserError(field, value, f"does not compose with parallel.{clash}={others[clash]}: DeepSpeed's "
                          "AutoEP splits the experts over data-parallel ranks only",
-                         f"set parallel.{clash}=1 (ep composes with dp and ZeRO 0-3) or parallel.ep=1")
+                         f"set parallel.{clash}=1 (ep composes with dp and ZeRO 0-3) or "
+                         + ("parallel.ep=1" if ep > 1 else "parallel.autoep=false"))
     return None
 
 
 def grid_problem(dims: ParallelDims, *, dp: int | None = None) -> UserError | None:
     """The rules that need the world but not the model (`dsf config --world-size` checks these)."""
     problem = composition_problem(tp=dims.tp, pp=dims.pp, cp=dims.cp, zero_stage=dims.zero_stage,
-                                  zero_hpz=dims.zero_hpz, ep=dims.ep)
+                                  zero_hpz=dims.zero_hpz, ep=dims.ep, autoep=dims.autoep)
     if problem is not None:
         return problem
     if dims.dp % dims.ep:

@@ -64,19 +64,22 @@ def autoep_model_types() -> list[str]:
     return sorted({t for preset in PRESET_MODELS.values() for t in preset.hf_model_types})
 
 
-def check_expert_parallel(config: Any, *, ep: int) -> None:
-    """UserError in one line, before any rank starts, when `config` cannot train at ep: a dense
-    model, an MoE type DeepSpeed's AutoEP has no preset for, or ep not dividing the experts."""
-    if ep <= 1:
+def check_expert_parallel(config: Any, *, ep: int, autoep: bool = False) -> None:
+    """UserError in one line, before any rank starts, when `config` cannot train at ep (or in
+    AutoEP's blocks at ep 1, `autoep`): a dense model, an MoE type DeepSpeed's AutoEP has no preset
+    for, or ep not dividing the experts."""
+    if ep <= 1 and not autoep:
         return
+    field, value, off = ("parallel.ep", ep, "parallel.ep=1") if ep > 1 else ("parallel.autoep", True,
+                                                                           "parallel.autoep=false")
     model_type, moe = config.model_type, expert_layout(config)
     if moe is None:
-        raise UserError("parallel.ep", ep, f"needs a mixture-of-experts model; {model_type!r} has no routed experts",
-                        "set parallel.ep=1 (dense models train with dp, tp, pp, cp and ZeRO)")
+        raise UserError(field, value, f"needs a mixture-of-experts model; {model_type!r} has no routed experts",
+                        f"set {off} (dense models train with dp, tp, pp, cp and ZeRO)")
     if autoep_preset(model_type) is None:
-        raise UserError("parallel.ep", ep, f"cannot split {model_type!r}'s experts: DeepSpeed's AutoEP has no preset "
+        raise UserError(field, value, f"cannot split {model_type!r}'s experts: DeepSpeed's AutoEP has no preset "
                         f"for it (it knows {', '.join(autoep_model_types())})",
-                        "set parallel.ep=1 (its experts then train as dense weights under ZeRO)")
+                        f"set {off} (its experts then train as dense weights under ZeRO)")
     if moe.experts % ep:
         divisors = [d for d in range(1, moe.experts + 1) if moe.experts % d == 0]
         raise UserError("parallel.ep", ep, f"does not divide {model_type}'s {moe.experts} experts",

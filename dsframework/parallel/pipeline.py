@@ -452,7 +452,7 @@ def check_model_parallelism(config: Any, dims: Any, *, seq_len: int | None = Non
     parallelism cannot split (models/experts.py `check_expert_parallel`)."""
     check_architecture(config, tp=dims.tp, pp=dims.pp)
     check_context_parallel(config, cp=dims.cp, seq_len=seq_len)
-    check_expert_parallel(config, ep=dims.ep)
+    check_expert_parallel(config, ep=dims.ep, autoep=dims.autoep)
     if dims.tp > 1:
         shard_model(_model_of(config), group=LayoutOnlyGroup(size=dims.tp, rank=0))
     if dims.pp > 1:

@@ -75,6 +75,7 @@ def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False,
         import_libraries()
     with clock.phase("checks"):
         manifest, source = preflight(run, resume=resume, overwrite=overwrite)
+        run = keep_expert_blocks(run, manifest) if resume else run
     with clock.phase("rendezvous"):
         world = form_world(run, source)
     batch = resolve_batch(run.train.micro_batch, run.train.grad_accum, run.train.global_batch, dp_size=world.dims.dp)
@@ -309,7 +310,7 @@ def build_engine(run: RunConfig, model: Any, ds_config: dict[str, Any], world: W
     decides after timing the first steps: train/loop.py)."""
     import deepspeed
 
-    if world.dims.ep_enabled:
+    if world.dims.autoep_blocks:
         bridge_output_capture_registry()  # DeepSpeed 0.19.8's AutoEP on transformers 5.24
     # A PipelineModule brings its own grid (DeepSpeed refuses an mpu beside it).
     engine, _, _, _ = deepspeed.initialize(
@@ -362,6 +363,16 @@ def checked_layout(run: RunConfig, config: Any, *, world: int) -> ParallelDims:
     return dims
 
 
+def keep_expert_blocks(run: RunConfig, manifest: dict[str, Any] | None) -> RunConfig:
+    """`run`, with `parallel.autoep` on when it resumes at ep 1 from a checkpoint saved in DeepSpeed
+    AutoEP's expert blocks (at ep > 1): the universal conversion then gathers every expert onto each
+    rank in those blocks, whose names (experts.w1, ...) transformers' own expert modules do not have."""
+    was = ckpt.saved_layout(manifest)
+    if was is None or not was.autoep_blocks or run.parallel.ep > 1 or run.parallel.autoep:
+        return run
+    return run.model_copy(update={"parallel": run.parallel.model_copy(update={"autoep": True})})
+
+
 def resume_tag(run: RunConfig, dims: ParallelDims, manifest: dict[str, Any] | None, config: Any) -> tuple[str, bool]:
     """(tag to load, whether it is a universal checkpoint) for resuming at `dims`.
 
@@ -369,7 +380,7 @@ def resume_tag(run: RunConfig, dims: ParallelDims, manifest: dict[str, Any] | No
     tp, pp and dp may change, with the same global batch. Rank 0 converts the checkpoint once and
     every rank then loads its new shard of it (`checkpoint.load_universal`):
     - dp alone, at tp = pp = 1, ZeRO-1/2/3: deepspeed's ds_to_universal (`checkpoint.to_universal`);
-      with split experts, ep and dp (ep > 1 before and after: AutoEP's own names), the same;
+      with split experts, ep and dp (AutoEP's blocks before and after, at ep 1 too: its own names), the same;
     - tp or pp (and dp beside them), ZeRO-1/2: `reshard.reshard`, through the dense layout.
     ZeRO-0 states are whole on every rank of a layout: dp may change, tp and pp may not. ZeRO-3 with
     tensor parallelism, and context parallelism, resume at their saved layout only (cp itself may not
@@ -384,14 +395,19 @@ def resume_tag(run: RunConfig, dims: ParallelDims, manifest: dict[str, Any] | No
         return tag, False
     stage = dims.zero_stage
     check_same_stage_and_cp(was, dims)
-    if (was.tp, was.pp, was.dp, was.ep) == (dims.tp, dims.pp, dims.dp, dims.ep):
+    axes = ("tp", "pp", "dp", "ep", "autoep_blocks")
+    if all(getattr(was, axis) == getattr(dims, axis) for axis in axes):
         return tag, False
-    if was.ep_enabled != dims.ep_enabled or (dims.ep_enabled and stage == 0):
+    if was.autoep_blocks != dims.autoep_blocks or (dims.autoep_blocks and stage == 0):
         # AutoEP's checkpoints name its grouped experts (experts.w1, ...), not transformers' fused ones;
-        # DeepSpeed's universal conversion moves them to another ep or dp, between AutoEP runs, at ZeRO 1-3.
-        raise UserError("parallel.ep", dims.ep, f"cannot resume at {dims} from a checkpoint saved at {was}: split "
-                        "experts resume at another ep or dp only between runs that both split them, at ZeRO 1-3",
-                        f"resume with parallel.ep={was.ep}" + (" on the saved layout" if stage == 0 else ""))
+        # DeepSpeed's universal conversion moves them to another ep or dp, between AutoEP runs, at ZeRO 1-3
+        # (keep_expert_blocks keeps AutoEP's blocks for a resume at ep 1).
+        raise UserError("parallel.ep", dims.ep, f"cannot resume at {dims} from a checkpoint saved at {was}: experts "
+                        "move to another ep or dp only between runs in DeepSpeed AutoEP's blocks (ep > 1, or "
+                        "parallel.autoep=true at ep 1), at ZeRO 1-3",
+                        f"resume with parallel.ep={was.ep}" + (" on the saved layout" if stage == 0 else
+                                                               " (start at ep 1 with parallel.autoep=true to "
+                                                               "move to ep > 1 later)"))
     if dims.cp_enabled:  # (the universal-checkpoint conversions below are not tested with cp's ZeRO groups)
         raise UserError("parallel.cp", dims.cp, f"runs resume at their saved layout only (saved {was}, now {dims})",
                         f"resume on {was.world} ranks with parallel.tp={was.tp}")

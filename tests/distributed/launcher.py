@@ -204,9 +204,9 @@ def assert_close(got: dict[int, float], want: dict[int, float], *, rtol: float, 
 
 def forget_previous_run() -> None:
     """DeepSpeed keeps the last engine's parallel groups in module globals (deepspeed.utils.groups:
-    the mpu a tp, pp or cp run passed, hpZ's group), and an engine built without an mpu reads the
-    old one (a tp=2 model-parallel size for a ZeRO-2 run after a tp2 run). `dsf train` builds one
-    engine per process; a run here starts as in a fresh process.
+    the mpu a tp, pp or cp run passed, hpZ's group, AutoEP's expert groups), and an engine built
+    without an mpu reads the old one (a tp=2 model-parallel size for a ZeRO-2 run after a tp2 run).
+    `dsf train` builds one engine per process; a run here starts as in a fresh process.
 
     transformers likewise keeps the HfDeepSpeedConfig of a ZeRO-3 pretrained load (the last run's
     model holds it) in a module global, and builds every later model under zero.Init while it lives:
@@ -218,5 +218,9 @@ def forget_previous_run() -> None:
 
     groups.mpu = None
     groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
+    # AutoEP's expert groups, by ep size: a universal load slices the experts by the largest one's rank
+    for expert_groups in (groups._EXPERT_PARALLEL_GROUP, groups._EXPERT_PARALLEL_GROUP_RANKS,
+                          groups._EXPERT_DATA_PARALLEL_GROUP, groups._EXPERT_DATA_PARALLEL_GROUP_RANKS):
+        expert_groups.clear()
     unset_hf_deepspeed_config()
     gc.collect()

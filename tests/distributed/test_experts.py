@@ -46,6 +46,11 @@ def trained(tmp_path_factory) -> Path:
     at_ep2 = ";".join([*overrides(root, "mixtral", 1), "train.stop_after=3", "checkpoint.save_final=false"])
     at_ep4 = ";".join([*overrides(root, "mixtral", 1), "parallel.ep=4"])
     specs += [f"ep2-to-ep4|{at_ep2}", f"ep2-to-ep4|{at_ep4}|resume"]
+    # ep 2 x dp 2 -> ep 1 x dp 4 (in AutoEP's blocks, kept by the resume) for step 4 -> ep 2 x dp 2
+    at_ep1 = ";".join([*overrides(root, "mixtral", 1), "parallel.ep=1", "train.stop_after=4",
+                       "checkpoint.save_final=false"])
+    specs += [f"there-and-back|{at_ep2}", f"there-and-back|{at_ep1}|resume",
+              f"there-and-back|{';'.join(overrides(root, 'mixtral', 1))}|resume"]
     proc = launch([str(WORKER), str(root), *specs], num_ranks=WORLD, timeout=900)
     (root / "stdout.txt").write_text(proc.stdout)
     return root
@@ -125,29 +130,49 @@ def test_resume_at_another_ep_continues_the_run(trained):
     assert (trained / "ep2-to-ep4" / "checkpoints" / "global_step3.universal").is_dir()
 
 
-def test_resume_between_split_and_whole_experts_is_refused_in_one_line(trained):
+def test_resume_at_ep1_and_back_continues_the_run(trained):
+    """ep 2 x dp 2 stopped after step 3, step 4 at ep 1 x dp 4 (every rank holds all the experts,
+    in AutoEP's blocks: the resume keeps them), step 5 at ep 2 x dp 2 again: each through
+    DeepSpeed's universal conversion, equal to the straight ep 2 run's steps."""
+    straight, resumed = losses(trained / case_name("mixtral", 1)), losses(trained / "there-and-back")
+    assert sorted(resumed) == [1, 2, 3, 4, 5]
+    assert_close({s: resumed[s] for s in (4, 5)}, {s: straight[s] for s in (4, 5)}, rtol=1e-5, what="ep2 -> 1 -> 2")
+    checkpoints = trained / "there-and-back" / "checkpoints"
+    assert (checkpoints / "global_step3.universal").is_dir() and (checkpoints / "global_step4.universal").is_dir()
+    saved = json.loads((checkpoints / "global_step4" / "dsf_manifest.json").read_text())["layout"]
+    assert (saved["ep"], saved["autoep"], saved["dp"]) == (1, True, 4)
+
+
+def test_resume_from_transformers_experts_into_autoep_is_refused_in_one_line(trained):
+    """A checkpoint of transformers' own expert modules (ep 1 without parallel.autoep) resumed at ep 2
+    is refused before any conversion, naming the way that works."""
     from dsframework.errors import UserError
     from dsframework.layout import ParallelDims
-    from dsframework.train.setup import resume_tag
+    from dsframework.train.setup import keep_expert_blocks, resume_tag
 
     run = build_run_config({}, run_overrides(trained / "stopped", overrides(trained, *RESUMED)))
-    manifest = json.loads((trained / "stopped" / "checkpoints" / "global_step5" / "dsf_manifest.json").read_text())
-    with pytest.raises(UserError, match=r"parallel.ep=1: cannot resume at tp 1 x pp 1 x cp 1 x dp 4 from a checkpoint "
-                                        r"saved at tp 1 x pp 1 x cp 1 x dp 4, ep 2: split experts resume at another ep "
-                                        r"or dp only between runs that both split them, at ZeRO 1-3; resume with "
-                                        r"parallel.ep=2"):
-        resume_tag(run, ParallelDims(world=WORLD, zero_stage=3), manifest, None)
+    dense = {"layout": ParallelDims(world=WORLD, zero_stage=3).as_dict()}
+    assert keep_expert_blocks(run, dense) is run
+    with pytest.raises(UserError, match=r"parallel.ep=2: cannot resume at tp 1 x pp 1 x cp 1 x dp 4, ep 2 from a "
+                                        r"checkpoint saved at tp 1 x pp 1 x cp 1 x dp 4: experts move to another ep "
+                                        r"or dp only between runs in DeepSpeed AutoEP's blocks .*; resume with "
+                                        r"parallel.ep=1 \(start at ep 1 with parallel.autoep=true"):
+        resume_tag(run, ParallelDims(world=WORLD, zero_stage=3, ep=2), dense, None)
+    at_ep1 = run.model_copy(update={"parallel": run.parallel.model_copy(update={"ep": 1})})
+    saved = json.loads((trained / "stopped" / "checkpoints" / "global_step5" / "dsf_manifest.json").read_text())
+    assert keep_expert_blocks(at_ep1, saved).parallel.autoep
 
 
 def test_the_first_line_names_the_experts(trained):
     import re
 
     lines = [line for line in (trained / "stdout.txt").read_text().splitlines() if " parameters (" in line]
-    first = re.compile(r"active per token: 4 experts, top 2, (\d) per rank\) \| world 4 = tp 1 x pp 1 x cp 1 x dp 4, "
-                       r"ep (\d) \| ZeRO-")
+    first = re.compile(r"active per token: 4 experts, top 2, (\d) per rank\) \| world 4 = tp 1 x pp 1 x cp 1 x dp 4"
+                       r"(?:, ep (\d)| \(AutoEP\)) \| ZeRO-")
     found = [first.search(line) for line in lines]
     assert lines and all(found), lines[:2]
-    assert {(int(m.group(1)), int(m.group(2))) for m in found} == {(2, 2), (1, 4)}  # the ep 4 resume too
+    # the ep 4 resume, and the ep 1 one in AutoEP's blocks
+    assert {(int(m.group(1)), int(m.group(2) or 1)) for m in found} == {(2, 2), (1, 4), (4, 1)}
 
 
 @pytest.mark.parametrize("model_type", list(MODELS))

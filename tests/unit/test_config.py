@@ -259,6 +259,7 @@ ROUND_TRIP_CASES = {
                     ["data.format=chat", "model.lora.r=2", "parallel.zero_stage=3"]),
     "hierarchical-zero": ({}, ["parallel.zero_stage=3", "parallel.cp=2", "parallel.zero_hpz=4"]),
     "expert-parallel": ({}, ["parallel.zero_stage=2", "parallel.ep=4"]),
+    "autoep-blocks-at-ep1": ({}, ["parallel.zero_stage=1", "parallel.autoep=true"]),
     "odd-floats": ({"train": {"lr": 1.0e-20, "eps": 1.5e-300, "min_lr_ratio": 1.0}}, ["train.weight_decay=1e-5"]),
 }
 
@@ -282,7 +283,7 @@ def test_everything_changed_case_differs_from_defaults_in_every_section():
         model = type(getattr(run, section))
         for key in model.model_fields:
             if (section, key) in (("parallel", "pp"), ("parallel", "zero_hpz"), ("parallel", "zero_quantized"),
-                                ("parallel", "ep"), ("model", "lora"), ("data", "format")):
+                                ("parallel", "ep"), ("parallel", "autoep"), ("model", "lora"), ("data", "format")):
                 continue  # pp > 1 needs ZeRO 0/1, hpZ and ep need tp 1 (this case: ZeRO-3 offload, tp 2); quantized
                 # is refused; LoRA and chat data need tp = cp = 1 (the fine-tuning case has them)
             assert getattr(getattr(run, section), key) != getattr(getattr(default, section), key), \

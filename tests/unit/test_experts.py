@@ -141,6 +141,8 @@ def test_lora_with_ep_is_refused_in_one_line():
     with pytest.raises(UserError, match=r"model.lora: is not offered with parallel.ep=2: DeepSpeed's AutoEP replaces "
                                         r"the MoE blocks peft would wrap"):
         build_run_config({"model": {"lora": {"r": 4}}, "parallel": {"ep": 2}})
+    with pytest.raises(UserError, match=r"model.lora: is not offered with parallel.ep=1 autoep=true: "):
+        build_run_config({"model": {"lora": {"r": 4}}, "parallel": {"autoep": True}})
 
 
 def test_the_planners_autoep_types_are_deepspeeds():

@@ -187,13 +187,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(script_and_args: list[str], log: Path) -> tuple[int, float]:
-    """`deepspeed --num_gpus 2 <script> <args>`, one thread per rank, output to `log`;
-    (exit code, wall seconds)."""
+def launch(script_and_args: list[str], log: Path, *, world: int = WORLD) -> tuple[int, float]:
+    """`deepspeed --num_gpus <world> <script> <args>` (2 ranks here), one thread per rank, output to
+    `log`; (exit code, wall seconds)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                HF_HUB_OFFLINE="1")
     env.pop("RANK", None)
-    cmd = [str(BIN / "deepspeed"), "--num_gpus", str(WORLD), "--master_port", str(free_port()), *script_and_args]
+    cmd = [str(BIN / "deepspeed"), "--num_gpus", str(world), "--master_port", str(free_port()), *script_and_args]
     start = time.perf_counter()
     with log.open("w") as out:
         code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO, timeout=1800).returncode

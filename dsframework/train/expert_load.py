@@ -45,8 +45,8 @@ class ExpertLoad:
         if not module.training:
             return
         aux, logits = getattr(output, "aux_loss", None), getattr(output, "router_logits", None)
-        if aux is not None:
-            self.aux_sum += float(aux.detach())
+        if aux is not None:  # a tensor until `read`: no host synchronisation per forward on a GPU
+            self.aux_sum = self.aux_sum + aux.detach().double()
             self.forwards += 1
         if logits is not None and len(logits):
             with torch.no_grad():
@@ -60,8 +60,9 @@ class ExpertLoad:
         import torch.distributed as dist
 
         counts = self.counts if self.counts is not None else torch.zeros(1, self.experts, dtype=torch.long)
-        totals = torch.cat([torch.tensor([self.aux_sum, float(self.forwards)], dtype=torch.float64),
-                            counts.flatten().double()])
+        aux_sum = torch.as_tensor(self.aux_sum, dtype=torch.float64).reshape(1).cpu()
+        totals = torch.cat([aux_sum, torch.tensor([float(self.forwards)], dtype=torch.float64),
+                            counts.flatten().double().cpu()])
         if dist.is_initialized():
             dist.all_reduce(totals)
         aux_sum, forwards, counts = totals[0].item(), totals[1].item(), totals[2:].view(-1, self.experts)

@@ -320,22 +320,40 @@ def write_record(path: Path, record: dict) -> None:
 def raw_worker(overrides: list[str], ds_json: Path, record_path: Path, *, excluded: int) -> None:
     """B: deepspeed.initialize on the JSON file and a plain loop; rank 0 writes its record."""
     import deepspeed
-    import torch
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
 
-    from dsframework.data import BlockSampler
     from dsframework.jit import pin_build_tools, release_shm_buffers
 
     pin_build_tools()  # the JIT-built CPU ops of this environment, as dsf uses (not rebuilt elsewhere)
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
     release_shm_buffers()
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     if get_accelerator().device_name() != "cpu":
         get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))
     run, batch, blocks, model = rank_inputs(overrides, json.loads(ds_json.read_text()))
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=str(ds_json))
+    clock, final_loss = plain_loop(engine, run, batch, blocks, excluded=excluded)
+    steps = run.train.steps
+    if rank == 0:
+        write_record(record_path, {"tokens_per_s": clock.tokens_per_s(excluded, steps),
+                                   "train_s": clock.times[steps] - clock.times[excluded], "final_loss": final_loss,
+                                   "final_lr": engine.get_lr()[0], "engine": engine_facts(engine, ds_json)})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def plain_loop(engine, run, batch, blocks, *, excluded: int, after_step=None) -> tuple[StepClock, float | None]:
+    """The raw way's loop: each rank's micro-batches of dsf's BlockSampler, forward / backward / step,
+    the loss read every logging.every steps; (rank 0's clock, the last logged loss). `after_step(step)`
+    runs after each step's update, before the loss is read (the caller's own measurements)."""
+    import torch
+    import torch.distributed as dist
+
+    from dsframework.data import BlockSampler
+
+    rank, world = dist.get_rank(), dist.get_world_size()
     sampler = BlockSampler(len(blocks), micro_batch=batch.micro_batch, grad_accum=batch.grad_accum,
                            dp_size=world, dp_rank=rank, seed=run.data.seed)
     steps, every = run.train.steps, run.logging.every
@@ -349,6 +367,8 @@ def raw_worker(overrides: list[str], ds_json: Path, record_path: Path, *, exclud
             engine.backward(loss)
             engine.step()
             losses.append(loss.detach())
+        if after_step is not None:
+            after_step(step)
         if step % every == 0:  # the one host synchronisation: the logged loss, mean over ranks
             mean = torch.stack(losses).mean().double()
             dist.all_reduce(mean)
@@ -356,12 +376,7 @@ def raw_worker(overrides: list[str], ds_json: Path, record_path: Path, *, exclud
             if rank == 0:
                 print(f"raw: step={step} loss={final_loss:.4g}", flush=True)
         clock.tick(step, boundary=step in (excluded, steps))
-    if rank == 0:
-        write_record(record_path, {"tokens_per_s": clock.tokens_per_s(excluded, steps),
-                                   "train_s": clock.times[steps] - clock.times[excluded], "final_loss": final_loss,
-                                   "final_lr": engine.get_lr()[0], "engine": engine_facts(engine, ds_json)})
-    dist.barrier()
-    dist.destroy_process_group()
+    return clock, final_loss
 
 
 class OrderedBlocks:

@@ -38,15 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # bench.compare (the shared job, launches and clock); the tests' byte counts
 
 from bench.compare import (  # noqa: E402
-    BIN,
-    TINY_YAML,
-    StepClock,
-    dsf_record,
-    fail,
-    launch,
-    rank_inputs,
-    save_tokenizer,
-    write_record,
+    BIN, TINY_YAML, dsf_record, fail, launch, plain_loop, rank_inputs, save_tokenizer, write_record,
 )
 
 WORLD = 4
@@ -98,18 +90,12 @@ def worker(overrides: list[str], ds_json: Path, record_path: Path, *, excluded: 
     """raw: deepspeed.initialize on the JSON file and a plain loop; the first step's model-state bytes
     of each rank and rank 0's tokens/s go to the record."""
     import deepspeed
-    import torch
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
 
-    from dsframework.data import BlockSampler
     from dsframework.jit import pin_build_tools, release_shm_buffers
     from dsframework.models.autoep_compat import bridge_output_capture_registry
-    from tests.distributed.workers.model_states import (
-        grad_bytes,
-        optimizer_bytes,
-        param_bytes,
-    )
+    from tests.distributed.workers.model_states import grad_bytes, optimizer_bytes, param_bytes
 
     pin_build_tools()
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
@@ -129,26 +115,15 @@ def worker(overrides: list[str], ds_json: Path, record_path: Path, *, excluded: 
         return step_fn(*a, **k)
 
     engine.optimizer.step = measured_step
-    sampler = BlockSampler(len(blocks), micro_batch=batch.micro_batch, grad_accum=batch.grad_accum,
-                           dp_size=world, dp_rank=rank, seed=run.data.seed)
-    clock, final_loss, states = StepClock(tokens_per_step=batch.global_batch * run.data.seq_len), None, None
-    for step in range(1, run.train.steps + 1):
-        losses = []
-        for indices in sampler.micro_batches((step - 1) * batch.global_batch):
-            input_ids = blocks[indices].to(engine.device)
-            loss = engine(input_ids=input_ids, labels=input_ids).loss
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.detach())
+    states = [None]
+
+    def after_step(step: int) -> None:
         if step == 1:
-            states = param_bytes(engine.module) + grads[0] + optimizer_bytes(engine)
-        if step % run.logging.every == 0:  # the one host synchronisation: the logged loss, mean over ranks
-            mean = torch.stack(losses).mean().double()
-            dist.all_reduce(mean)
-            final_loss = mean.item() / world
-        clock.tick(step, boundary=step in (excluded, run.train.steps))
+            states[0] = param_bytes(engine.module) + grads[0] + optimizer_bytes(engine)
+
+    clock, final_loss = plain_loop(engine, run, batch, blocks, excluded=excluded, after_step=after_step)
     per_rank = [None] * world
-    dist.all_gather_object(per_rank, states)
+    dist.all_gather_object(per_rank, states[0])
     if rank == 0:
         write_record(record_path, {"tokens_per_s": clock.tokens_per_s(excluded, run.train.steps),
                                    "final_loss": final_loss, "model_states": per_rank})

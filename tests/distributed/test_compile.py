@@ -1,8 +1,9 @@
 """train.compile and train.chunked_loss train what eager training with the whole logits trains.
 
-One launch of 2 CPU ranks (tests/distributed/workers/train_matrix.py) trains tiny-llama 8 steps
-in every layout, eager with the plain loss and compiled (with the chunked loss where it applies),
-and the losses agree within 1e-4 at every step:
+One launch of 2 CPU ranks (tests/distributed/workers/train_matrix.py, shared with test_zero.py:
+conftest.zero_and_compile_runs) trains tiny-llama 8 steps in every layout, eager with the plain loss
+(at ZeRO 0, 2 and 3 test_zero's runs, the same run config) and compiled (with the chunked loss where
+it applies), and the losses agree within 1e-4 at every step:
 
 | layout         | compiled with | loss        |
 |----------------|---------------|-------------|
@@ -25,7 +26,7 @@ import re
 
 import pytest
 
-from tests.distributed.launcher import REPO, assert_close, launch, losses, read_metrics
+from tests.distributed.launcher import assert_close, losses, read_metrics
 
 LAYOUTS = {
     "z0": ["parallel.zero_stage=0"],
@@ -44,27 +45,39 @@ COMPILED = {  # layout -> (backend, extra overrides)
 }
 
 
-@pytest.fixture(scope="module")
-def matrix(tmp_path_factory):
-    root = tmp_path_factory.mktemp("compile")
+# test_zero.py's eager runs of these layouts (BASE_OVERRIDES train eager with the whole logits)
+EAGER_FROM_TEST_ZERO = {"z0": "zero0", "z2": "zero2", "z3": "zero3"}
+
+
+def compile_specs() -> list[str]:
+    """workers/train_matrix.py's specs: each layout compiled, and eager where test_zero has no run of it."""
     specs = []
     for name, overrides in LAYOUTS.items():
-        specs.append(f"{name}|eager|{';'.join(overrides + ['train.compile=false', 'train.chunked_loss=false'])}")
+        if name not in EAGER_FROM_TEST_ZERO:
+            specs.append(f"{name}|eager|{';'.join(overrides + ['train.compile=false', 'train.chunked_loss=false'])}")
         backend, extra = COMPILED[name]
         specs.append(f"{name}_compiled|{backend}|{';'.join(overrides + ['train.compile=true'] + extra)}")
         if name == "z2":  # (before cp, whose Ulysses attention stays registered in this process)
             specs.append("z2_auto|aot_eager|" + ";".join(overrides + ["train.compile=auto"]))
-    proc = launch([str(REPO / "tests" / "distributed" / "workers" / "train_matrix.py"), str(root), *specs],
-                  num_ranks=2, timeout=900)
-    return root, proc.stdout
+    return specs
+
+
+def eager(root, layout: str) -> dict[int, float]:
+    return losses(root / EAGER_FROM_TEST_ZERO.get(layout, layout))
+
+
+@pytest.fixture(scope="module")
+def matrix(zero_and_compile_runs):
+    root, stdout, _ = zero_and_compile_runs
+    return root, stdout
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_compiled_training_matches_eager(matrix, layout):
     root, _ = matrix
-    eager, compiled = losses(root / layout), losses(root / f"{layout}_compiled")
-    assert len(eager) == 8 and eager[8] < eager[1], f"{layout}: the eager run does not learn: {eager}"
-    assert_close(compiled, eager, rtol=1e-4, what=f"{layout}: compiled vs eager")
+    eager_losses, compiled = eager(root, layout), losses(root / f"{layout}_compiled")
+    assert len(eager_losses) == 8 and eager_losses[8] < eager_losses[1], f"{layout}: the eager run does not learn"
+    assert_close(compiled, eager_losses, rtol=1e-4, what=f"{layout}: compiled vs eager")
 
 
 def test_compiled_evaluation_matches_eager(matrix):
@@ -89,7 +102,7 @@ def test_auto_compiles_mid_run_when_it_pays(matrix):
     """train.compile=auto times steps 2-4 eager, then (the worker expecting no compile time)
     compiles: the losses stay the eager run's and the compile seconds land in a later window."""
     root, stdout = matrix
-    assert_close(losses(root / "z2_auto"), losses(root / "z2"), rtol=1e-4, what="z2: auto-compiled vs eager")
+    assert_close(losses(root / "z2_auto"), eager(root, "z2"), rtol=1e-4, what="z2: auto-compiled vs eager")
     assert re.search(r"dsf: train.compile=auto: 4 steps left x [\d.e-]+ s x 14% saved = [\d.e-]+ s > 0 s to "
                      r"compile: compiling", stdout), stdout[-3000:]
     # Compile seconds, if any, come after the decision (z2_compiled's graphs, already traced in this

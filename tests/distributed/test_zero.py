@@ -1,20 +1,19 @@
 """ZeRO 0-3 (and CPU optimizer offload) and gradient accumulation are exact at world size 2; the
 stage 0 and 1 checkpoints export to the reference's weights; no run leaves shm buffers behind.
 
-Every run is a real `dsf train` of 2 CPU ranks (gloo), all of them in one launch (launcher.train_runs);
+Every run is a real `dsf train` of 2 CPU ranks (gloo), all of them in one launch (shared with
+test_compile.py: conftest.zero_and_compile_runs);
 the reference is a single-process plain PyTorch loop over the same weights and global batches (reference.py).
 """
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
 from dsframework.config import build_run_config
-from tests.distributed.launcher import BASE_OVERRIDES, assert_close, read_metrics, run_overrides, train_runs
+from tests.distributed.launcher import BASE_OVERRIDES, assert_close, losses, read_metrics, run_overrides
 from tests.distributed.reference import assert_export_matches, reference_train
 
-SHM_BUFFERS = "deepspeed_allreduce_buffer_*"
 STAGES = {
     "zero0": ["parallel.zero_stage=0", "checkpoint.save_final=true"],  # whole module in the checkpoint
     "zero1": ["parallel.zero_stage=1", "checkpoint.save_final=true"],  # fp32 partitions (both exported)
@@ -27,13 +26,17 @@ STAGES = {
 ACCUM = ["parallel.zero_stage=1", "train.micro_batch=2", "train.grad_accum=2"]  # test_gradient_accumulation_is_exact
 
 
+def zero_specs() -> list[str]:
+    """workers/train_matrix.py's specs of every layout in STAGES and "accum"."""
+    return [f"{name}|eager|{';'.join(overrides)}" for name, overrides in {**STAGES, "accum": ACCUM}.items()]
+
+
 @pytest.fixture(scope="module")
-def stage_runs(tmp_path_factory):
+def stage_runs(zero_and_compile_runs):
     """name -> (step -> loss) for every layout in STAGES and "accum" (one launch), plus the reference of the first."""
-    root = tmp_path_factory.mktemp("zero")
-    shm_before = set(Path("/dev/shm").glob(SHM_BUFFERS))
-    runs = train_runs(root, {**STAGES, "accum": ACCUM})
-    runs["shm_left"] = set(Path("/dev/shm").glob(SHM_BUFFERS)) - shm_before
+    root, _, shm_left = zero_and_compile_runs
+    runs = {name: losses(root / name) for name in {**STAGES, "accum": ACCUM}}
+    runs["shm_left"] = shm_left
     run = build_run_config({}, run_overrides(root / "zero0", STAGES["zero0"]))
     runs["reference"], runs["reference_model"] = reference_train(run)
     runs["root"] = root

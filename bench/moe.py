@@ -1,13 +1,12 @@
 """A mixture of experts at ep 1, 2 and 4 on 4 CPU ranks: model-state memory per rank (measured and
 planned) and tokens/s of `dsf train`, beside raw DeepSpeed AutoEP driven by hand from the same JSON.
 
-    .venv/bin/python bench/moe.py              # the README's table (~25 min on 2 cores)
+    .venv/bin/python bench/moe.py              # the README's table (21 min on 2 cores)
     .venv/bin/python bench/moe.py --smoke      # a small model, ep 1 and 2, one launch each (~3 min)
     .venv/bin/python bench/moe.py --json       # the same figures for machines
 
 The model is Qwen3-MoE shaped (MODEL below: 8 layers, hidden 512, 16 experts of ffn 1024, top 2:
-about 218M parameters, 42M of them active per token), random init, with the counting task's
-tokenizer. At each ep it trains at ZeRO-1 (the stage DeepSeek-V3 trains its experts with),
+208M parameters with the counting task's tokenizer, 31.5M of them active per token), random init. At each ep it trains at ZeRO-1 (the stage DeepSeek-V3 trains its experts with),
 --steps steps of --global-batch x --seq-len tokens, micro-batch --micro-batch per rank:
 
   dsf  `deepspeed --num_gpus 4 $(which dsf) train tiny.yaml --set model.name=<config> --set

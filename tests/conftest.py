@@ -33,14 +33,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-FAST_TIER = "DSF_TESTS_FAST_TIER"  # set when the run deselects the distributed tests: the fast tier
-
-
 def pytest_configure(config):
-    # The fast tier is the inner loop: the planner's property test draws fewer examples there (it
-    # reads this at import; the full suite, CI's command, draws them all).
-    if "not distributed" in (config.option.markexpr or ""):
-        os.environ[FAST_TIER] = "1"
     if getattr(config.option, "durations", None) is None:
         config.option.durations = 30  # every run (CI's too) ends with its 30 slowest: where the time went
     config.addinivalue_line("markers", "slow: the one world-8 run (about a minute here); deselect with -m 'not slow'")

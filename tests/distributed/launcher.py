@@ -196,6 +196,17 @@ def train_runs(root: Path, runs: dict[str, list[str]], *, num_ranks: int = 2, re
     return {name: losses(root / name) for name in runs}
 
 
+class Prefixed:
+    """A module's runs in conftest.shared_runs' root, whose names it prefixed: `runs / "zero3"` is
+    `root / "export-zero3"`."""
+
+    def __init__(self, root: Path, prefix: str):
+        self.root, self.prefix = root, prefix
+
+    def __truediv__(self, name: str) -> Path:
+        return self.root / f"{self.prefix}{name}"
+
+
 def assert_close(got: dict[int, float], want: dict[int, float], *, rtol: float, what: str) -> None:
     assert sorted(got) == sorted(want), f"{what}: steps {sorted(got)} != {sorted(want)}"
     worst = max(abs(got[s] - want[s]) / abs(want[s]) for s in want)

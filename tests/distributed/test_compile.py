@@ -1,7 +1,7 @@
 """train.compile and train.chunked_loss train what eager training with the whole logits trains.
 
-One launch of 2 CPU ranks (tests/distributed/workers/train_matrix.py, shared with test_zero.py:
-conftest.zero_and_compile_runs) trains tiny-llama 8 steps in every layout, eager with the plain loss
+One launch of 2 CPU ranks (tests/distributed/workers/train_matrix.py, shared with other modules:
+conftest.shared_runs) trains tiny-llama 8 steps in every layout, eager with the plain loss
 (at ZeRO 0, 2 and 3 test_zero's runs, the same run config) and compiled (with the chunked loss where
 it applies), and the losses agree within 1e-4 at every step:
 
@@ -23,6 +23,7 @@ gradients (1e-5) is tests/unit/test_chunked_loss.py.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -49,8 +50,10 @@ COMPILED = {  # layout -> (backend, extra overrides)
 EAGER_FROM_TEST_ZERO = {"z0": "zero0", "z2": "zero2", "z3": "zero3"}
 
 
-def compile_specs() -> list[str]:
-    """workers/train_matrix.py's specs: each layout compiled, and eager where test_zero has no run of it."""
+def shared_specs(ranks: int, root: Path) -> list[str]:
+    """conftest.shared_runs' specs, at world 2: each layout compiled, and eager where test_zero has no run of it."""
+    if ranks != 2:
+        return []
     specs = []
     for name, overrides in LAYOUTS.items():
         if name not in EAGER_FROM_TEST_ZERO:
@@ -67,8 +70,8 @@ def eager(root, layout: str) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def matrix(zero_and_compile_runs):
-    root, stdout, _ = zero_and_compile_runs
+def matrix(shared_runs):
+    root, stdout, _ = shared_runs(2)
     return root, stdout
 
 

@@ -6,7 +6,8 @@ product (the suite's time); eval, resume and export work.
 
 Every run is a real `dsf train` on N CPU ranks (gloo); the reference is the single-process plain
 PyTorch loop of reference.py over the same weights and global batches. Launches are shared: one run
-per layout, the runs of a world size in one launch; the resume and export checks reuse them.
+per layout, the runs of a world size in one launch with other modules' runs (conftest.shared_runs);
+the resume and export checks reuse them.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from dsframework.config import build_run_config
-from tests.distributed.launcher import assert_close, read_metrics, run_overrides, train_run, train_runs
+from tests.distributed.launcher import assert_close, losses, read_metrics, run_overrides, train_run
 from tests.distributed.reference import assert_export_matches, reference_train
 
 SAVE = ["checkpoint.every=4", "checkpoint.save_final=true"]
@@ -37,17 +38,23 @@ def _family(name: str) -> str:
     return name.rsplit("-", 1)[1]
 
 
+def shared_specs(ranks: int, root: Path) -> list[str]:
+    """conftest.shared_runs' specs: the runs of this world size."""
+    return [f"{name}|eager|{';'.join(settings)}" for name, (world, settings) in RUNS.items() if world == ranks]
+
+
 @pytest.fixture(scope="module")
-def cp_runs(tmp_path_factory):
-    """name -> (step -> loss) of every run in RUNS; "reference-<family>" -> (losses, model)."""
-    root = tmp_path_factory.mktemp("cp")
-    runs = {"root": root}
-    for world in sorted({ranks for ranks, _ in RUNS.values()}):
-        runs.update(train_runs(root, {name: settings for name, (ranks, settings) in RUNS.items() if ranks == world},
-                               num_ranks=world))
+def cp_runs(shared_runs):
+    """name -> (step -> loss) of every run in RUNS, "dir-<name>" -> its directory;
+    "reference-<family>" -> (losses, model)."""
+    runs = {}
+    for name, (ranks, _) in RUNS.items():
+        runs[f"dir-{name}"] = shared_runs(ranks)[0] / name
+        runs[name] = losses(runs[f"dir-{name}"])
     for family in ("llama", "gpt2"):
         name = next(n for n in RUNS if _family(n) == family)
-        runs[f"reference-{family}"] = reference_train(build_run_config({}, run_overrides(root / name, RUNS[name][1])))
+        runs[f"reference-{family}"] = reference_train(build_run_config({}, run_overrides(runs[f"dir-{name}"],
+                                                                                         RUNS[name][1])))
     return runs
 
 
@@ -71,7 +78,7 @@ def test_eval_loss_is_the_whole_sequence_loss(cp_runs):
     from dsframework.data import load_texts, load_tokenizer
     from tests.packing_reference import pack_splits
 
-    run_dir = cp_runs["root"] / "cp2-zero0-llama"
+    run_dir = cp_runs["dir-cp2-zero0-llama"]
     run = build_run_config({}, run_overrides(run_dir, RUNS["cp2-zero0-llama"][1]))
     _, held_out = pack_splits(load_texts(run.data), load_tokenizer(run.checkpoint_dir / "tokenizer"), run.data)
     evals = {m["step"]: m["eval_loss"] for m in read_metrics(run_dir) if "eval_loss" in m}
@@ -85,7 +92,7 @@ def test_resume_from_a_context_parallel_checkpoint_is_exact(cp_runs, tmp_path, n
     """The step-4 checkpoint of the run, resumed, gives the run's own steps 5-8 (1e-6)."""
     ranks, settings = RUNS[name]
     resumed_dir = tmp_path / name
-    shutil.copytree(cp_runs["root"] / name, resumed_dir)
+    shutil.copytree(cp_runs[f"dir-{name}"], resumed_dir)
     ckpts = resumed_dir / "checkpoints"
     shutil.rmtree(ckpts / "global_step8")
     (ckpts / "latest").write_text("global_step4")
@@ -97,7 +104,7 @@ def test_resume_from_a_context_parallel_checkpoint_is_exact(cp_runs, tmp_path, n
 @pytest.mark.parametrize("name", ["cp2xdp2-zero3-llama", "tp2xcp2-zero3-llama"])
 def test_export_holds_the_reference_weights(cp_runs, name):
     """`dsf export` of the step-8 checkpoint gives the reference's logits (1e-4)."""
-    assert_export_matches(cp_runs["root"] / name, cp_runs["reference-llama"][1])
+    assert_export_matches(cp_runs[f"dir-{name}"], cp_runs["reference-llama"][1])
 
 
 def test_resume_refuses_another_context_parallel_size(cp_runs, tmp_path):
@@ -107,7 +114,7 @@ def test_resume_refuses_another_context_parallel_size(cp_runs, tmp_path):
     from tests.distributed.launcher import BIN, TINY_YAML, rank_env
 
     run_dir = tmp_path / "moved"
-    shutil.copytree(cp_runs["root"] / "cp2xdp2-zero3-llama", run_dir)
+    shutil.copytree(cp_runs["dir-cp2xdp2-zero3-llama"], run_dir)
     before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
     settings = [s for s in RUNS["cp2xdp2-zero3-llama"][1] if s != "parallel.cp=2"]
     sets = [a for o in run_overrides(run_dir, settings) for a in ("--set", o)]

@@ -191,18 +191,27 @@ def test_the_routers_figures_are_logged(trained, model_type):
     assert 0.25 <= logged["expert_load_max_share"] <= 1
 
 
-def test_a_pretrained_moe_chat_model_fine_tunes_at_ep2_under_zero3(tmp_path):
-    """A local pretrained Qwen3-MoE directory (saved here, with a chat template) fine-tunes on chats
-    at ep 2 under ZeRO-3 (loaded partitioned, its experts split by AutoEP): the held-out loss on
-    the assistant's tokens falls."""
-    from tests.distributed.launcher import read_metrics, train_run
+def shared_specs(ranks: int, root: Path) -> list[str]:
+    """conftest.shared_runs' spec at world 2: a local pretrained Qwen3-MoE with a chat template (saved
+    under `root` first) fine-tuned on chats at ep 2 under ZeRO-3."""
     from tests.distributed.test_sft import addition_chats, pretrained_chat_model
 
-    chats = addition_chats(tmp_path / "chats.jsonl")
-    pretrained_chat_model(tmp_path / "pretrained", chats, model_type="qwen3_moe")
-    train_run(tmp_path / "run", [
-        f"model.name={tmp_path / 'pretrained'}", f"data.dataset={tmp_path / 'chats.jsonl'}", "data.format=chat",
-        "data.seq_len=128", "data.eval_fraction=0.1", "parallel.zero_stage=3", "parallel.ep=2", "train.steps=30",
-        "train.global_batch=8", "logging.eval_every=15"])
-    evals = [row["eval_loss"] for row in read_metrics(tmp_path / "run") if "eval_loss" in row]
+    if ranks != 2:
+        return []
+    inputs = root / "experts-chat-inputs"
+    inputs.mkdir()
+    pretrained_chat_model(inputs / "pretrained", addition_chats(inputs / "chats.jsonl"), model_type="qwen3_moe")
+    overrides = [f"model.name={inputs / 'pretrained'}", f"data.dataset={inputs / 'chats.jsonl'}", "data.format=chat",
+                 "data.seq_len=128", "data.eval_fraction=0.1", "parallel.zero_stage=3", "parallel.ep=2",
+                 "train.steps=30", "train.global_batch=8", "logging.eval_every=15"]
+    return [f"experts-chat|eager|{';'.join(overrides)}"]
+
+
+def test_a_pretrained_moe_chat_model_fine_tunes_at_ep2_under_zero3(shared_runs):
+    """A local pretrained Qwen3-MoE directory (saved by shared_specs, with a chat template) fine-tunes
+    on chats at ep 2 under ZeRO-3 (loaded partitioned, its experts split by AutoEP): the held-out loss
+    on the assistant's tokens falls."""
+    from tests.distributed.launcher import read_metrics
+
+    evals = [row["eval_loss"] for row in read_metrics(shared_runs(2)[0] / "experts-chat") if "eval_loss" in row]
     assert len(evals) == 3 and evals[-1] < 0.7 * evals[0], evals

@@ -1,7 +1,7 @@
 """Export round trip: ZeRO-3 training at world 2, and tp2 x pp2 at world 4 -> `dsf export` ->
 `from_pretrained` gives the engine's logits; tensor-parallel and pipeline checkpoints export the
 reference-trained weights; the exported directory trains again as a local pretrained model.
-The world-2 trainings of this module share one launch (`trained`)."""
+The trainings of this module share a launch per world size with other modules (conftest.shared_runs)."""
 from __future__ import annotations
 
 import json
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dsframework.config import build_run_config
-from tests.distributed.launcher import TINY_YAML, dsf, launch, run_overrides, train_run, train_runs
+from tests.distributed.launcher import TINY_YAML, Prefixed, dsf, launch, run_overrides, train_run
 from tests.distributed.reference import reference_train
 
 WORKER = Path(__file__).parent / "workers" / "engine_logits.py"
@@ -28,13 +28,23 @@ def trained_weights_overrides(layout: str) -> list[str]:
     return [*TRAINED_WEIGHTS[layout], "train.steps=3", "checkpoint.save_final=true"]
 
 
+TP2_PP2 = ["model.name=tiny-llama", "parallel.tp=2", "parallel.pp=2", "parallel.zero_stage=1",
+           "train.micro_batch=2", "train.steps=3", "checkpoint.save_final=true"]
+
+
+def shared_specs(ranks: int, root: Path) -> list[str]:
+    """conftest.shared_runs' specs: zero3, the TRAINED_WEIGHTS layouts and gpt2_first at world 2,
+    tp2_pp2 at world 4 (named export-<name>)."""
+    runs = {2: {"zero3": ZERO3, **{name: trained_weights_overrides(name) for name in TRAINED_WEIGHTS},
+                "gpt2_first": GPT2_FIRST},
+            4: {"tp2_pp2": TP2_PP2}}.get(ranks, {})
+    return [f"export-{name}|eager|{';'.join(overrides)}" for name, overrides in runs.items()]
+
+
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> Path:
-    """The root of this module's world-2 runs (zero3, the TRAINED_WEIGHTS layouts, gpt2_first): one launch."""
-    root = tmp_path_factory.mktemp("export")
-    train_runs(root, {"zero3": ZERO3, **{name: trained_weights_overrides(name) for name in TRAINED_WEIGHTS},
-                      "gpt2_first": GPT2_FIRST})
-    return root
+def trained(shared_runs) -> Prefixed:
+    """This module's world-2 runs: `trained / "zero3"` is the zero3 run's directory."""
+    return Prefixed(shared_runs(2)[0], "export-")
 
 
 def export_and_compare_with_engine(tmp_path, run_dir: Path, overrides: list[str], *, num_ranks: int):
@@ -66,14 +76,11 @@ def test_zero3_export_round_trip(tmp_path, trained):
     assert json.loads((hf_dir / "config.json").read_text())["vocab_size"] == len(tokenizer)
 
 
-def test_tp2_pp2_export_round_trip(tmp_path):
+def test_tp2_pp2_export_round_trip(tmp_path, shared_runs):
     """Four ranks, two tensor ranks per stage: the exported directory gives the logits of the
     engine rebuilt from the same checkpoint (its last stage, vocab slices gathered). (GPT-2's
     fused q|k|v merge through a real checkpoint is in the tp2_zero3_gpt2 case below.)"""
-    overrides = ["model.name=tiny-llama", "parallel.tp=2", "parallel.pp=2", "parallel.zero_stage=1",
-                 "train.micro_batch=2", "train.steps=3", "checkpoint.save_final=true"]
-    train_run(tmp_path / "run", overrides, num_ranks=4)
-    export_and_compare_with_engine(tmp_path, tmp_path / "run", overrides, num_ranks=4)
+    export_and_compare_with_engine(tmp_path, shared_runs(4)[0] / "export-tp2_pp2", TP2_PP2, num_ranks=4)
 
 
 @pytest.mark.parametrize("layout", list(TRAINED_WEIGHTS))

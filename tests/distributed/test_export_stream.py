@@ -1,7 +1,7 @@
 """Streamed export: `dsf export` writes transformers' sharded layout one shard at a time.
 
-- A ~308M-parameter Llama under ZeRO-3 on 2 ranks (built and saved, no training step) exported at
-  --max-shard-size 100MB: the export process's peak resident memory (VmHWM, measured inside it
+- A ~154M-parameter Llama under ZeRO-3 on 2 ranks (built and saved, no training step) exported at
+  --max-shard-size 50MB: the export process's peak resident memory (VmHWM, measured inside it
   against its resident size just before) grows by less than 3 shards plus the largest tensor,
   and `from_pretrained` on the shards gives the engine's logits within 1e-5.
 - A tied GPT-2 (ZeRO-3) exported in many small shards: the files, index and tensors that
@@ -18,14 +18,14 @@ from pathlib import Path
 
 import torch
 
-from tests.distributed.launcher import REPO, TINY_YAML, dsf, launch, rank_env, run_overrides, train_run
+from tests.distributed.launcher import REPO, TINY_YAML, dsf, launch, rank_env, run_overrides
 
 WORKERS = Path(__file__).parent / "workers"
-# 24 layers of 12.85M parameters (full multi-head attention, SwiGLU 2816): 308M with the counting
-# task's small vocabulary; the largest tensor is an MLP projection, 2816 x 1024 fp32 (11.5 MB).
-BIG_LLAMA = ("{hidden_size: 1024, intermediate_size: 2816, num_hidden_layers: 24, num_attention_heads: 16, "
+# 12 layers of 12.85M parameters (full multi-head attention, SwiGLU 2816): 154M (617 MB) with the
+# counting task's small vocabulary; the largest tensor is an MLP projection, 2816 x 1024 fp32 (11.5 MB).
+BIG_LLAMA = ("{hidden_size: 1024, intermediate_size: 2816, num_hidden_layers: 12, num_attention_heads: 16, "
              "num_key_value_heads: 16}")
-SHARD_BYTES = 100_000_000  # "100MB" as save_pretrained reads it
+SHARD_BYTES = 50_000_000  # "50MB" as save_pretrained reads it
 
 
 def test_big_zero3_export_holds_about_one_shard(tmp_path):
@@ -37,7 +37,7 @@ def test_big_zero3_export_holds_about_one_shard(tmp_path):
     launch([str(WORKERS / "save_fresh_checkpoint.py"), str(TINY_YAML), str(tmp_path / "engine.pt"), *sets],
            num_ranks=2)
     proc = subprocess.run([sys.executable, str(WORKERS / "export_memory.py"), str(run_dir / "checkpoints"),
-                           str(hf_dir), "100MB"], capture_output=True, text=True, timeout=300, env=rank_env(), cwd=REPO)
+                           str(hf_dir), "50MB"], capture_output=True, text=True, timeout=300, env=rank_env(), cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-4000:]
     measured = json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -47,7 +47,7 @@ def test_big_zero3_export_holds_about_one_shard(tmp_path):
     assert sorted(p.name for p in hf_dir.glob("model*.safetensors")) == shards and len(shards) >= 12
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True, dtype=torch.float32).eval()
-    assert model.num_parameters() >= 300_000_000
+    assert model.num_parameters() >= 150_000_000
     largest = max(p.numel() * p.element_size() for p in model.parameters())
     bound = 3 * SHARD_BYTES + largest
     print(f"\nexport of {model.num_parameters() / 1e6:.0f}M parameters into {len(shards)} shards: peak RSS growth "
@@ -62,14 +62,20 @@ def test_big_zero3_export_holds_about_one_shard(tmp_path):
     assert diff <= 1e-5
 
 
-def test_small_shards_are_save_pretrained_layout(tmp_path):
+def shared_specs(ranks: int, root: Path) -> list[str]:
+    """conftest.shared_runs' spec at world 2: the tied GPT-2 the small-shards test exports."""
+    overrides = ["model.name=tiny-gpt2", "parallel.zero_stage=3", "train.steps=2", "checkpoint.save_final=true"]
+    return [f"stream-gpt2|eager|{';'.join(overrides)}"] if ranks == 2 else []
+
+
+def test_small_shards_are_save_pretrained_layout(tmp_path, shared_runs):
     """The reference is save_pretrained of a model built from the config holding the exported weights
     (as the export builds it; a model from from_pretrained may order its shards differently)."""
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    run_dir, one, many, ref = tmp_path / "run", tmp_path / "one", tmp_path / "many", tmp_path / "ref"
-    train_run(run_dir, ["model.name=tiny-gpt2", "parallel.zero_stage=3", "train.steps=2", "checkpoint.save_final=true"])
+    one, many, ref = tmp_path / "one", tmp_path / "many", tmp_path / "ref"
+    run_dir = shared_runs(2)[0] / "stream-gpt2"
     dsf("export", str(run_dir / "checkpoints"), str(one))
     dsf("export", str(run_dir / "checkpoints"), str(many), "--max-shard-size", "40KB")
     assert not (one / "model.safetensors.index.json").exists()  # 50GB default: one file, no index

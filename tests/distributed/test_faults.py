@@ -30,8 +30,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.distributed.launcher import (BIN, REPO, TINY_YAML, assert_close, free_port, losses, rank_env,
-                                        read_metrics, run_overrides, train_run, train_runs)
+from tests.distributed.launcher import (BIN, REPO, TINY_YAML, Prefixed, assert_close, free_port, losses, rank_env,
+                                        read_metrics, run_overrides, train_run)
 
 # 6 steps, a checkpoint every 2 (global_step2/4/6), ZeRO-1 so the optimizer state is sharded.
 COMMON = ["parallel.zero_stage=1", "train.steps=6", "checkpoint.every=2", "checkpoint.save_final=true"]
@@ -48,14 +48,20 @@ def straight(straight_runs) -> tuple[Path, dict[int, float]]:
     return straight_runs["common"]
 
 
+STRAIGHT = {"common": COMMON, "long": [*LONG, f"train.stop_after={LONG_STRAIGHT_STEPS}"]}
+
+
+def shared_specs(ranks: int, root: Path) -> list[str]:
+    """conftest.shared_runs' specs at world 2 (named faults-<name>): the uninterrupted runs, "common"
+    (COMMON) and "long" (LONG, stopped after LONG_STRAIGHT_STEPS: the twin of the preempted run)."""
+    return [f"faults-{name}|eager|{';'.join(o)}" for name, o in STRAIGHT.items()] if ranks == 2 else []
+
+
 @pytest.fixture(scope="module")
-def straight_runs(tmp_path_factory) -> dict[str, tuple[Path, dict[int, float]]]:
-    """name -> (output_dir, step -> loss) of the uninterrupted runs, in one launch: "common" (COMMON)
-    and "long" (LONG, stopped after LONG_STRAIGHT_STEPS: the twin of the preempted run)."""
-    root = tmp_path_factory.mktemp("straight")
-    runs = {"common": COMMON, "long": [*LONG, f"train.stop_after={LONG_STRAIGHT_STEPS}"]}
-    got = train_runs(root, runs)
-    return {name: (root / name, got[name]) for name in runs}
+def straight_runs(shared_runs) -> dict[str, tuple[Path, dict[int, float]]]:
+    """name -> (output_dir, step -> loss) of the uninterrupted runs (conftest.shared_runs' launch)."""
+    root = Prefixed(shared_runs(2)[0], "faults-")
+    return {name: (root / name, losses(root / name)) for name in STRAIGHT}
 
 
 def start_job(output_dir: Path, overrides: list[str], *, log: Path, env: dict[str, str] | None = None,

@@ -2,8 +2,9 @@
 cp 2 x dp 2 trains to plain ZeRO-3's losses and the single-process reference's, a stopped hpZ run
 resumes exactly and its checkpoint exports the reference's weights, weight all-gathers run inside
 groups of 2 ranks, and each rank holds the model states the planner predicts (the secondary
-partition included). Two training launches (plain ZeRO-3, hpZ stopped at step 4, and cp 2 x dp 2
-with hpZ in one; hpZ resumed in a new process group) and one measuring launch for both hpZ layouts.
+partition included). Plain ZeRO-3, hpZ stopped at step 4, and cp 2 x dp 2 with hpZ train in the
+world-4 launch other modules share (conftest.shared_runs); hpZ resumes in a new process group, and one
+measuring launch serves both hpZ layouts.
 
 The model is tiny-llama widened so its weights lie above ZeRO-3's persistence threshold (100k
 elements; below it DeepSpeed keeps a weight whole on every rank after the first step and hpZ has
@@ -21,7 +22,8 @@ from dsframework.dsconfig import resolve_batch
 from dsframework.layout import ParallelDims
 from dsframework.planner.memory import Job, Layout, memory_per_rank
 from dsframework.planner.model import describe_model
-from tests.distributed.launcher import TINY_YAML, assert_close, launch, read_metrics, run_overrides, train_run, train_runs
+from tests.distributed.launcher import TINY_YAML, Prefixed, assert_close, launch, losses, read_metrics, run_overrides
+from tests.distributed.launcher import train_run
 from tests.distributed.reference import assert_export_matches, reference_train
 
 WORKER = Path(__file__).parent / "workers" / "hpz_states.py"
@@ -36,15 +38,22 @@ STATES_BASE = ["model.name=tiny-llama", "data.dataset=counting", "data.num_examp
                "checkpoint.every=0", "checkpoint.save_final=false"]
 
 
+def shared_specs(ranks: int, root: Path) -> list[str]:
+    """conftest.shared_runs' specs at world 4 (named hpz-<name>): plain ZeRO-3, hpZ 2 stopped after
+    step 4, cp 2 x dp 2 with hpZ 2."""
+    runs = {"zero3": COMMON, "hpz2": [*HPZ, "train.stop_after=4"], "cp2_hpz2": CP_HPZ} if ranks == WORLD else {}
+    return [f"hpz-{name}|eager|{';'.join(overrides)}" for name, overrides in runs.items()]
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(shared_runs):
     """Step -> loss of plain ZeRO-3 (8 steps straight), of hpZ 2 (4 steps, a stop with a
     checkpoint, `--resume` for 4 more and a final checkpoint) and of cp 2 x dp 2 with hpZ 2, the
-    single-process reference's losses and model, and the run directories."""
-    root = tmp_path_factory.mktemp("hpz")
-    first = train_runs(root, {"zero3": COMMON, "hpz2": [*HPZ, "train.stop_after=4"], "cp2_hpz2": CP_HPZ},
-                       num_ranks=WORLD)
-    out = {"root": root, "zero3": first["zero3"], "hpz2_first": first["hpz2"], "cp2_hpz2": first["cp2_hpz2"]}
+    single-process reference's losses and model, and the run directories (the first three in
+    conftest.shared_runs' launch of world 4)."""
+    root = Prefixed(shared_runs(WORLD)[0], "hpz-")
+    out = {"root": root, "zero3": losses(root / "zero3"), "hpz2_first": losses(root / "hpz2"),
+           "cp2_hpz2": losses(root / "cp2_hpz2")}
     out["hpz2_latest_at_stop"] = (root / "hpz2" / "checkpoints" / "latest").read_text().strip()
     out["hpz2"] = train_run(root / "hpz2", HPZ, num_ranks=WORLD, flags=("--resume",))
     out["reference"], out["reference_model"] = reference_train(build_run_config({}, run_overrides(root / "hpz2", HPZ)))

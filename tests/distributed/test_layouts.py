@@ -1,13 +1,15 @@
 """Parallel layouts are exact: per-step losses of tp2 and pp2 (world 2), tp2 x dp2 and pp2 x dp2
 (world 4, ZeRO-1 over the data-parallel group), tp2 x pp2 (world 4) and tp2 x pp2 x dp2 (world 8,
 one slow test) equal the single-process reference, for a grouped-query Llama and a tied-embedding
-GPT-2. The runs of each world size share one launch (launcher.train_runs)."""
+GPT-2. The runs of each world size share one launch, with other modules' runs (conftest.shared_runs)."""
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 from dsframework.config import build_run_config
-from tests.distributed.launcher import assert_close, run_overrides, train_run, train_runs
+from tests.distributed.launcher import assert_close, losses, run_overrides, train_run
 from tests.distributed.reference import reference_losses
 
 LAYOUTS = {
@@ -29,15 +31,19 @@ def case_overrides(model: str, layout: str) -> list[str]:
     return [f"model.name={model}", *LAYOUTS[layout][0]]
 
 
+def shared_specs(ranks: int, root: Path) -> list[str]:
+    """conftest.shared_runs' specs: the cases of this world size."""
+    return [f"{model}-{layout}|eager|{';'.join(case_overrides(model, layout))}"
+            for model, layout in CASES if LAYOUTS[layout][1] == ranks]
+
+
 @pytest.fixture(scope="module")
-def layout_runs(tmp_path_factory):
+def layout_runs(shared_runs):
     """(model, layout) -> (its run directory, step -> loss) of every case: one launch per world size."""
-    root = tmp_path_factory.mktemp("layouts")
     out = {}
-    for world in sorted({LAYOUTS[layout][1] for _, layout in CASES}):
-        cases = {f"{model}-{layout}": (model, layout) for model, layout in CASES if LAYOUTS[layout][1] == world}
-        got = train_runs(root, {name: case_overrides(*case) for name, case in cases.items()}, num_ranks=world)
-        out.update({case: (root / name, got[name]) for name, case in cases.items()})
+    for model, layout in CASES:
+        run_dir = shared_runs(LAYOUTS[layout][1])[0] / f"{model}-{layout}"
+        out[model, layout] = run_dir, losses(run_dir)
     return out
 
 

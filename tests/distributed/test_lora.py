@@ -2,7 +2,8 @@
 state and in checkpoints; a run equals a single-process peft reference, resumes exactly, and exports
 (merged into the base, or the adapter alone) to the logits of the engine that trained it.
 
-Every run is a real `dsf train` of 2 CPU ranks (gloo); the stages' runs share one launch. Each ZeRO stage trains 6 steps
+Every run is a real `dsf train` of 2 CPU ranks (gloo); the stages' runs share one launch with other
+modules' runs (conftest.shared_runs). Each ZeRO stage trains 6 steps
 once, saving at steps 3 and 6, on a preset's seeded random init (ZeRO 0 and 2) or a local pretrained
 directory (ZeRO 1 and 3; under ZeRO-3 loaded partitioned); the reference is the plain PyTorch loop of
 reference.py over the same blocks with peft's adapters on the same base (`lora_reference`). A resume is checked by pointing a copy of
@@ -24,8 +25,8 @@ from dsframework.config import ModelSpec, build_run_config
 from dsframework.models.build import build_model, resolve_model
 from dsframework.models.lora import apply_lora, trainable_names
 from tests.distributed import reference
-from tests.distributed.launcher import (BIN, TINY_YAML, assert_close, dsf, launch, rank_env, run_overrides, train_run,
-                                        train_runs)
+from tests.distributed.launcher import (BIN, TINY_YAML, Prefixed, assert_close, dsf, launch, losses, rank_env,
+                                        run_overrides, train_run)
 
 ENGINE_LOGITS = Path(__file__).parent / "workers" / "engine_logits.py"
 COMMON = ["train.steps=6", "checkpoint.every=3", "model.lora.r=4", "model.lora.alpha=8"]
@@ -103,21 +104,32 @@ class Run:
         return build_run_config({}, run_overrides(self.dir, self.overrides))
 
 
+def run_settings(root: Path) -> dict[str, list[str]]:
+    """name -> overrides of every stage in STAGES and "full", the pretrained base under `root`."""
+    stages = {name: [*COMMON, *stage] for name, stage in STAGES.items()}
+    return {name: [o.format(pretrained=root / "lora-pretrained") for o in settings]
+            for name, settings in {**stages, "full": FULL}.items()}
+
+
+def shared_specs(ranks: int, root: Path) -> list[str]:
+    """conftest.shared_runs' specs at world 2 (named lora-<name>), after saving their pretrained base."""
+    if ranks != 2:
+        return []
+    source = resolve_model(ModelSpec(name="tiny-llama"))
+    build_model(source, source.config, seed=7).save_pretrained(root / "lora-pretrained")
+    return [f"lora-{name}|eager|{';'.join(overrides)}" for name, overrides in run_settings(root).items()]
+
+
 @pytest.fixture(scope="module")
-def stage_runs(tmp_path_factory):
+def stage_runs(shared_runs, tmp_path_factory):
     """name -> Run, for every stage in STAGES (ZeRO-3 also resumed from step 3, in a launch of its own),
     and "full": full fine-tuning of ZeRO-3's base (no adapters), trained in the stages' launch."""
-    root = tmp_path_factory.mktemp("lora")
-    source = resolve_model(ModelSpec(name="tiny-llama"))
-    build_model(source, source.config, seed=7).save_pretrained(root / "pretrained")
-    stages = {name: [*COMMON, *stage] for name, stage in STAGES.items()}
-    overrides = {name: [o.format(pretrained=root / "pretrained") for o in settings]
-                 for name, settings in {**stages, "full": FULL}.items()}
-    trained = train_runs(root, overrides)
+    shared = shared_runs(2)[0]
+    root, copies, overrides = Prefixed(shared, "lora-"), tmp_path_factory.mktemp("lora"), run_settings(shared)
     runs = {}
-    for name, losses in trained.items():
-        resumed = resume_from_step3(root / name, root / f"{name}_resumed", overrides[name]) if name in RESUMED else None
-        runs[name] = Run(root / name, overrides[name], losses, resumed)
+    for name in overrides:
+        resumed = resume_from_step3(root / name, copies / f"{name}_resumed", overrides[name]) if name in RESUMED else None
+        runs[name] = Run(root / name, overrides[name], losses(root / name), resumed)
     return runs
 
 

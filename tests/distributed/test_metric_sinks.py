@@ -2,25 +2,34 @@
 
     python -m pytest tests/distributed/test_metric_sinks.py -q
 
-One 2-rank launch (tiny model, 4 steps, every step logged, evaluation at steps 0, 2 and 4,
-DeepSpeed's timer breakdown on) with all three sinks configured; then every file is read back
+One 2-rank run (tiny model, 4 steps, every step logged, evaluation at steps 0, 2 and 4,
+DeepSpeed's timer breakdown on; in the launch other modules share, conftest.shared_runs) with all
+three sinks configured; then every file is read back
 with its own library's reader (tests/unit/test_metrics.py) and compared with metrics.jsonl: the
 same steps, each once, and the same values.
 """
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
-from tests.distributed.launcher import read_metrics, train_run
+from tests.distributed.launcher import read_metrics
 from tests.unit.test_metrics import csv_rows, tensorboard_scalars, wandb_history
 
 
-def test_tensorboard_csv_and_wandb_match_metrics_jsonl(tmp_path):
-    out = tmp_path / "run"
-    train_run(out, ["train.steps=4", "logging.eval_every=2", "logging.breakdown=true",
-                    f"logging.tensorboard={tmp_path / 'tb'}", f"logging.csv={out}", "logging.wandb.project=sinks"])
+def shared_specs(ranks: int, root: Path) -> list[str]:
+    """conftest.shared_runs' spec at world 2: the run with every sink (TensorBoard under root/sinks-tb)."""
+    out = root / "sinks"
+    overrides = ["train.steps=4", "logging.eval_every=2", "logging.breakdown=true",
+                 f"logging.tensorboard={root / 'sinks-tb'}", f"logging.csv={out}", "logging.wandb.project=sinks"]
+    return [f"sinks|eager|{';'.join(overrides)}"] if ranks == 2 else []
+
+
+def test_tensorboard_csv_and_wandb_match_metrics_jsonl(shared_runs):
+    root = shared_runs(2)[0]
+    out = root / "sinks"
     records = read_metrics(out)
     steps = [r["step"] for r in records]
     assert steps == [0, 1, 2, 3, 4], "the step-0 eval baseline, then every step"
@@ -40,7 +49,7 @@ def test_tensorboard_csv_and_wandb_match_metrics_jsonl(tmp_path):
             assert not extra, f"{sink}: step {record['step']} has {extra}, which metrics.jsonl has not"
 
     by_step: dict[int, dict[str, float]] = {}
-    for tag, values in tensorboard_scalars(tmp_path / "tb").items():  # (asserts no step appears twice)
+    for tag, values in tensorboard_scalars(root / "sinks-tb").items():  # (asserts no step appears twice)
         for step, value in values.items():
             by_step.setdefault(step, {"step": step})[tag] = value
     check("tensorboard", by_step)

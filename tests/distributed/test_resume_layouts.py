@@ -6,7 +6,8 @@ Four runs of 6 steps on 4 ranks, one per layout, each saving global_step4, serve
 sources and the references: a transition copies the source run's output_dir, resumes it at the
 target layout for steps 5-6 and compares them with the target run's. The layouts are equivalent,
 so the four straight runs agree with each other too (within 1e-5: a check on the references).
-The four straight runs share one launch, and the four transitions' resumes another.
+The four straight runs share one launch with other modules' runs (conftest.shared_runs), and the
+four transitions' resumes another.
 One transition (tp 2 x pp 2 -> tp 1 x dp 4) saves again after the resume and is exported: run.yaml
 still says tp 2, the manifest tp 1, and `dsf export` gives the resumed engine's logits (export reads
 the layout the checkpoint has). A checkpoint lacking a file the conversion reads is named in one line,
@@ -22,7 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed.launcher import TINY_YAML, assert_close, dsf, launch, read_metrics, run_overrides, train_runs
+from tests.distributed.launcher import TINY_YAML, assert_close, dsf, launch, losses, read_metrics, run_overrides
+from tests.distributed.launcher import train_runs
 
 COMMON = ["parallel.zero_stage=1", "train.steps=6", "train.micro_batch=2", "checkpoint.every=4"]
 LAYOUTS = {  # name: parallel settings on 4 ranks
@@ -41,18 +43,23 @@ EXPORTED = ("tp2pp2dp1", "tp1pp1dp4")  # saved again after the resume, then expo
 ENGINE_LOGITS = Path(__file__).parent / "workers" / "engine_logits.py"
 
 
+def shared_specs(ranks: int, root: Path) -> list[str]:
+    """conftest.shared_runs' specs: each layout's uninterrupted run, at world 4."""
+    layouts = LAYOUTS if ranks == 4 else {}
+    return [f"{name}|eager|{';'.join([*COMMON, *parallel])}" for name, parallel in layouts.items()]
+
+
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory) -> dict[str, tuple[Path, dict[int, float]]]:
+def straight(shared_runs) -> dict[str, tuple[Path, dict[int, float]]]:
     """Each layout's uninterrupted run: output_dir (with global_step4) and step -> loss (one launch)."""
-    root = tmp_path_factory.mktemp("straight")
-    got = train_runs(root, {name: [*COMMON, *parallel] for name, parallel in LAYOUTS.items()}, num_ranks=4)
-    return {name: (root / name, got[name]) for name in LAYOUTS}
+    root = shared_runs(4)[0]
+    return {name: (root / name, losses(root / name)) for name in LAYOUTS}
 
 
 def test_layouts_agree_before_any_resume(straight):
     reference = straight["tp1pp1dp4"][1]
-    for name, (_, losses) in straight.items():
-        assert_close(losses, reference, rtol=1e-5, what=f"{name} vs tp1pp1dp4, straight")
+    for name, (_, got) in straight.items():
+        assert_close(got, reference, rtol=1e-5, what=f"{name} vs tp1pp1dp4, straight")
 
 
 def transition_name(saved: str, target: str) -> str:

@@ -1,15 +1,17 @@
 """Supervised fine-tuning on real ranks: the loss is the mean over the trained tokens of the whole
 global batch whatever the split into micro-batches, ranks and tensor shards (against the plain
-PyTorch reference), and a pretrained model with a chat template fine-tunes under ZeRO-3."""
+PyTorch reference), and a pretrained model with a chat template fine-tunes under ZeRO-3. The runs
+train in the world-2 launch other modules share (conftest.shared_runs)."""
 from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 
 from dsframework.config import load_run_config
-from tests.distributed.launcher import TINY_YAML, assert_close, read_metrics, run_overrides, train_run
+from tests.distributed.launcher import TINY_YAML, assert_close, losses, read_metrics, run_overrides
 from tests.distributed.reference import reference_losses
 
 
@@ -26,16 +28,41 @@ def _arithmetic(path, n: int, *, seed: int = 0) -> None:
 SFT = ["data.format=prompt_completion", "data.seq_len=32", "data.tokenizer_vocab_size=300", "train.global_batch=8"]
 
 
-@pytest.mark.parametrize("layout", [
-    ["parallel.zero_stage=2", "train.micro_batch=2", "train.grad_accum=2"],       # dp 2 x accum 2
-    ["parallel.tp=2", "parallel.zero_stage=1", "train.micro_batch=1", "train.grad_accum=8"],  # tp 2 x accum 8
-], ids=["dp2-accum2-zero2", "tp2-accum8-zero1"])
-def test_sft_loss_is_the_mean_over_the_global_batchs_trained_tokens(tmp_path, layout):
-    _arithmetic(tmp_path / "sft.jsonl", 400)
-    overrides = [f"data.dataset={tmp_path / 'sft.jsonl'}", *SFT, *layout]
-    got = train_run(tmp_path / "run", overrides)
-    run = load_run_config(TINY_YAML, run_overrides(tmp_path / "run", overrides))
-    assert_close(got, reference_losses(run), rtol=1e-5, what=" ".join(layout))
+LAYOUTS = {
+    "dp2-accum2-zero2": ["parallel.zero_stage=2", "train.micro_batch=2", "train.grad_accum=2"],
+    "tp2-accum8-zero1": ["parallel.tp=2", "parallel.zero_stage=1", "train.micro_batch=1", "train.grad_accum=8"],
+}
+
+
+def run_settings(root: Path) -> dict[str, list[str]]:
+    """name -> overrides of this module's runs, their inputs under `root` (shared_specs writes them)."""
+    inputs = root / "sft-inputs"
+    sft = {name: [f"data.dataset={inputs / 'sft.jsonl'}", *SFT, *layout] for name, layout in LAYOUTS.items()}
+    chat = [f"model.name={inputs / 'pretrained'}", f"data.dataset={inputs / 'chats.jsonl'}", "data.format=chat",
+            "data.seq_len=128", "data.eval_fraction=0.1", "parallel.zero_stage=3", "train.steps=30",
+            "train.global_batch=8", "logging.eval_every=15"]
+    return {**sft, "chat": chat}
+
+
+def shared_specs(ranks: int, root: Path) -> list[str]:
+    """conftest.shared_runs' specs at world 2 (named sft-<name>), after writing their data and the
+    pretrained chat model."""
+    if ranks != 2:
+        return []
+    inputs = root / "sft-inputs"
+    inputs.mkdir()
+    _arithmetic(inputs / "sft.jsonl", 400)
+    pretrained_chat_model(inputs / "pretrained", addition_chats(inputs / "chats.jsonl"), intermediate_size=176)
+    return [f"sft-{name}|eager|{';'.join(overrides)}" for name, overrides in run_settings(root).items()]
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_sft_loss_is_the_mean_over_the_global_batchs_trained_tokens(shared_runs, name):
+    root = shared_runs(2)[0]
+    overrides = run_settings(root)[name]
+    got = losses(root / f"sft-{name}")
+    run = load_run_config(TINY_YAML, run_overrides(root / f"sft-{name}", overrides))
+    assert_close(got, reference_losses(run), rtol=1e-5, what=name)
 
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}"
@@ -78,12 +105,6 @@ def addition_chats(path, n: int = 600) -> None:
     return chats
 
 
-def test_a_pretrained_chat_model_fine_tunes_under_zero3(tmp_path):
-    chats = addition_chats(tmp_path / "chats.jsonl")
-    pretrained_chat_model(tmp_path / "pretrained", chats, intermediate_size=176)
-    train_run(tmp_path / "run", [
-        f"model.name={tmp_path / 'pretrained'}", f"data.dataset={tmp_path / 'chats.jsonl'}", "data.format=chat",
-        "data.seq_len=128", "data.eval_fraction=0.1", "parallel.zero_stage=3", "train.steps=30",
-        "train.global_batch=8", "logging.eval_every=15"])
-    evals = [row["eval_loss"] for row in read_metrics(tmp_path / "run") if "eval_loss" in row]
+def test_a_pretrained_chat_model_fine_tunes_under_zero3(shared_runs):
+    evals = [row["eval_loss"] for row in read_metrics(shared_runs(2)[0] / "sft-chat") if "eval_loss" in row]
     assert len(evals) == 3 and evals[-1] < 0.7 * evals[0], evals  # held-out chats, assistant tokens only

@@ -2,16 +2,23 @@
 stage 0 and 1 checkpoints export to the reference's weights; no run leaves shm buffers behind.
 
 Every run is a real `dsf train` of 2 CPU ranks (gloo), all of them in one launch (shared with
-test_compile.py: conftest.zero_and_compile_runs);
+other modules: conftest.shared_runs);
 the reference is a single-process plain PyTorch loop over the same weights and global batches (reference.py).
 """
 from __future__ import annotations
 
+from pathlib import Path
 
 import pytest
 
 from dsframework.config import build_run_config
-from tests.distributed.launcher import BASE_OVERRIDES, assert_close, losses, read_metrics, run_overrides
+from tests.distributed.launcher import (
+    BASE_OVERRIDES,
+    assert_close,
+    losses,
+    read_metrics,
+    run_overrides,
+)
 from tests.distributed.reference import assert_export_matches, reference_train
 
 STAGES = {
@@ -26,15 +33,16 @@ STAGES = {
 ACCUM = ["parallel.zero_stage=1", "train.micro_batch=2", "train.grad_accum=2"]  # test_gradient_accumulation_is_exact
 
 
-def zero_specs() -> list[str]:
-    """workers/train_matrix.py's specs of every layout in STAGES and "accum"."""
-    return [f"{name}|eager|{';'.join(overrides)}" for name, overrides in {**STAGES, "accum": ACCUM}.items()]
+def shared_specs(ranks: int, root: Path) -> list[str]:
+    """conftest.shared_runs' specs: every layout in STAGES and "accum", at world 2."""
+    runs = {**STAGES, "accum": ACCUM} if ranks == 2 else {}
+    return [f"{name}|eager|{';'.join(overrides)}" for name, overrides in runs.items()]
 
 
 @pytest.fixture(scope="module")
-def stage_runs(zero_and_compile_runs):
+def stage_runs(shared_runs):
     """name -> (step -> loss) for every layout in STAGES and "accum" (one launch), plus the reference of the first."""
-    root, _, shm_left = zero_and_compile_runs
+    root, _, shm_left = shared_runs(2)
     runs = {name: losses(root / name) for name in {**STAGES, "accum": ACCUM}}
     runs["shm_left"] = shm_left
     run = build_run_config({}, run_overrides(root / "zero0", STAGES["zero0"]))

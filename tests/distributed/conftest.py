@@ -44,12 +44,16 @@ def shared_specs(ranks: int, root: Path, modules: set[str]) -> list[str]:
     return specs
 
 
+def selected_modules(request) -> set[str]:
+    return {item.module.__name__.rsplit(".", 1)[-1] for item in request.session.items}
+
+
 @pytest.fixture(scope="session")
 def shared_runs(request, tmp_path_factory) -> Callable[[int], tuple[Path, str, set[Path]]]:
     """ranks -> (root of the runs, the launch's stdout, /dev/shm buffers it left), launched on first
     use, with the runs of the modules this session has tests of (`pytest tests/distributed/test_zero.py`
     trains test_zero's alone)."""
-    selected = {item.module.__name__.rsplit(".", 1)[-1] for item in request.session.items}
+    selected = selected_modules(request)
     done: dict[int, tuple[Path, str, set[Path]]] = {}
 
     def at(ranks: int) -> tuple[Path, str, set[Path]]:
@@ -62,3 +66,22 @@ def shared_runs(request, tmp_path_factory) -> Callable[[int], tuple[Path, str, s
         return done[ranks]
 
     return at
+
+
+# workers/architectures.py at world 4 (each run's engine logits and held parameters written too)
+ENGINE_MODULES = ("test_architectures", "test_experts")
+ENGINES = Path(__file__).parent / "workers" / "architectures.py"
+
+
+@pytest.fixture(scope="session")
+def engine_runs(request, tmp_path_factory) -> Path:
+    """The root of one 4-rank launch of workers/architectures.py with the runs of ENGINE_MODULES
+    selected this session (each module's `engine_specs(root)`, which writes its model configs under
+    root); the launch's stdout is root / "stdout.txt"."""
+    selected = selected_modules(request)
+    root = tmp_path_factory.mktemp("engines")
+    specs = [spec for module in ENGINE_MODULES if module in selected
+             for spec in importlib.import_module(f"tests.distributed.{module}").engine_specs(root)]
+    proc = launch([str(ENGINES), str(root), *specs], num_ranks=4, timeout=1500)
+    (root / "stdout.txt").write_text(proc.stdout)
+    return root

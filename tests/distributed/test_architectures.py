@@ -1,4 +1,5 @@
-"""Architectures beyond Llama at tp2 x pp2 (4 ranks, ZeRO-1, one launch for all): each trains 4
+"""Architectures beyond Llama at tp2 x pp2 (4 ranks, ZeRO-1, one launch for all, shared with
+test_experts: conftest.engine_runs): each trains 4
 steps to the single-process reference (transformers' own model and loss, in this process), its
 export loads in transformers with the trained engine's logits, and every rank holds the parameter
 count the planner predicts for its stage and tensor rank. The shards come from each model's own
@@ -16,10 +17,9 @@ import torch
 from dsframework.config import build_run_config
 from dsframework.planner.memory import stage_shapes
 from dsframework.planner.model import describe_model
-from tests.distributed.launcher import assert_close, dsf, launch, losses, run_overrides
+from tests.distributed.launcher import assert_close, dsf, losses, run_overrides
 from tests.distributed.reference import reference_losses
 
-WORKER = Path(__file__).parent / "workers" / "architectures.py"
 ARCHITECTURES = {  # model type: config fields beside models/tiny.py's sizes
     "llama": {}, "qwen3": {}, "gemma2": {"final_logit_softcapping": 2.0}, "gemma3_text": {}, "phi3": {},
     "olmo2": {}, "granite": {"logits_scaling": 0.25}, "starcoder2": {}, "gpt_neox": {},
@@ -32,17 +32,19 @@ def overrides(root: Path, model_type: str) -> list[str]:
     return [f"model.name={root / f'{model_type}.json'}", *LAYOUT]
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> Path:
-    """The root of one 4-rank launch that trains every architecture (workers/architectures.py)."""
+def engine_specs(root: Path) -> list[str]:
+    """conftest.engine_runs' specs (after writing each architecture's config under root)."""
     from dsframework.models.tiny import tiny_config
 
-    root = tmp_path_factory.mktemp("architectures")
     for model_type, fields in ARCHITECTURES.items():
         tiny_config(model_type, **fields).to_json_file(root / f"{model_type}.json")
-    specs = [f"{model_type}|{';'.join(overrides(root, model_type))}" for model_type in ARCHITECTURES]
-    launch([str(WORKER), str(root), *specs], num_ranks=4, timeout=900)
-    return root
+    return [f"{model_type}|{';'.join(overrides(root, model_type))}" for model_type in ARCHITECTURES]
+
+
+@pytest.fixture(scope="module")
+def trained(engine_runs) -> Path:
+    """The root of the 4-rank launch that trains every architecture (shared with test_experts)."""
+    return engine_runs
 
 
 @pytest.mark.parametrize("model_type", list(ARCHITECTURES))

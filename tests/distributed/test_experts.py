@@ -1,9 +1,10 @@
 """Mixture-of-experts models at expert parallelism (DeepSpeed AutoEP through `parallel.ep`): tiny
 random Mixtral and Qwen3-MoE, ep 2 x dp 2 at ZeRO 1, 2 and 3 (and Mixtral at ZeRO-0), in one
-4-rank launch (workers/architectures.py). Each trains 5 steps to the single-process reference
-(transformers' own model and loss, the router's load-balancing loss included as transformers
-computes it on each forward), each rank holds only its half of the experts, and `dsf export`
-writes transformers' own expert layout, which gives the trained engine's logits."""
+4-rank launch (workers/architectures.py, shared with test_architectures: conftest.engine_runs).
+Each trains 5 steps to the single-process reference (transformers' own model and loss, the
+router's load-balancing loss included as transformers computes it on each forward), each rank
+holds only its half of the experts, and `dsf export` writes transformers' own expert layout,
+which gives the trained engine's logits."""
 from __future__ import annotations
 
 import json
@@ -12,10 +13,9 @@ from pathlib import Path
 import pytest
 
 from dsframework.config import build_run_config
-from tests.distributed.launcher import assert_close, launch, losses, run_overrides
+from tests.distributed.launcher import assert_close, losses, run_overrides
 from tests.distributed.reference import reference_losses
 
-WORKER = Path(__file__).parent / "workers" / "architectures.py"
 # router_aux_loss_coef raised from 0.001 so that the load-balancing loss is well above the tolerance
 MODELS = {"mixtral": {"router_aux_loss_coef": 0.05}, "qwen3_moe": {"router_aux_loss_coef": 0.05}}
 RESUMED = ("mixtral", 3)  # stopped after step 3 and resumed (same layout, same process group, from disk)
@@ -32,11 +32,11 @@ def overrides(root: Path, model_type: str, stage: int) -> list[str]:
             "train.micro_batch=2", "train.steps=5", "checkpoint.save_final=true"]
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> Path:
+def engine_specs(root: Path) -> list[str]:
+    """conftest.engine_runs' specs (the 4-rank launch shared with test_architectures), after writing
+    the models' configs under root."""
     from dsframework.models.tiny import tiny_config
 
-    root = tmp_path_factory.mktemp("experts")
     for model_type, fields in MODELS.items():
         tiny_config(model_type, **fields).to_json_file(root / f"{model_type}.json")
     specs = [f"{case_name(*case)}|{';'.join(overrides(root, *case))}" for case in CASES]
@@ -51,9 +51,12 @@ def trained(tmp_path_factory) -> Path:
                        "checkpoint.save_final=false"])
     specs += [f"there-and-back|{at_ep2}", f"there-and-back|{at_ep1}|resume",
               f"there-and-back|{';'.join(overrides(root, 'mixtral', 1))}|resume"]
-    proc = launch([str(WORKER), str(root), *specs], num_ranks=WORLD, timeout=900)
-    (root / "stdout.txt").write_text(proc.stdout)
-    return root
+    return specs
+
+
+@pytest.fixture(scope="module")
+def trained(engine_runs) -> Path:
+    return engine_runs
 
 
 @pytest.mark.parametrize("model_type, stage", CASES, ids=[case_name(*case) for case in CASES])

@@ -89,7 +89,7 @@ class ParallelDims:
 
     def __str__(self) -> str:
         """The layout as every message shows it: 'tp 2 x pp 1 x cp 1 x dp 4' (', hpZ 2' with hpZ,
-        ', ep 2' with experts split, ', ep 1 (AutoEP)' with AutoEP's blocks at ep 1); the ZeRO stage is
+        ', ep 2' with experts split, 'dp 4 (AutoEP)' with AutoEP's blocks at ep 1); the ZeRO stage is
         shown by each message where it matters."""
         return (f"tp {self.tp} x pp {self.pp} x cp {self.cp} x dp {self.dp}"
                 + (f", hpZ {self.zero_hpz}" if self.hpz_enabled else "")

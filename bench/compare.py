@@ -676,10 +676,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", action="store_true", help="print the figures as JSON, not tables")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench_compare", help="logs of every launch")
     parser.add_argument("--worker", choices=["raw", "trainer"], help=argparse.SUPPRESS)  # set by this file
-    parser.add_argument("--ds-config", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--record", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--set", action="append", default=[], dest="overrides", help=argparse.SUPPRESS)
-    parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # the launcher's
+    add_worker_arguments(parser)
     args = parser.parse_args(argv)
     if args.smoke:
         args.stages, args.repeats, args.steps, args.log_every = "1", 1, 6, 2
@@ -688,11 +685,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                               zip((args.model, args.seq_len, args.cluster), defaults))
     if args.warmup_steps_excluded is None:
         args.warmup_steps_excluded = args.log_every
+    check_timed_steps(parser, args)
+    return args
+
+
+def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
+    """The hidden arguments a bench's own worker gets from the launch this file builds (and the
+    launcher's --local_rank)."""
+    parser.add_argument("--ds-config", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--record", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--set", action="append", default=[], dest="overrides", help=argparse.SUPPRESS)
+    parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # the launcher's
+
+
+def check_timed_steps(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--steps and --warmup-steps-excluded are whole --log-every windows, some of them timed."""
     if args.steps % args.log_every or args.warmup_steps_excluded % args.log_every \
             or not 0 < args.warmup_steps_excluded < args.steps:
         parser.error(f"--steps {args.steps} and --warmup-steps-excluded {args.warmup_steps_excluded} must be "
                      f"multiples of --log-every {args.log_every}, with 0 < excluded < steps")
-    return args
 
 
 def run_stages(args: argparse.Namespace, work: Path) -> dict[int, dict]:

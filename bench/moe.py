@@ -6,8 +6,9 @@ planned) and tokens/s of `dsf train`, beside raw DeepSpeed AutoEP driven by hand
     .venv/bin/python bench/moe.py --json       # the same figures for machines
 
 The model is Qwen3-MoE shaped (MODEL below: 8 layers, hidden 512, 16 experts of ffn 1024, top 2:
-208M parameters with the counting task's tokenizer, 31.5M of them active per token), random init. At each ep it trains at ZeRO-1 (the stage DeepSeek-V3 trains its experts with),
---steps steps of --global-batch x --seq-len tokens, micro-batch --micro-batch per rank:
+208M parameters with the counting task's tokenizer, 31.5M of them active per token), random init.
+At each ep it trains at ZeRO-1 (the stage DeepSeek-V3 trains its experts with), --steps steps of
+--global-batch x --seq-len tokens, micro-batch --micro-batch per rank:
 
   dsf  `deepspeed --num_gpus 4 $(which dsf) train tiny.yaml --set model.name=<config> --set
        parallel.ep=E ...` (ep 1: the experts are plain weights under ZeRO, as before parallel.ep);
@@ -37,7 +38,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # bench.compare (the shared job, launches and clock); the tests' byte counts
 
 from bench.compare import (  # noqa: E402
-    BIN, TINY_YAML, dsf_record, fail, launch, plain_loop, rank_inputs, save_tokenizer, write_record,
+    BIN, TINY_YAML, add_worker_arguments, check_timed_steps, dsf_record, fail, launch, plain_loop, rank_inputs,
+    save_tokenizer, write_record,
 )
 
 WORLD = 4
@@ -218,18 +220,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", action="store_true", help="print the figures as JSON, not a table")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench_moe", help="logs of every launch")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # set by this file
-    parser.add_argument("--ds-config", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--record", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--set", action="append", default=[], dest="overrides", help=argparse.SUPPRESS)
-    parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # the launcher's
+    add_worker_arguments(parser)
     args = parser.parse_args(argv)
     if args.smoke:
         args.ep, args.steps, args.warmup_steps_excluded, args.repeats, args.seq_len = "1,2", 6, 2, 1, 64
     args.ep = [int(e) for e in str(args.ep).split(",")]
-    if args.steps % args.log_every or args.warmup_steps_excluded % args.log_every \
-            or not 0 < args.warmup_steps_excluded < args.steps:
-        parser.error(f"--steps {args.steps} and --warmup-steps-excluded {args.warmup_steps_excluded} must be "
-                     f"multiples of --log-every {args.log_every}, with 0 < excluded < steps")
+    check_timed_steps(parser, args)
     return args
 
 

@@ -165,6 +165,10 @@ def resolve_model(spec: ModelSpec) -> ModelSource:
         check_lora_targets(config, spec.lora)
     if pretrained_dir is not None:
         check_pretrained_files(pretrained_dir, config)
+    if "output_router_logits" not in spec.overrides:
+        # a mixture of experts trains with its load-balancing loss: set here, so that every check
+        # before the run (the layouts its loss allows) and the planner see the loss it trains
+        train_router_loss(config)
     return ModelSource(config, pretrained_dir, vocab_overridden="vocab_size" in spec.overrides,
                        router_loss_overridden="output_router_logits" in spec.overrides)
 

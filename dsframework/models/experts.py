@@ -97,6 +97,23 @@ def train_router_loss(config: Any) -> bool:
     return True
 
 
+ROUTER_LOSS_LAYOUTS = ("ep, dp and ZeRO 0-3 train it with that loss; model.overrides.output_router_logits=false "
+                       "trains it without")
+
+
+def router_loss_problem(config: Any) -> str | None:
+    """Why a layout that splits a micro-batch's routing between ranks (pipeline stages, sequence
+    shards) would train another loss than `config`'s model: its forward adds the router's
+    load-balancing loss, computed once over every layer's routing of every token of the micro-batch
+    (a product of means, which no sum of per-stage or per-shard terms gives). None when it adds none
+    (a dense model, `output_router_logits` off, a zero coefficient)."""
+    if (expert_layout(config) is None or not getattr(config, "output_router_logits", False)
+            or not getattr(config, "router_aux_loss_coef", 0)):
+        return None
+    return ("adds its router's load-balancing loss, which transformers computes over every layer's routing of the "
+            "whole micro-batch at once")
+
+
 def routed_expert_parameters(config: Any) -> tuple[int, int]:
     """(all parameters, those of the routed experts) of `config`'s model, counted on the meta device.
     Routed experts are the tensors under an `experts` module (shared experts and routers are not)."""

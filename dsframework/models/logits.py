@@ -4,6 +4,7 @@ computes itself (the chunked loss, the tensor-parallel head, the pipeline's last
     post = logit_postprocess(lm)     # None for Llama & co.; Gemma 2/3: tanh(x / c) * c, Granite: x / s, ...
     logits = post(lm.lm_head(hidden)) if post is not None else lm.lm_head(hidden)
     head = processed_head(lm)        # the same as one callable: hidden -> post(head(hidden)), or the head itself
+    extra = router_loss(lm, decoder_output)  # a mixture of experts: coef x its load-balancing loss, or None
     loss = chunked_causal_lm_loss(head, hidden, labels, chunk_tokens=512)   # == lm(ids, labels=labels).loss
 
 Why from the model's own forward: the CausalLM forward is the reference for what its logits are
@@ -184,3 +185,41 @@ def processed_head(lm: Any, head: Any = None) -> Callable[[torch.Tensor], torch.
     if post is None:
         return head
     return lambda hidden: post(head(hidden))
+
+
+class _Output(nn.Module):
+    """A stand-in returning a given value (the decoder's real output; the head's input unchanged)."""
+
+    def __init__(self, output: Any = None) -> None:
+        super().__init__()
+        self.output = output
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.output if self.output is not None else args[0]
+
+
+def router_loss(lm: Any, decoder_output: Any, *, attention_mask: torch.Tensor | None = None) -> torch.Tensor | None:
+    """What `lm`'s forward adds to its loss beside the cross entropy: for a mixture of experts that
+    records its routing (`output_router_logits`), `router_aux_loss_coef` x the load-balancing loss
+    its forward computes from `decoder_output.router_logits`; None for every other model.
+
+    A head dsf computes itself (the chunked loss) must add it, or the router trains without its
+    balancing term. The aux loss comes from the model's own forward (`type(lm).forward`, the
+    decoder swapped for a stub returning `decoder_output` and the head for one returning its input),
+    so each architecture's own load_balancing_loss_func runs; transformers' MoE forwards all add
+    `self.router_aux_loss_coef * aux_loss` to the loss when given labels."""
+    if getattr(decoder_output, "router_logits", None) is None:
+        return None
+    (base_parent, base_name), (head_parent, head_name) = _swap_points(lm)
+    base, head = base_parent._modules[base_name], head_parent._modules[head_name]
+    base_parent._modules[base_name], head_parent._modules[head_name] = _Output(decoder_output), _Output()
+    try:
+        ids = torch.zeros(decoder_output.last_hidden_state.shape[:2], dtype=torch.long,
+                          device=decoder_output.last_hidden_state.device)
+        aux = type(lm).forward(lm, input_ids=ids, attention_mask=attention_mask).aux_loss
+    finally:
+        base_parent._modules[base_name], head_parent._modules[head_name] = base, head
+    if aux is None:
+        return None
+    coef = getattr(lm, "router_aux_loss_coef", None)
+    return aux * (lm.config.router_aux_loss_coef if coef is None else coef)

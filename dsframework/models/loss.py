@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from dsframework.errors import UserError
-from dsframework.models.logits import logit_postprocess, processed_head
+from dsframework.models.logits import logit_postprocess, processed_head, router_loss
 from dsframework.parallel.tensor import vocab_parallel_cross_entropy
 
 IGNORE_INDEX = -100  # transformers' label for "no loss here"; data/store.py writes it, the losses skip it
@@ -168,8 +168,9 @@ def use_chunked_loss(model: Any, *, chunk_tokens: int) -> Any:
     causal LM (or the one inside a peft model) gets a forward that runs its decoder
     (`base_model`) and `chunked_causal_lm_loss` over its output embeddings followed by what its
     forward does to the logits (models/logits.py, probed here: a model dsf cannot follow is refused
-    before it trains): the state dict, the hooks and every other call stay as they were. Without
-    labels the model's own forward runs.
+    before it trains), plus a mixture of experts' load-balancing loss as its forward adds it
+    (models/logits.py `router_loss`): the state dict, the hooks and every other call stay as they
+    were. Without labels the model's own forward runs.
     `num_items_in_batch` (transformers' name) divides the summed loss instead of the mean's count."""
     if hasattr(model, "loss_chunk_tokens"):  # a dsf TensorParallelCausalLM: it chunks its own loss
         model.loss_chunk_tokens = chunk_tokens
@@ -186,10 +187,11 @@ def use_chunked_loss(model: Any, *, chunk_tokens: int) -> Any:
 
         kwargs.pop("logits_to_keep", None)
         over = kwargs.pop("num_items_in_batch", None)
-        hidden = self.base_model(input_ids=input_ids, **{"use_cache": False, **kwargs}).last_hidden_state
-        loss = chunked_causal_lm_loss(processed_head(self), hidden, labels, shifted=shift_labels,
+        decoded = self.base_model(input_ids=input_ids, **{"use_cache": False, **kwargs})
+        loss = chunked_causal_lm_loss(processed_head(self), decoded.last_hidden_state, labels, shifted=shift_labels,
                                       chunk_tokens=chunk_tokens, over=over)
-        return CausalLMOutputWithPast(loss=loss)
+        extra = router_loss(self, decoded, attention_mask=kwargs.get("attention_mask"))
+        return CausalLMOutputWithPast(loss=loss if extra is None else loss + extra.to(loss.device))
 
     lm.forward = types.MethodType(forward, lm)
     return model

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsframework.errors import UserError
+from dsframework.models.experts import ROUTER_LOSS_LAYOUTS, router_loss_problem
 
 # transformers' style name -> dsframework's layer (models/tensor_parallel.py).
 STYLES: dict[str, str] = {
@@ -52,7 +53,7 @@ class PipelinePlan:
 class ArchitecturePlan:
     """A model type's plans. `tp`: (module pattern relative to the base model, transformers style);
     `packed_parts`: pattern -> parts of a fused output (default 2: gate | up); `tp_problem` /
-    `pp_problem`: why tp > 1 / pp > 1 cannot run (None: it can)."""
+    `pp_problem`: why tp > 1 / pp > 1 cannot run (None: it can); `working`: the layouts that do."""
 
     model_type: str
     tp: tuple[tuple[str, str], ...]
@@ -60,6 +61,7 @@ class ArchitecturePlan:
     packed_parts: tuple[tuple[str, int], ...] = ()
     tp_problem: str | None = None
     pp_problem: str | None = None
+    working: str = WORKING_LAYOUTS
 
     def parts_of(self, pattern: str) -> int:
         return dict(self.packed_parts).get(pattern, 2)
@@ -125,6 +127,8 @@ def architecture_plan(config: Any) -> ArchitecturePlan:
     tp = {**tp, **extra["tp_extra"]} if tp and "tp_extra" in extra else tp
     pp, pp_problem = _pipeline_plan(extra.get("pp") or getattr(config, "base_model_pp_plan", None))
     pp_problem = PP_MEASURED_WRONG.get(model_type, pp_problem)
+    router = router_loss_problem(config)  # a stage sees its own layers' routing only
+    pp_problem = pp_problem or (router and f"{router} (a stage sees its own layers' routing)")
     tp_problem = None
     if not tp:
         tp_problem = "has no tensor-parallel plan (base_model_tp_plan) in transformers"
@@ -136,7 +140,8 @@ def architecture_plan(config: Any) -> ArchitecturePlan:
             tp_problem = f"uses the tensor-parallel style {', '.join(unknown)}, which dsframework does not implement"
     return ArchitecturePlan(model_type=model_type, tp=tuple(tp.items()), pp=pp,
                             packed_parts=tuple(extra.get("packed_parts", {}).items()),
-                            tp_problem=tp_problem, pp_problem=pp_problem)
+                            tp_problem=tp_problem, pp_problem=pp_problem,
+                            working=ROUTER_LOSS_LAYOUTS if router else WORKING_LAYOUTS)
 
 
 def pattern_regex(pattern: str) -> re.Pattern:
@@ -151,7 +156,7 @@ def check_architecture(config: Any, *, tp: int = 1, pp: int = 1) -> Architecture
     model_type = config.model_type
     if tp > 1 and plan.tp_problem:
         raise UserError("parallel.tp", tp, f"cannot shard {model_type!r}: it {plan.tp_problem}",
-                        f"use parallel.tp=1 ({WORKING_LAYOUTS})")
+                        f"use parallel.tp=1 ({plan.working})")
     if tp > 1:
         for field in ("num_attention_heads", "num_key_value_heads"):
             heads = getattr(config, field, None)
@@ -159,15 +164,16 @@ def check_architecture(config: Any, *, tp: int = 1, pp: int = 1) -> Architecture
                 raise UserError("parallel.tp", tp, f"does not divide {model_type}'s {field}={heads}",
                                 f"choose tp among the divisors of {heads}")
     if pp > 1 and plan.pp_problem:
-        raise pipeline_refusal(model_type, plan.pp_problem, pp=pp)
+        raise pipeline_refusal(model_type, plan.pp_problem, pp=pp, working=plan.working)
     return plan
 
 
-def pipeline_refusal(model_type: str, problem: str, *, pp: int | None = None) -> UserError:
+def pipeline_refusal(model_type: str, problem: str, *, pp: int | None = None,
+                     working: str = WORKING_LAYOUTS) -> UserError:
     """The one-line error for an architecture the pipeline cannot cut (with the user's pp when known)."""
     field, value = ("parallel.pp", pp) if pp is not None else ("model.name", model_type)
     return UserError(field, value, f"cannot cut {model_type!r} into pipeline stages: it {problem}",
-                     f"use parallel.pp=1 ({WORKING_LAYOUTS})")
+                     f"use parallel.pp=1 ({working})")
 
 
 def sliding_window(config: Any) -> int | None:
@@ -196,8 +202,9 @@ def check_context_parallel(config: Any, *, cp: int, seq_len: int | None) -> None
                         "use parallel.cp=1 (tensor and pipeline parallelism, ZeRO)")
     problem = context_parallel_problem(config)
     if problem:
+        working = ROUTER_LOSS_LAYOUTS if router_loss_problem(config) else "tensor and pipeline parallelism, ZeRO"
         raise UserError("parallel.cp", cp, f"cannot split {model_type!r}'s sequences: it {problem}",
-                        "use parallel.cp=1 (tensor and pipeline parallelism, ZeRO)")
+                        f"use parallel.cp=1 ({working})")
 
 
 # layer_types entries that are attention; any other (linear_attention, conv, mamba, hybrid) mixes tokens
@@ -219,4 +226,7 @@ def context_parallel_problem(config: Any) -> str | None:
     if getattr(config, "kv_lora_rank", None):
         return ("uses multi-head latent attention (kv_lora_rank), whose query and value heads differ in size, "
                 "which DeepSpeed's Ulysses attention does not take")
+    router = router_loss_problem(config)
+    if router:
+        return f"{router} (a rank sees its shard of the tokens)"
     return CP_MEASURED_WRONG.get(config.model_type)

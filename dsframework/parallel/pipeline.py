@@ -334,7 +334,7 @@ def _checked_plan(model: Any) -> PipelinePlan:
     the plan leaves out (its forward would use weights no stage holds)."""
     model_type, plan, base = model.config.model_type, architecture_plan(model.config), model.base_model
     if plan.pp_problem:
-        raise pipeline_refusal(model_type, plan.pp_problem)
+        raise pipeline_refusal(model_type, plan.pp_problem, working=plan.working)
     plan = plan.pp or infer_pipeline_plan(list(base.named_children()), model.config.num_hidden_layers)
     if plan is None:
         raise pipeline_refusal(model_type, "has no pipeline plan, and no list of its decoder layers")

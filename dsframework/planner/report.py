@@ -82,8 +82,26 @@ def plan_table(plan: Plan, *, top: int = 5) -> str:
             if flat is not None:  # (when none fits, `dropped` says why)
                 out.append(f"  fastest without context parallelism: {flat.layout.dims}, "
                            f"{flat.tokens_per_s:,.0f} tokens/s ({flat.tokens_per_s / best.tokens_per_s:.0%} of the best)")
+        if best.layout.dims.ep > 1:
+            out.append(expert_parallel_reason(plan, best))
         out += knobs_lines(best)
     return "\n".join(out)
+
+
+def expert_parallel_reason(plan: Plan, best: Candidate) -> str:
+    """One line: why the best layout splits the experts (what a rank holds and what the all-to-alls
+    cost), beside the best layout that trains them as dense weights and tensor parallelism's fate."""
+    ep, experts = best.layout.dims.ep, plan.desc.experts
+    states, host = best.memory.params + best.memory.grads + best.memory.optimizer, best.memory.cpu_per_rank
+    line = (f"  why ep {ep}: a rank holds {experts // ep} of the {experts} experts, {_gib(states)} GiB of model "
+            f"states" + (f" (+ {_gib(host)} GiB in host memory)" if host else "")
+            + f", for all-to-alls of {best.time.ep_comm:.2f} s in a {best.time.total:.2f} s step")
+    dense = next((c for c in plan.fitting if c.layout.dims.ep == 1), None)
+    line += (f"; the experts dense (ep 1) at best: {dense.layout.dims}, {dense.tokens_per_s:,.0f} tokens/s "
+             f"({dense.tokens_per_s / best.tokens_per_s:.0%})" if dense
+             else "; with the experts dense (ep 1) nothing fits")
+    tp_refused = next((why for family, why in plan.dropped_families.items() if family.startswith("tp=")), None)
+    return line + ("; tensor parallelism: refused (see dropped)" if tp_refused else "")
 
 
 def knobs_lines(candidate: Candidate) -> list[str]:

@@ -2,7 +2,8 @@
 logits, and the auto-compile rule (compiling.py) decides as documented.
 
 Same loss and gradients as `model(input_ids, labels=...).loss` within 1e-5 (Llama with untied and
-GPT-2 with tied output embeddings; chunks that do and do not divide the tokens; labels with -100
+GPT-2 with tied output embeddings, Mixtral and Qwen3-MoE whose loss adds the router's
+load-balancing loss; chunks that do and do not divide the tokens; labels with -100
 as chat data has them); the tensors saved for backward hold no logits-sized tensor; and a step's
 peak memory (peak RSS of a fresh process at a 32,000-token vocabulary) drops by most of the
 logits it no longer holds.
@@ -39,6 +40,19 @@ def gpt2() -> GPT2LMHeadModel:
                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
 
 
+def mixture_of_experts(model_type: str):
+    """A tiny random MoE whose loss adds its router's load-balancing loss (coefficient raised so it matters)."""
+    from dsframework.models.experts import train_router_loss
+    from dsframework.models.hf import causal_lm_class
+    from dsframework.models.tiny import tiny_config
+
+    config = tiny_config(model_type)
+    assert train_router_loss(config)
+    config.router_aux_loss_coef = 0.5
+    torch.manual_seed(0)
+    return causal_lm_class(config)(config).float()
+
+
 def batch(vocab: int, *, supervised: bool) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(0, vocab, (3, 40), generator=generator)
@@ -56,7 +70,9 @@ def loss_and_grads(model, ids, labels):
     return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("build", [llama, gpt2], ids=["llama", "gpt2-tied"])
+@pytest.mark.parametrize("build", [llama, gpt2, lambda: mixture_of_experts("mixtral"),
+                                   lambda: mixture_of_experts("qwen3_moe")],
+                         ids=["llama", "gpt2-tied", "mixtral-router-loss", "qwen3_moe-router-loss"])
 @pytest.mark.parametrize("chunk", [37, 120])
 @pytest.mark.parametrize("supervised", [False, True], ids=["text", "masked"])
 def test_same_loss_and_gradients_as_the_whole_logits(build, chunk, supervised):

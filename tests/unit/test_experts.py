@@ -38,6 +38,26 @@ def test_experts_and_autoep_presets_of_moe_types(model_type, experts, top_k, pre
     assert train_router_loss(config) and config.output_router_logits
 
 
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_layouts_that_split_the_routing_are_refused_while_the_router_loss_trains(model_type):
+    """The router's load-balancing loss is one product of means over every layer's routing of the
+    whole micro-batch: pipeline stages and sequence shards cannot add it up, so pp and cp are refused
+    in one line naming what works; without that loss (output_router_logits off) they run."""
+    from dsframework.parallel.pipeline import check_model_parallelism
+
+    config = tiny_config(model_type)
+    assert train_router_loss(config)
+    for dims, field in ((ParallelDims(world=2, pp=2), "parallel.pp=2"), (ParallelDims(world=2, cp=2), "parallel.cp=2")):
+        with pytest.raises(UserError) as info:
+            check_model_parallelism(config, dims, seq_len=32)
+        message = str(info.value)
+        assert message.startswith(f"{field}: ") and "load-balancing loss" in message and "\n" not in message
+        assert "ep, dp and ZeRO 0-3 train it with that loss" in message
+    config.output_router_logits = False
+    check_model_parallelism(config, ParallelDims(world=2, pp=2), seq_len=32)
+    check_model_parallelism(config, ParallelDims(world=2, cp=2), seq_len=32)
+
+
 def test_a_dense_model_has_no_experts():
     config = tiny_config("llama")
     assert expert_layout(config) is None and not train_router_loss(config)
@@ -168,25 +188,32 @@ def test_the_planner_counts_qwen3_30b_a3b_as_published():
 
 @pytest.mark.parametrize("nodes", [1, 4])
 def test_dsf_plan_ranks_expert_parallel_layouts(nodes):
-    """On 1 x 8 and 4 x 8 H100: ep layouts are ranked with the rest (their all-to-alls priced); at
-    pp = 1, splitting the experts beats training them as dense weights under ZeRO (what the planner
-    did before ep); tensor parallelism is refused in one line (transformers' plan shards experts with
-    moe_* styles dsf does not implement)."""
+    """On 1 x 8 and 4 x 8 H100: ep layouts are ranked with the rest (their all-to-alls priced);
+    splitting the experts beats training them as dense weights under ZeRO (what the planner did
+    before ep), and the report says why in one line; tensor parallelism is refused in one line
+    (transformers' plan shards experts with moe_* styles dsf does not implement), and so are the
+    pipeline and context parallelism (the router's balancing loss spans the whole micro-batch)."""
     from dsframework.config import ModelSpec
     from dsframework.models.build import resolve_model
     from dsframework.planner.cluster import cluster_preset
     from dsframework.planner.memory import Job
     from dsframework.planner.model import describe_model
+    from dsframework.planner.report import plan_table
     from dsframework.planner.search import search
 
     desc = describe_model(resolve_model(ModelSpec(name="qwen3-30b-a3b")).config, name="qwen3-30b-a3b")
     cluster, job = cluster_preset("h100-80gb", nodes=nodes, gpus_per_node=8), Job(seq_len=4096,
                                                                                    global_batch=64 * nodes)
-    plan = search(desc, cluster, job, pp=1)
+    plan = search(desc, cluster, job)
     experts_split = [c for c in plan.fitting if c.layout.dims.ep > 1]
     assert experts_split and all(c.time.ep_comm > 0 for c in experts_split)
     assert plan.best.layout.dims.ep > 1, plan.best.layout
-    dense = search(desc, cluster, job, pp=1, ep=1)
+    dense = search(desc, cluster, job, ep=1)
     assert dense.best is None or dense.best.tokens_per_s < plan.best.tokens_per_s
-    assert not any(c.layout.dims.tp > 1 for c in plan.candidates)
+    assert not any(c.layout.dims.tp > 1 or c.layout.dims.pp > 1 or c.layout.dims.cp > 1 for c in plan.candidates)
     assert "moe_tp_experts" in plan.dropped_families["tp=2"] and "\n" not in plan.dropped_families["tp=2"]
+    for split in ("pp > 1", "cp > 1"):  # its loss adds the router's balancing loss over the whole micro-batch
+        assert "load-balancing loss" in plan.dropped_families[split], plan.dropped_families
+    why = f"  why ep {plan.best.layout.dims.ep}:"
+    reason = [line for line in plan_table(plan).splitlines() if line.startswith(why)]
+    assert len(reason) == 1 and "of the 128 experts" in reason[0] and "tensor parallelism: refused" in reason[0]

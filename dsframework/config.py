@@ -261,6 +261,25 @@ def _directory_field(field: str, value: str | None, *, package: str | None, exam
     return value
 
 
+class FaultsSpec(_Spec):
+    """How a run notices that it is stuck: each rank's watcher reads its heartbeat
+    (launching/heartbeat.py) and stops the job, naming the rank, when it makes no progress."""
+
+    hang_timeout: float | Literal["auto"] = Field(
+        "auto", description="seconds a rank may go without progress in a training phase (data, forward, backward, "
+        "optimizer step) before the job stops as hung; auto: max(60, 10 x the measured step time); 0 or off: "
+        "not watched. The first step, the step after compiling, checkpoints and evaluation get max(600, 10 x it)")
+
+    @field_validator("hang_timeout", mode="before")
+    @classmethod
+    def _hang_timeout(cls, value: Any) -> Any:
+        if value is False or value == "off":  # YAML 1.1 reads `off` as false
+            return 0.0
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
+            raise ValueError("must be positive seconds, auto, or 0 / off (not watched); e.g. faults.hang_timeout=120")
+        return value
+
+
 class WandbSpec(_Spec):
     """A Weights & Biases run, written offline (no network, no login); `wandb sync` uploads it later."""
 
@@ -337,6 +356,7 @@ class RunConfig(_Spec):
     parallel: ParallelSpec = Field(default_factory=ParallelSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     logging: LoggingSpec = Field(default_factory=LoggingSpec)
+    faults: FaultsSpec = Field(default_factory=FaultsSpec)
     output_dir: str = Field("runs/default", description="metrics, checkpoints and tokenizer go here")
 
     @model_validator(mode="after")

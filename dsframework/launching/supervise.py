@@ -11,6 +11,14 @@ failed. The watcher imports nothing heavy, waits for its trainer, and when the t
 signal it prints which rank, host and pid died and how, then exits 128 + signal so the launcher
 tears the job down. The trainer gets SIGKILL if the watcher itself is killed (no orphans), and
 SIGTERM/SIGINT reach the trainer, which checkpoints on SIGTERM.
+
+The watcher also reads the trainer's heartbeat (launching/heartbeat.py, faults.hang_timeout): a
+trainer that makes no progress for longer than its phase allows (stuck in a collective, stopped,
+deadlocked) is named -- rank, host, phase, step -- and killed, and the watcher exits HUNG_EXIT, so
+the launcher stops the job within seconds instead of at the collective's timeout (30 minutes). The
+rank to blame is the one that stopped first: its peers stall a moment later, waiting for it in the
+next collective. A stopped process (SIGSTOP, a frozen node) is named at its limit; a running one
+HANG_GRACE_S later, which lets the stopped rank's own watcher speak first.
 """
 from __future__ import annotations
 
@@ -22,7 +30,13 @@ import subprocess
 import sys
 from typing import NoReturn
 
+from dsframework.launching.heartbeat import ENV as HEARTBEAT_ENV
+from dsframework.launching.heartbeat import Pulse, Stall
+
 CHILD_MARK = "DSF_RANK_TRAINER"  # set in the trainer's environment: it is the rank, not the watcher
+HUNG_EXIT = 124  # a rank the watcher found hung (timeout(1)'s code for a command that ran out of time)
+HANG_GRACE_S = 5.0  # a running rank past its limit waits this much longer (see the module docstring)
+POLL_S = 1.0
 HINTS = {signal.SIGKILL: " (out of memory? see `dmesg`; or killed by hand)", signal.SIGSEGV: " (a crash in native code)"}
 
 
@@ -40,18 +54,24 @@ def run_rank(argv: list[str]) -> int:
     """Run `dsf ARGV` as this rank's trainer; its exit code, or 128 + the signal that killed it."""
     if sys.platform == "linux":  # a launcher killed in a teardown (dsf launch's sweep) takes its ranks along
         _die_with_parent()
-    child = subprocess.Popen([sys.executable, "-m", "dsframework.commands.cli", *argv],
-                             env={**os.environ, CHILD_MARK: "1"},
-                             preexec_fn=_die_with_parent if sys.platform == "linux" else None)
-    told_to_stop: list[int] = []
+    pulse = Pulse.create()
+    try:
+        child = subprocess.Popen([sys.executable, "-m", "dsframework.commands.cli", *argv],
+                                 env={**os.environ, CHILD_MARK: "1", HEARTBEAT_ENV: str(pulse.path)},
+                                 preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+        told_to_stop: list[int] = []
 
-    def forward(signum: int, frame: object) -> None:
-        told_to_stop.append(signum)
-        child.send_signal(signum)
+        def forward(signum: int, frame: object) -> None:
+            told_to_stop.append(signum)
+            child.send_signal(signum)
 
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
-    code = child.wait()
+        signal.signal(signal.SIGTERM, forward)
+        signal.signal(signal.SIGINT, forward)
+        code = _wait_watching(child, pulse)
+    finally:
+        pulse.close()
+    if code is None:
+        return HUNG_EXIT
     if code >= 0:
         return code
     sig = signal.Signals(-code)
@@ -60,6 +80,41 @@ def run_rank(argv: list[str]) -> int:
               f"{socket.gethostname()}, pid {child.pid}) was killed by {sig.name}{HINTS.get(sig, '')}; "
               f"the launcher stops the other ranks", file=sys.stderr, flush=True)
     return 128 + sig.value
+
+
+def _wait_watching(child: subprocess.Popen, pulse: Pulse) -> int | None:
+    """The trainer's exit code, or None once it was found hung, named and killed."""
+    while True:
+        try:
+            return child.wait(timeout=POLL_S)
+        except subprocess.TimeoutExpired:
+            pass
+        stall = pulse.stalled()
+        if stall is None:
+            continue
+        stopped = _is_stopped(child.pid)
+        if not stopped and stall.seconds < stall.limit + HANG_GRACE_S:
+            continue
+        _name_hung_rank(child.pid, stall, stopped=stopped)
+        child.kill()  # SIGKILL: a stopped or stuck process handles nothing else
+        child.wait()
+        return None
+
+
+def _is_stopped(pid: int) -> bool:
+    """Whether `pid` is stopped (state T or t: SIGSTOP, SIGTSTP, a debugger)."""
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2:][:1] in ("T", "t")
+
+
+def _name_hung_rank(pid: int, stall: Stall, *, stopped: bool) -> None:
+    print(f"dsf: rank {os.environ.get('RANK')} (local rank {os.environ.get('LOCAL_RANK', '?')} on "
+          f"{socket.gethostname()}, pid {pid}) hung: {stall.describe()}"
+          + ("; its process is stopped (SIGSTOP, or a frozen node)" if stopped else "")
+          + "; killing it, the launcher stops the other ranks (faults.hang_timeout)", file=sys.stderr, flush=True)
 
 
 def exit_process(code: int | str | None = 0) -> NoReturn:

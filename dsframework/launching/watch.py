@@ -32,7 +32,7 @@ from typing import Mapping
 NODE_EXIT = re.compile(r"^pdsh@[^:\s]+: (?P<host>[^:\s]+): ssh exited with exit code (?P<code>\d+)")
 NODE_LINE = re.compile(r"^(?:pdsh@[^:\s]+: )?(?P<host>[^:\s]+): (?P<text>.*\S)")
 # The most telling line a failed node printed, best first.
-CAUSES = (re.compile(r"dsf: rank \d+ .*(killed by|died)"), re.compile(r"^dsf: error: "),
+CAUSES = (re.compile(r"dsf: rank \d+ .*(killed by|died|hung)"), re.compile(r"^dsf: error: "),
           re.compile(r"^ssh: |Connection refused|Permission denied|Could not resolve|No route to host"),
           re.compile(r"No such file or directory|command not found|does not exist"),
           re.compile(r"^[A-Za-z_.]*(Error|Exception|Interrupt)\b"))

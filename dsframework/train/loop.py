@@ -29,6 +29,7 @@ from dsframework.train.compiling import (
     compile_seconds,
 )
 from dsframework.train.guards import NonFiniteWatch, StopRequest
+from dsframework.train.hang import HangWatch
 from dsframework.train.setup import Session
 from dsframework.train.step import StepBreakdown, mean_over_ranks
 from dsframework.train.throughput import FlopsMeter
@@ -51,19 +52,20 @@ def run_steps(run: RunConfig, session: Session, sinks: Any, *, resume: bool) -> 
     if session.rank == 0:
         print_summary(run, session, meter)
     last: dict[str, Any] = {}
+    watch = HangWatch.for_run(run)
     if not resume and run.logging.eval_every:
+        watch.enter("eval", step=step)
         last = {"step": 0, "eval_loss": evaluate(session)}  # the baseline the run is judged against
         sinks.log(last, step=0)
     bar = tqdm(total=run.train.steps, initial=step, disable=session.rank != 0 or not run.logging.progress,
                dynamic_ncols=True, desc="train")
-    window = Window(session, meter)
+    window = Window(session, meter, watch)
     stop = min(run.train.steps, run.train.stop_after or run.train.steps)
-    probe = CompileProbe(run, session)
+    probe = CompileProbe(run, session, watch)
     stop_request = StopRequest()
     nonfinite = NonFiniteWatch(enabled=run.train.precision != "fp16", device=engine.device)
     while step < stop:
-        step_loss = one_step.train_step(engine, one_step.step_batches(session.train_blocks, sampler, consumed),
-                                        pipeline=dims.pp_enabled, **session.loss_kw)
+        step_loss = train_watched(session, sampler, consumed, watch, step=step + 1)
         step, consumed = step + 1, consumed + batch.global_batch
         window.add_step()
         probe.after_step(steps_left=stop - step)
@@ -79,6 +81,7 @@ def run_steps(run: RunConfig, session: Session, sinks: Any, *, resume: bool) -> 
         preempted = stop_request.agreed()
         if checkpoint_due(run, step, done=done, preempted=preempted):
             check_finite(run, nonfinite)  # a diverged model is never saved over the last good one
+            watch.enter("checkpoint")
             ckpt.save(engine, run.checkpoint_dir, step=step, consumed_samples=consumed, layout=dims)
         if logged:  # the next window starts after this step's evaluation and checkpoint
             window.restart()
@@ -89,11 +92,27 @@ def run_steps(run: RunConfig, session: Session, sinks: Any, *, resume: bool) -> 
                 print(f"dsf: stopped by SIGTERM at step {step}; checkpoint {ckpt.tag_for(step)} saved; "
                       f"continue with `dsf train ... --resume`", flush=True)
             raise Preempted(step)
+    watch.enter("done")
     stop_request.close()
     bar.close()
     if session.rank == 0:
         print(f"dsf: done at step {step}; checkpoints in {run.checkpoint_dir}", flush=True)
     return last
+
+
+def train_watched(session: Session, sampler: BlockSampler, consumed: int, watch: HangWatch, *, step: int) -> Any:
+    """Train step `step` (train/step.py), each phase told to the rank's heartbeat; its loss. On the
+    session's third step a fixed faults.hang_timeout is checked against the step time all ranks
+    measured (one all-reduce)."""
+    watch.enter("data", step=step)
+    batches = one_step.step_batches(session.train_blocks, sampler, consumed)
+    started = time.perf_counter()
+    step_loss = one_step.train_step(session.engine, batches, pipeline=session.dims.pp_enabled, enter=watch.enter,
+                                    **session.loss_kw)
+    watch.step_done(seconds=time.perf_counter() - started)
+    if len(watch.recent) == 2 and watch.setting not in ("auto", 0):
+        watch.check_setting(mean_over_ranks(watch.median_step()))
+    return step_loss
 
 
 def print_summary(run: RunConfig, session: Session, meter: FlopsMeter) -> None:
@@ -126,9 +145,9 @@ class Window:
     compile_s), and so are the evaluation and checkpoints after its last step (`restart` is called
     after them)."""
 
-    def __init__(self, session: Session, meter: FlopsMeter) -> None:
+    def __init__(self, session: Session, meter: FlopsMeter, watch: HangWatch) -> None:
         run = session.run
-        self.session, self.meter = session, meter
+        self.session, self.meter, self.watch = session, meter, watch
         self.tokens_per_step = session.batch.global_batch * run.data.seq_len
         self.breakdown = StepBreakdown(session.engine, enabled=run.logging.breakdown and not session.dims.pp_enabled)
         self.restart()
@@ -155,6 +174,7 @@ class Window:
             last["compile_s"] = compiling
         probe.report_compiled(self.session.rank)
         if run.logging.eval_every and (step % run.logging.eval_every == 0 or done):
+            self.watch.enter("eval")
             last["eval_loss"] = evaluate(self.session)
         if run.train.precision == "fp16":
             last["skipped_steps"] = engine.skipped_steps  # overflowing steps the loss scaler dropped
@@ -168,8 +188,8 @@ class CompileProbe:
     engine or not (train/compiling.py's auto_compile); with train.compile=true, it compiled at
     start-up. Either way the first window after compiling says how long it took."""
 
-    def __init__(self, run: RunConfig, session: Session) -> None:
-        self.engine, self.rank = session.engine, session.rank
+    def __init__(self, run: RunConfig, session: Session, watch: HangWatch) -> None:
+        self.engine, self.rank, self.watch = session.engine, session.rank, watch
         self.auto = run.train.compile == "auto"
         self.steps, self.start, self.compiled_note = 0, 0.0, run.train.compile is True
 
@@ -185,6 +205,7 @@ class CompileProbe:
                 print(f"dsf: train.compile=auto: {why}", flush=True)
             if verdict:
                 compile_engine(self.engine)
+                self.watch.compiled()  # the next step compiles its kernels: the long limit
                 self.compiled_note = True
 
     def report_compiled(self, rank: int) -> None:

@@ -65,22 +65,31 @@ def micro_batch_loss(engine: Any, input_ids: Any, *, grid: Any = None, context: 
     return loss, loss.detach()
 
 
-def train_step(engine: Any, micro_batches: list, *, pipeline: bool, **loss_kw: Any) -> Any:
+def train_step(engine: Any, micro_batches: list, *, pipeline: bool, enter: Any = None, **loss_kw: Any) -> Any:
     """One optimizer step over this rank's micro-batches; their mean loss (a float64 tensor).
     `loss_kw` go to `micro_batch_loss` (looked up in this module at each call: the fault tests'
-    worker wraps it)."""
+    worker wraps it). `enter(phase)` is told each phase as it starts (train/hang.py's heartbeat)."""
     import torch
 
+    enter = enter or _no_phase
     if pipeline:  # DeepSpeed's pipeline engine runs the 1F1B schedule over all micro-batches
+        enter("pipeline schedule")
         data = iter([(ids, ids) for ids in micro_batches])
         return engine.train_batch(data_iter=data).detach().double()
     total = torch.zeros((), dtype=torch.float64)
     for input_ids in micro_batches:
+        enter("forward")
         loss, value = micro_batch_loss(engine, input_ids, **loss_kw)
+        enter("backward")
         engine.backward(loss)
+        enter("optimizer step")
         engine.step()  # DeepSpeed steps the optimizer at the accumulation boundary only
         total += value.double()
     return total / len(micro_batches)
+
+
+def _no_phase(phase: str) -> None:
+    pass
 
 
 def evaluate(engine: Any, eval_blocks: Any, *, micro_batch: int, dp_size: int, dp_rank: int,

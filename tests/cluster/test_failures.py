@@ -5,6 +5,7 @@ cause, and no process of the job is left on any node.
 - node1's sshd is down: pdsh cannot reach it (connection refused);
 - node1 lacks the venv (a tmpfs hides /work/main/.venv in node1's mount namespace);
 - a rank on node1 is killed with SIGKILL once training has started;
+- a rank on node1 is stopped (SIGSTOP) once training has started: caught as hung (faults.hang_timeout);
 - `dsf launch --check` passes with both nodes up and names node1 (exit 2) with its sshd down;
 - `scancel --signal=TERM` (what SLURM sends before preemption) during an sbatch training leaves a
   checkpoint at the step it stopped at; resuming it continues exactly (1e-6).
@@ -96,10 +97,12 @@ def trainers(cluster, node: int) -> dict[int, int]:
     return found
 
 
-def test_rank_killed_on_node1_ends_the_job_and_is_named(pdsh_cluster, tmp_path):
-    cluster, out = pdsh_cluster, tmp_path / "out"
-    job = cluster.popen(0, dsf_launch_cmd(tmp_path, "pdsh", overrides=UNTIL_STOPPED), log=tmp_path / "job.log", cwd=tmp_path,
-                        env=node_env(cluster))
+def rank_failure_on_node1(cluster, tmp_path, sig: int, *, overrides=()) -> tuple[int | None, float, str]:
+    """Start the 2 x 2 job (node1 runs ranks 2 and 3), send `sig` to rank 3's trainer once step 1 is
+    logged, wait for the job's end: (exit code, seconds from the signal to the end, the output)."""
+    out = tmp_path / "out"
+    job = cluster.popen(0, dsf_launch_cmd(tmp_path, "pdsh", overrides=[*UNTIL_STOPPED, *overrides]),
+                        log=tmp_path / "job.log", cwd=tmp_path, env=node_env(cluster))
     try:
         def started() -> bool:
             assert job.poll() is None, f"job ended early ({job.returncode}):\n{(tmp_path / 'job.log').read_text()[-3000:]}"
@@ -108,21 +111,43 @@ def test_rank_killed_on_node1_ends_the_job_and_is_named(pdsh_cluster, tmp_path):
         wait_until(started, timeout=TIMEOUT, what="step 1", every=0.3)
         victims = trainers(cluster, 1)
         assert sorted(victims) == [2, 3], f"node1 runs ranks 2 and 3: {victims}"
-        os.kill(victims[3], signal.SIGKILL)
-        killed = time.monotonic()
+        os.kill(victims[3], sig)
+        sent = time.monotonic()
         try:
             code = job.wait(timeout=LIMIT + 15)
         except Exception:
             code = None
-        seconds = time.monotonic() - killed
+        seconds = time.monotonic() - sent
         assert_nothing_left(cluster)
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
             job.wait()
-    output = (tmp_path / "job.log").read_text()
+    return code, seconds, (tmp_path / "job.log").read_text()
+
+
+def test_rank_killed_on_node1_ends_the_job_and_is_named(pdsh_cluster, tmp_path):
+    code, seconds, output = rank_failure_on_node1(pdsh_cluster, tmp_path, signal.SIGKILL)
     assert code not in (0, None) and seconds < LIMIT, f"exit {code} {seconds:.0f} s after the kill\n{output[-3000:]}"
     assert one_line(output, "node1", "rank 3", "SIGKILL"), output[-3000:]
+
+
+HANG_TIMEOUT = 10
+
+
+def test_rank_stopped_on_node1_is_caught_as_hung_and_named(pdsh_cluster, tmp_path):
+    """SIGSTOP: the rank neither dies nor answers, and its peers wait in their next collective.
+    Its watcher finds no heartbeat for faults.hang_timeout seconds and the job stops within
+    hang_timeout + 15 s, one line naming node1, rank 3 and the phase it was in. (No evaluation or
+    periodic checkpoint runs: the stop lands in a training phase, whose limit is the setting.)"""
+    code, seconds, output = rank_failure_on_node1(
+        pdsh_cluster, tmp_path, signal.SIGSTOP,
+        overrides=[f"faults.hang_timeout={HANG_TIMEOUT}", "logging.eval_every=0", "checkpoint.every=0"])
+    assert code not in (0, None) and seconds < HANG_TIMEOUT + 15, \
+        f"exit {code} {seconds:.0f} s after SIGSTOP\n{output[-3000:]}"
+    print(f"SIGSTOP -> the job ended {seconds:.1f} s later (hang_timeout {HANG_TIMEOUT} s)")
+    line = one_line(output, "node1", "rank 3", "hung: no progress for")
+    assert line and "its process is stopped" in line and " of step " in line, output[-3000:]
 
 
 def test_check_reports_every_host_then_names_node1_without_sshd(pdsh_cluster, tmp_path):

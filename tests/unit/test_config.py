@@ -145,7 +145,7 @@ def test_unknown_key_in_mapping_suggests_the_close_match(section, key):
 def test_unknown_key_without_close_match_lists_the_valid_keys():
     with pytest.raises(UserError) as info:
         build_run_config({}, ["zzzz=1"])
-    assert "valid: checkpoint, data, logging, model, output_dir, parallel, train" in str(info.value)
+    assert "valid: checkpoint, data, faults, logging, model, output_dir, parallel, train" in str(info.value)
 
 
 # --- validation rules ---------------------------------------------------------------------------
@@ -253,13 +253,14 @@ ROUND_TRIP_CASES = {
         "parallel.partition_method=type:Decoder", "parallel.activation_checkpointing=full", "checkpoint.every=0", "checkpoint.save_final=false",
         "logging.every=1", "logging.eval_every=0", "logging.progress=false", "logging.cluster=h100-80gb",
         "logging.breakdown=true", "logging.tensorboard=runs/x y/tb", "logging.csv=runs/x y",
-        "logging.wandb.project=x", "output_dir=runs/x y",
+        "logging.wandb.project=x", "faults.hang_timeout=90", "output_dir=runs/x y",
     ]),
     "fine-tuning": ({"model": {"lora": {"r": 4, "alpha": 8, "dropout": 0.1, "target_modules": ["q_proj", "v_proj"]}}},
                     ["data.format=chat", "model.lora.r=2", "parallel.zero_stage=3"]),
     "hierarchical-zero": ({}, ["parallel.zero_stage=3", "parallel.cp=2", "parallel.zero_hpz=4"]),
     "expert-parallel": ({}, ["parallel.zero_stage=2", "parallel.ep=4"]),
     "autoep-blocks-at-ep1": ({}, ["parallel.zero_stage=1", "parallel.autoep=true"]),
+    "hang-watch-off": ({"faults": {"hang_timeout": False}}, []),
     "odd-floats": ({"train": {"lr": 1.0e-20, "eps": 1.5e-300, "min_lr_ratio": 1.0}}, ["train.weight_decay=1e-5"]),
 }
 

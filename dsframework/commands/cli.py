@@ -316,19 +316,24 @@ def calibrate_cmd(ranks: int, output: Path, force: bool) -> None:
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="passed on to dsf train")
 @click.option("--resume", is_flag=True, help="passed on to dsf train: continue from the latest checkpoint")
 @click.option("--overwrite", is_flag=True, help="passed on to dsf train: replace the output_dir of an earlier run")
+@click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
+              help="restart a failed job from its latest checkpoint on the nodes that pass a pre-flight check, "
+              "re-planned for them, up to N times (docs/launching.md)")
 def launch_cmd(run_yaml: Path, hostfile: Path | None, include: str, exclude: str, num_nodes: int, num_gpus: int,
                master_addr: str | None, master_port: int, launcher: str, node_rank: int | None,
                env_flags: tuple[str, ...], cluster_name: str | None, force: bool, check: bool, dry_run: bool,
-               overrides: tuple[str, ...], resume: bool, overwrite: bool) -> None:
+               overrides: tuple[str, ...], resume: bool, overwrite: bool, max_restarts: int) -> None:
     """Check the hostfile, layout and memory of RUN_YAML, then start `deepspeed` on every node."""
     from dsframework.config import load_run_config
     from dsframework.launching import hostfile as launch
     from dsframework.launching import steps
     from dsframework.launching.launchers import Job
+    from dsframework.launching.restarts import check_can_restart, run_with_restarts
 
     run = load_run_config(run_yaml, overrides)
     how = LAUNCHERS[launcher]()
     how.check_flags(hostfile=hostfile is not None, node_rank=node_rank)
+    check_can_restart(how, max_restarts)
     resources = steps.resources(hostfile, num_gpus)
     active = launch.select_resources(resources, include=include, exclude=exclude, num_nodes=num_nodes,
                                      num_gpus=num_gpus)
@@ -350,6 +355,8 @@ def launch_cmd(run_yaml: Path, hostfile: Path | None, include: str, exclude: str
         for line in how.dry_run(job):
             click.echo(line)
         return
+    if max_restarts:
+        sys.exit(run_with_restarts(how, job, run, max_restarts=max_restarts, cluster_name=cluster_name))
     sys.exit(how.start(job))
 
 

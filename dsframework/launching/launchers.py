@@ -35,7 +35,7 @@ import click
 
 from dsframework.errors import UserError
 from dsframework.launching import hostfile as launch
-from dsframework.launching.watch import watch_runner
+from dsframework.launching.watch import Outcome, watch_job
 
 SLURM_NODEID = "__DSF_SLURM_NODEID__"  # replaced by $SLURM_NODEID once the line is quoted
 MPI_ENTRY = "dsframework.commands.mpi_rank"  # `deepspeed --module dsframework.commands.mpi_rank MASTER:PORT train ...`
@@ -93,6 +93,9 @@ class Launcher:
     name: ClassVar[str]
     tools: ClassVar[tuple[str, ...]] = ()  # what it runs on this node
     needs_hostfile: ClassVar[bool] = True
+    # why `dsf launch --max-restarts` cannot restart a job it started (None: it can; launching/restarts.py)
+    cannot_restart: ClassVar[str | None] = ("starts the job and ends with it (dsf never sees which node failed, "
+                                            "nor gets the process back to restart it)")
 
     def check_flags(self, *, hostfile: bool, node_rank: int | None) -> None:
         """The flag combinations this launcher refuses, before the hostfile is read."""
@@ -198,6 +201,7 @@ class RunnerLauncher(Launcher):
     """deepspeed's multinode runners: this node starts every node (pdsh over ssh, or mpirun)."""
 
     mpi: ClassVar[bool] = True  # mpirun starts each rank (mpi_rank turns its variables into RANK & co.)
+    keep_process = False  # run the job as a child (pdsh, for --max-restarts) rather than become it
 
     def prepare(self, job: Job, *, starting: bool) -> None:
         self.remote, self.mode_flags = self.runner_mode(job)
@@ -306,17 +310,26 @@ class Pdsh(RunnerLauncher):
     name = "pdsh"
     needs_hostfile = False  # without one, deepspeed starts --num-gpus ranks here
     mpi = False
+    cannot_restart = None
 
     @property
     def tools(self) -> tuple[str, ...]:  # type: ignore[override]
         return ("pdsh",) if self.remote else ()
 
     def run(self, argv: list[str], job: Job) -> int:
-        if not self.remote:
+        """The job run to its end and watched (one node here: this process becomes it, unless
+        `keep_process`: `dsf launch --max-restarts` needs the process back)."""
+        if not self.remote and not self.keep_process:
             exec_argv(argv, {**os.environ, **job.explicit})
+        self.outcome = watch_job(argv, env={**os.environ, **job.explicit}, hosts=list(job.active),
+                                 world_info=launch.world_info(job.active), local=not self.remote)
+        return self.outcome.code
 
-        return watch_runner(argv, env={**os.environ, **job.explicit}, hosts=list(job.active),
-                            world_info=launch.world_info(job.active))
+    def start_watched(self, job: Job) -> Outcome:
+        """`start`, keeping this process: how the job ended (launching/restarts.py)."""
+        self.keep_process = True
+        self.start(job)
+        return self.outcome
 
 
 class OpenMPI(RunnerLauncher):

@@ -51,10 +51,11 @@ class NodeFailure:
 
 
 class NodeLines:
-    """What each node printed, kept short: the lines that can name a cause, and the last line."""
+    """What each node printed, kept short: the lines that can name a cause, and the last line.
+    `local`: one node started here, whose lines carry no `host: ` prefix (all are its own)."""
 
-    def __init__(self, hosts: list[str]) -> None:
-        self.hosts = set(hosts)
+    def __init__(self, hosts: list[str], *, local: bool = False) -> None:
+        self.hosts, self.local = set(hosts), local
         self.telling: dict[str, list[tuple[int, str]]] = {}
         self.last: dict[str, str] = {}
 
@@ -65,12 +66,16 @@ class NodeLines:
             code = int(exited["code"])
             return (exited["host"], code) if code else None
         match = NODE_LINE.match(line)
-        if match and match["host"] in self.hosts:
+        if self.local and line.strip():
+            host, text = next(iter(self.hosts)), line.strip()
+        elif match and match["host"] in self.hosts:
             host, text = match["host"], match["text"].strip()
-            self.last[host] = text
-            rank = next((i for i, pattern in enumerate(CAUSES) if pattern.search(text)), None)
-            if rank is not None:
-                self.telling.setdefault(host, []).append((rank, text))
+        else:
+            return None
+        self.last[host] = text
+        rank = next((i for i, pattern in enumerate(CAUSES) if pattern.search(text)), None)
+        if rank is not None:
+            self.telling.setdefault(host, []).append((rank, text))
         return None
 
     def cause(self, host: str) -> tuple[int, str]:
@@ -90,8 +95,25 @@ class NodeLines:
         return NodeFailure(host, failed[host], cause)
 
 
+@dataclass
+class Outcome:
+    """How a watched job ended: its exit code, and the node that failed (None: it finished, or was
+    stopped by a signal to dsf launch, `stopped`)."""
+
+    code: int
+    failure: NodeFailure | None = None
+    stopped: bool = False
+
+
 def watch_runner(argv: list[str], *, env: Mapping[str, str], hosts: list[str], world_info: str) -> int:
     """Run deepspeed's pdsh runner, passing its output on; its exit code, or non-zero when a node failed."""
+    return watch_job(argv, env=env, hosts=hosts, world_info=world_info).code
+
+
+def watch_job(argv: list[str], *, env: Mapping[str, str], hosts: list[str], world_info: str,
+              local: bool = False) -> Outcome:
+    """`watch_runner`'s Outcome. `local`: deepspeed runs one node here (no pdsh): its exit code is
+    the job's, and the telling line of its output names the cause (`dsf launch --max-restarts`)."""
     env = {**env, "PYTHONUNBUFFERED": "1"}  # the runner's own lines in order with pdsh's
     runner = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
                               errors="replace", bufsize=1, start_new_session=True)
@@ -104,7 +126,7 @@ def watch_runner(argv: list[str], *, env: Mapping[str, str], hosts: list[str], w
     old = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     lines: "queue.Queue[str | None]" = queue.Queue()
     threading.Thread(target=_pump, args=(runner, lines), daemon=True).start()
-    nodes, failed = NodeLines(hosts), {}
+    nodes, failed = NodeLines(hosts, local=local), {}
     deadline = None
     try:
         while True:
@@ -126,9 +148,12 @@ def watch_runner(argv: list[str], *, env: Mapping[str, str], hosts: list[str], w
             failure = nodes.blame(failed)
             print(f"dsf: error: {failure.line()}; stopping the job on every node", file=sys.stderr, flush=True)
             _stop(runner, env, hosts, world_info)
-            return failure.code if 0 < failure.code < 256 else 1
+            return Outcome(failure.code if 0 < failure.code < 256 else 1, failure)
         code = runner.wait()
-        return code if code >= 0 else 128 - code
+        code = code if code >= 0 else 128 - code
+        if code and local and not told:
+            return Outcome(code, nodes.blame({hosts[0]: code}))
+        return Outcome(code, stopped=bool(told))
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)

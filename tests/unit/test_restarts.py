@@ -1,0 +1,83 @@
+"""What `dsf launch --max-restarts` decides without starting anything (launching/restarts.py,
+launching/replan.py): which launchers can restart, the layout re-planned for a smaller world, the
+refusals in one line, and when the loop stops. The runs themselves: tests/distributed/test_restarts.py
+(one node) and tests/cluster/test_failures.py (a node lost)."""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import pytest
+
+from dsframework.config import load_run_config
+from dsframework.errors import UserError
+from dsframework.launching.launchers import LAUNCHERS
+from dsframework.launching.replan import replan
+from dsframework.launching.restarts import RestartState, _why_stop, check_can_restart, steps_lost
+from dsframework.layout import ParallelDims
+from tests.distributed.launcher import TINY_YAML
+
+
+def run_at(*overrides: str):
+    return load_run_config(TINY_YAML, ["train.global_batch=32", "train.micro_batch=4", "train.grad_accum=null",
+                                       *overrides])
+
+
+def test_only_pdsh_restarts():
+    check_can_restart(LAUNCHERS["pdsh"](), 3)
+    for name in ("openmpi", "mvapich", "no_ssh", "slurm"):
+        check_can_restart(LAUNCHERS[name](), 0)
+        with pytest.raises(UserError, match=rf"^--max-restarts=2: --launcher {name} starts the job and ends with it"):
+            check_can_restart(LAUNCHERS[name](), 2)
+
+
+def test_the_same_world_keeps_the_layout():
+    run = run_at("parallel.tp=2", "parallel.zero_stage=1")
+    was = ParallelDims.of(run.parallel, world=4)
+    assert replan(run, OrderedDict(node0=[0, 1], node1=[0, 1]), cluster_name=None, was=was) == ([], was)
+
+
+def test_a_smaller_world_keeps_tp_the_global_batch_and_the_zero_stage():
+    run = run_at("parallel.tp=2", "parallel.pp=2", "parallel.zero_stage=1")
+    was = ParallelDims.of(run.parallel, world=4)
+    overrides, dims = replan(run, OrderedDict(node0=[0, 1]), cluster_name=None, was=was)
+    assert (dims.world, dims.tp, dims.pp * dims.cp * dims.dp, dims.zero_stage) == (2, 2, 1, 1), dims
+    assert "train.global_batch=32" in overrides and "train.micro_batch=4" in overrides
+    assert f"parallel.tp={dims.tp}" in overrides and "train.grad_accum=null" in overrides
+    again = load_run_config(TINY_YAML, ["train.global_batch=32", "train.micro_batch=4", "train.grad_accum=null",
+                                        "parallel.tp=2", "parallel.pp=2", "parallel.zero_stage=1", *overrides])
+    assert ParallelDims.of(again.parallel, world=2) == dims
+
+
+def test_a_pinned_tp_that_no_longer_fits_stops_the_restart_in_one_line():
+    run = run_at("parallel.tp=2", "parallel.zero_stage=1")
+    was = ParallelDims.of(run.parallel, world=4)
+    with pytest.raises(UserError) as info:
+        replan(run, OrderedDict(node0=[0], node1=[0], node2=[0]), cluster_name=None, was=was)
+    assert str(info.value).startswith("parallel.tp=2: does not fit the 3 ranks left on node0 (1), node1 (1), "
+                                      "node2 (1)") and "\n" not in str(info.value)
+
+
+def test_a_world_that_cannot_hold_the_model_stops_the_restart_in_one_line():
+    run = run_at("model.name=llama-70b", "parallel.zero_stage=3")
+    was = ParallelDims.of(run.parallel, world=4)
+    with pytest.raises(UserError, match=r"^--max-restarts: cannot restart: the 2 ranks left on node0 \(2\) hold the "
+                                        r"model at no layout with ZeRO-3 and global batch 32; bring nodes back"):
+        replan(run, OrderedDict(node0=[0, 1]), cluster_name="a100-40gb", was=was)
+
+
+def test_when_the_loop_stops(tmp_path):
+    state = RestartState(tmp_path)
+    assert _why_stop(state, 2) is None
+    state.restarts = 2
+    assert _why_stop(state, 2) == "the restart budget is spent (--max-restarts 2)"
+    state.restarts, state.no_progress = 1, 2
+    assert _why_stop(state, 5) == "2 restarts in a row saved no new checkpoint"
+
+
+def test_the_blocklist_lasts_the_job_and_steps_lost(tmp_path):
+    state = RestartState.begin(tmp_path, resume=False)
+    state.block("node1", "ssh: connection refused")
+    assert RestartState.begin(tmp_path, resume=True).blocked == {"node1": "ssh: connection refused"}
+    assert RestartState.begin(tmp_path, resume=False).blocked == {} and not (tmp_path / "blocklist.json").exists()
+    (tmp_path / "metrics.jsonl").write_text("".join(f'{{"step": {s}, "loss": 1.0}}\n' for s in range(1, 14)))
+    assert steps_lost(tmp_path, "global_step10") == 3 and steps_lost(tmp_path, None) == 13

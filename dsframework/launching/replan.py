@@ -11,8 +11,8 @@ The same world keeps the run's layout (no overrides). Another world is planned w
   and stays within a node), else the restart stops in one line; pp, cp and ep are the planner's;
 - the layout must fit the memory of the cluster (`--cluster`, else this node's), like `dsf launch`'s
   own check; none fitting stops the restart in one line naming the hosts left.
-The fastest fitting layout wins; its micro-batch is the run's when that still divides the batch
-per data-parallel rank. `dsf train --resume` then reshards the checkpoint to it (docs/checkpoints.md).
+The fastest fitting layout wins; its micro-batch is the run's (as resolved at the old world) when
+that still divides the batch per data-parallel rank, else the planner's. `dsf train --resume` then reshards the checkpoint to it (docs/checkpoints.md).
 """
 from __future__ import annotations
 
@@ -43,8 +43,8 @@ def replan(run: Any, active: "OrderedDict[str, list[int]]", *, cluster_name: str
         raise UserError("parallel.tp", tp, f"does not fit the {world} ranks left on {hosts} (tp must divide the "
                         f"world and stay within a node of {per_node} ranks)", "restart by hand with a parallel.tp "
                         "that fits, or bring the nodes back")
-    global_batch = resolve_batch(run.train.micro_batch, run.train.grad_accum, run.train.global_batch,
-                                 dp_size=was.dp).global_batch
+    batch = resolve_batch(run.train.micro_batch, run.train.grad_accum, run.train.global_batch, dp_size=was.dp)
+    global_batch = batch.global_batch
     config = resolve_model(run.model).config
     cluster = (load_cluster(cluster_name, nodes=len(active), gpus_per_node=per_node) if cluster_name
                else local_cluster(nodes=len(active), ranks_per_node=per_node)[0])
@@ -56,8 +56,8 @@ def replan(run: Any, active: "OrderedDict[str, list[int]]", *, cluster_name: str
                         f"at no layout with ZeRO-{was.zero_stage} and global batch {global_batch}",
                         "bring nodes back (edit the hostfile) and dsf launch --resume")
     best = kept[0].layout
-    micro = run.train.micro_batch if run.train.micro_batch and (global_batch // best.dims.dp) % \
-        run.train.micro_batch == 0 and global_batch % best.dims.dp == 0 else best.micro_batch
+    per_replica = global_batch // best.dims.dp  # the planner's layouts divide the global batch
+    micro = batch.micro_batch if per_replica % batch.micro_batch == 0 else best.micro_batch
     dims = ParallelDims.of(run.parallel.model_copy(update={"tp": best.dims.tp, "pp": best.dims.pp,
                                                            "cp": best.dims.cp, "ep": best.dims.ep, "dp": None}),
                            world=world)

@@ -103,12 +103,14 @@ def run_with_restarts(how: Any, job: Job, run: Any, *, max_restarts: int, cluste
             return outcome.code
         if outcome.failure is not None:
             state.failures[outcome.failure.host] = state.failures.get(outcome.failure.host, 0) + 1
+        previous = job.overrides
         job, dims, left_out = _next_attempt(how, job, run, state, dims, latest, cluster_name=cluster_name,
                                             failed=outcome.failure.host if outcome.failure else None)
         state.restarts += 1
         entry = {"restart": state.restarts, "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                  "why": why, "attempt_s": round(time.time() - started, 1), "nodes": list(job.active),
                  "left_out": left_out, "layout": str(dims), "resumes": latest,
+                 "overrides": [o for o in job.overrides if o not in previous],
                  "steps_lost": steps_lost(Path(run.output_dir), latest)}
         state.record(entry)
         click.echo(f"dsf: restart {state.restarts} of {max_restarts}: {why}; "
@@ -160,9 +162,13 @@ def rank_probe(host: str) -> str | None:
 
 
 def without_blocked(job: Job, state: RestartState) -> Job:
-    """`job` on its active hosts less the blocklist's."""
+    """`job` on its active hosts less the blocklist's. deepspeed's runner reads the hostfile again,
+    so the hosts left are passed as its --include (the slots they had: the user's filters kept)."""
     active = OrderedDict((host, slots) for host, slots in job.active.items() if host not in state.blocked)
-    return replace(job, active=active) if len(active) != len(job.active) else job
+    if len(active) == len(job.active):
+        return job
+    include = "@".join(f"{host}:{','.join(map(str, slots))}" for host, slots in active.items())
+    return replace(job, active=active, include=include, exclude="", num_nodes=-1, num_gpus=-1)
 
 
 def _without_layout(overrides: tuple[str, ...]) -> tuple[str, ...]:

@@ -6,13 +6,16 @@ cause, and no process of the job is left on any node.
 - node1 lacks the venv (a tmpfs hides /work/main/.venv in node1's mount namespace);
 - a rank on node1 is killed with SIGKILL once training has started;
 - a rank on node1 is stopped (SIGSTOP) once training has started: caught as hung (faults.hang_timeout);
+- node1 dies whole under `--max-restarts 1`: the job goes on without it, re-planned, and finishes;
 - `dsf launch --check` passes with both nodes up and names node1 (exit 2) with its sshd down;
 - `scancel --signal=TERM` (what SLURM sends before preemption) during an sbatch training leaves a
   checkpoint at the step it stopped at; resuming it continues exactly (1e-6).
 """
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -23,7 +26,7 @@ from tests.cluster.jobs import (REFERENCE_STEPS, UNTIL_STOPPED, dsf_launch_cmd, 
                                node_env, run_on)
 from tests.cluster.nodes import missing, wait_until
 from tests.cluster.test_launchers import TIMEOUT, assert_matches, job_state, sbatch, wait_job
-from tests.distributed.launcher import REPO, losses
+from tests.distributed.launcher import BIN, REPO, assert_close, launch, losses
 
 pytestmark = pytest.mark.timeout(600)  # a watchdog: a hang fails, the tear-down still runs
 LIMIT = 60  # seconds from the failure to the job's exit
@@ -148,6 +151,64 @@ def test_rank_stopped_on_node1_is_caught_as_hung_and_named(pdsh_cluster, tmp_pat
     print(f"SIGSTOP -> the job ended {seconds:.1f} s later (hang_timeout {HANG_TIMEOUT} s)")
     line = one_line(output, "node1", "rank 3", "hung: no progress for")
     assert line and "its process is stopped" in line and " of step " in line, output[-3000:]
+
+
+RESTART_STEPS, RESTART_EVERY = 40, 4
+
+
+def kill_node_whole(cluster, k: int) -> None:
+    """Node k dies: every process of the job there and its sshd (listener and sessions) killed at once."""
+    cluster.sshd.pop(k, None)
+    for pid, _ in cluster.processes(k, "sshd", "deepspeed", "dsframework", "/dsf ", "pdsh"):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_a_node_lost_mid_run_is_left_out_and_the_job_finishes_replanned(pdsh_cluster, tmp_path):
+    """tp 2 x pp 2 x dp 1 on 2 nodes x 2 ranks, `--max-restarts 1`; node1 dies whole past step 5.
+    Unattended, the job leaves node1 out (its sshd refuses the pre-flight), re-plans for node0's 2
+    ranks (tp 2 kept: it fits a node; the planner drops pp) and finishes all steps from the latest
+    checkpoint; those steps equal a run resumed by hand from a copy of that checkpoint at the same
+    layout within 1e-5."""
+    cluster, out = pdsh_cluster, tmp_path / "out"
+    overrides = ["parallel.tp=2", "parallel.pp=2", "parallel.zero_stage=1", f"train.stop_after={RESTART_STEPS}",
+                 f"checkpoint.every={RESTART_EVERY}"]
+    job = cluster.popen(0, dsf_launch_cmd(tmp_path, "pdsh", overrides=overrides, flags=["--max-restarts", "1"]),
+                        log=tmp_path / "job.log", cwd=tmp_path, env=node_env(cluster))
+    try:
+        def past_step_5() -> bool:
+            assert job.poll() is None, f"job ended early ({job.returncode}):\n{(tmp_path / 'job.log').read_text()[-3000:]}"
+            return (out / "metrics.jsonl").exists() and max(losses(out), default=0) >= 5
+
+        wait_until(past_step_5, timeout=TIMEOUT, what="step 5", every=0.2)
+        kill_node_whole(cluster, 1)
+        code = job.wait(timeout=TIMEOUT)
+        assert_nothing_left(cluster)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+        cluster.start_sshd(1)
+    output = (tmp_path / "job.log").read_text()
+    assert code == 0, output[-4000:]
+    (restart,) = [json.loads(line) for line in (out / "restarts.jsonl").read_text().splitlines()]
+    assert restart["nodes"] == ["node0"] and "node1" in restart["left_out"], restart
+    assert restart["layout"] == "tp 2 x pp 1 x cp 1 x dp 1" and "parallel.pp=1" in restart["overrides"], restart
+    assert json.loads((out / "blocklist.json").read_text()).keys() == {"node1"}
+    got = losses(out)
+    assert sorted(got) == list(range(1, RESTART_STEPS + 1)), sorted(got)
+    resumed_at = int(restart["resumes"].removeprefix("global_step"))
+    by_hand = tmp_path / "by-hand"  # the same checkpoint, resumed at the layout the restart chose
+    shutil.copytree(out / "checkpoints", by_hand / "checkpoints", ignore=lambda folder, names: [
+        n for n in names if n.startswith("global_step") and n != restart["resumes"]])
+    (by_hand / "checkpoints" / "latest").write_text(restart["resumes"])
+    args = launch_args(by_hand, [*overrides, *restart["overrides"]])
+    launch([str(BIN / "dsf"), "train", *args, "--resume"], num_ranks=2, timeout=300)
+    want = losses(by_hand)
+    assert sorted(want) == list(range(resumed_at + 1, RESTART_STEPS + 1)), sorted(want)
+    assert_close({s: got[s] for s in want}, want, rtol=1e-5, what="restarted on node0 vs resumed by hand")
 
 
 def test_check_reports_every_host_then_names_node1_without_sshd(pdsh_cluster, tmp_path):

@@ -12,7 +12,8 @@ The same world keeps the run's layout (no overrides). Another world is planned w
 - the layout must fit the memory of the cluster (`--cluster`, else this node's), like `dsf launch`'s
   own check; none fitting stops the restart in one line naming the hosts left.
 The fastest fitting layout wins; its micro-batch is the run's (as resolved at the old world) when
-that still divides the batch per data-parallel rank, else the planner's. `dsf train --resume` then reshards the checkpoint to it (docs/checkpoints.md).
+that still divides the batch per data-parallel rank, else the planner's. `dsf train --resume` then
+reshards the checkpoint to it (docs/checkpoints.md).
 """
 from __future__ import annotations
 

@@ -5,7 +5,8 @@
 
 Reads each run's `metrics.jsonl` (it may still be training: a half-written last line is left
 out) and draws four panels with matplotlib's Agg renderer (no display needed), six for a mixture
-of experts (its router's aux loss and expert load). One run's default
+of experts (its router's aux loss and expert load); a run restarted by `dsf launch --max-restarts`
+(restarts.jsonl) has each restart marked on its loss panel at the step it resumed from. One run's default
 output is RUN_DIR/metrics.png; several runs' is metrics.png in the current directory. In Python:
 
     from dsframework.commands.plot import read_metrics, draw
@@ -96,9 +97,26 @@ def _series(records: list[dict[str, Any]], key: str, scale: float = 1.0) -> tupl
     return [s for s, _ in points], [math.nan if v is None else v * scale for _, v in points]
 
 
-def draw(runs: dict[str, list[dict[str, Any]]], output: Path) -> None:
+def read_restarts(run_dir: Path) -> list[int]:
+    """The steps a run restarted from (`dsf launch --max-restarts`: restarts.jsonl's checkpoints; 0
+    for a restart from the start); none without restarts.jsonl."""
+    path = Path(run_dir) / "restarts.jsonl"
+    if not path.is_file():
+        return []
+    steps = []
+    for line in path.read_text().splitlines():
+        try:
+            tag = json.loads(line).get("resumes")
+        except json.JSONDecodeError:
+            continue
+        steps.append(int(tag.removeprefix("global_step")) if tag else 0)
+    return steps
+
+
+def draw(runs: dict[str, list[dict[str, Any]]], output: Path, restarts: dict[str, list[int]] | None = None) -> Any:
     """Four panels (loss and eval loss, lr, tokens/s, MFU) of every run in `runs` (label -> records),
-    and two more (the router's aux loss, the experts' load) when a run is a mixture of experts."""
+    and two more (the router's aux loss, the experts' load) when a run is a mixture of experts;
+    `restarts` (label -> steps) marks where a run restarted on its loss panel. Returns the Figure."""
     try:
         from matplotlib.figure import Figure  # a Figure of its own: no pyplot state, Agg for PNG
     except ImportError:
@@ -125,6 +143,12 @@ def draw(runs: dict[str, list[dict[str, Any]]], output: Path) -> None:
             ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="grey")
         elif ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize="small")
+    for (label, steps), colour in zip((restarts or {}).items(), colours):
+        for i, step in enumerate(steps):  # a restart resumes here: the steps after it were trained twice
+            fig.axes[0].axvline(step, linestyle=":", color=colour, linewidth=1,
+                                label=f"{label} restart" if i == 0 and len(runs) > 1 else "restart" if i == 0 else None)
+    if restarts and any(restarts.values()):
+        fig.axes[0].legend(fontsize="small")
     for ax in list(fig.axes)[-2:]:
         ax.set_xlabel("step")
     fig.suptitle(" vs ".join(runs) if len(runs) > 1 else next(iter(runs)))
@@ -134,6 +158,7 @@ def draw(runs: dict[str, list[dict[str, Any]]], output: Path) -> None:
     except OSError as err:
         raise UserError("-o/--output", str(output), f"cannot be written ({err.strerror or err})",
                         "choose a path in a directory you can write") from None
+    return fig
 
 
 @click.command("plot")
@@ -144,6 +169,6 @@ def plot_cmd(run_dirs: tuple[Path, ...], output: Path | None) -> None:
     """Draw loss, eval loss, lr, tokens/s and MFU of one or more runs (overlaid) into a PNG."""
     target = output_path(list(run_dirs), output)  # flags checked before any run is read
     runs = {label: read_metrics(d) for label, d in zip(_labels(list(run_dirs)), run_dirs)}
-    draw(runs, target)
+    draw(runs, target, restarts={label: read_restarts(d) for label, d in zip(runs, run_dirs)})
     steps = ", ".join(f"{label}: {len(records)} logged steps" for label, records in runs.items())
     click.echo(f"dsf: wrote {target} ({steps})")

@@ -13,7 +13,9 @@ After a failure (a dead rank, a hung one: faults.hang_timeout, a node that stopp
    (`dsf train` reshards the checkpoint to the new layout), or from scratch when no checkpoint
    was complete yet;
 3. each restart is printed and appended to `restarts.jsonl` in output_dir: when, why, the nodes,
-   the layout, the checkpoint it resumes and the steps lost since it.
+   the layout, the checkpoint it resumes and the steps lost since it; at the end, where the job's
+   wall time went (start-up, restarting, steps redone, checkpointing, training: its ETTR) is
+   printed and written to `goodput.json` (launching/goodput.py).
 The loop ends when the job finishes, when it fails on bad input (exit 2: the same again would
 fail), when dsf launch itself is told to stop, after `--max-restarts` restarts, or after
 NO_PROGRESS_LIMIT restarts in a row that saved no new checkpoint. A fresh launch (no --resume)
@@ -35,11 +37,12 @@ import click
 
 from dsframework.checkpoints import checkpoint as ckpt
 from dsframework.errors import UserError
+from dsframework.launching.goodput import Timeline
 from dsframework.launching.launchers import Job, check_hosts, ssh_reason
 from dsframework.launching.replan import replan
 from dsframework.layout import ParallelDims
 
-BLOCKLIST, LOG = "blocklist.json", "restarts.jsonl"
+BLOCKLIST, LOG, GOODPUT = "blocklist.json", "restarts.jsonl", "goodput.json"
 NO_PROGRESS_LIMIT = 2
 RANK_PROBE_S = 60.0
 BAD_INPUT_EXIT = 2  # a UserError on the ranks: a restart would fail the same way
@@ -87,11 +90,29 @@ def check_can_restart(how: Any, max_restarts: int) -> None:
 def run_with_restarts(how: Any, job: Job, run: Any, *, max_restarts: int, cluster_name: str | None) -> int:
     """Start `job` and restart it after each failure (module docstring); the job's final exit code."""
     state = RestartState.begin(Path(run.output_dir), resume="--resume" in job.train_flags)
-    job = without_blocked(job, state)
+    timeline = Timeline(Path(run.output_dir))
+    try:
+        return _restart_loop(how, without_blocked(job, state), run, state, timeline, max_restarts=max_restarts,
+                             cluster_name=cluster_name)
+    finally:
+        if timeline.attempts:
+            goodput = timeline.goodput()
+            (Path(run.output_dir) / GOODPUT).write_text(json.dumps(goodput.as_dict(), indent=1) + "\n")
+            click.echo(goodput.line(), err=True)
+
+
+def _restart_loop(how: Any, job: Job, run: Any, state: RestartState, timeline: Timeline, *, max_restarts: int,
+                  cluster_name: str | None) -> int:
     dims = ParallelDims.of(run.parallel, world=_world(job.active))
     while True:
         resumed_from, started = ckpt.latest_tag(run.checkpoint_dir), time.time()
-        outcome = how.start_watched(job)
+        timeline.attempt_started(resumes=ckpt.step_of(resumed_from) if resumed_from and "--resume" in
+                                 job.train_flags else 0)
+        try:
+            outcome = how.start_watched(job)
+        finally:
+            timeline.attempt_ended(failed=True)
+        timeline.attempts[-1].failed = outcome.code != 0
         if outcome.code == 0 or outcome.stopped or outcome.code == BAD_INPUT_EXIT:
             return outcome.code
         why = outcome.failure.line() if outcome.failure else f"the job exited {outcome.code}"

@@ -81,8 +81,7 @@ def run_steps(run: RunConfig, session: Session, sinks: Any, *, resume: bool) -> 
         preempted = stop_request.agreed()
         if checkpoint_due(run, step, done=done, preempted=preempted):
             check_finite(run, nonfinite)  # a diverged model is never saved over the last good one
-            watch.enter("checkpoint")
-            ckpt.save(engine, run.checkpoint_dir, step=step, consumed_samples=consumed, layout=dims)
+            save_checkpoint(run, session, step=step, consumed=consumed, window=window, watch=watch)
         if logged:  # the next window starts after this step's evaluation and checkpoint
             window.restart()
         if preempted and not done:  # (on the last step the run is simply finished)
@@ -98,6 +97,15 @@ def run_steps(run: RunConfig, session: Session, sinks: Any, *, resume: bool) -> 
     if session.rank == 0:
         print(f"dsf: done at step {step}; checkpoints in {run.checkpoint_dir}", flush=True)
     return last
+
+
+def save_checkpoint(run: RunConfig, session: Session, *, step: int, consumed: int, window: Window,
+                    watch: HangWatch) -> None:
+    """The checkpoint of `step` (checkpoints/checkpoint.py), its seconds counted in the window."""
+    watch.enter("checkpoint")
+    saving = time.perf_counter()
+    ckpt.save(session.engine, run.checkpoint_dir, step=step, consumed_samples=consumed, layout=session.dims)
+    window.checkpoint_s += time.perf_counter() - saving
 
 
 def train_watched(session: Session, sampler: BlockSampler, consumed: int, watch: HangWatch, *, step: int) -> Any:
@@ -150,6 +158,7 @@ class Window:
         self.session, self.meter, self.watch = session, meter, watch
         self.tokens_per_step = session.batch.global_batch * run.data.seq_len
         self.breakdown = StepBreakdown(session.engine, enabled=run.logging.breakdown and not session.dims.pp_enabled)
+        self.checkpoint_s = 0.0  # seconds saving checkpoints since the last record (logged with the next)
         self.restart()
 
     def restart(self) -> None:
@@ -160,8 +169,8 @@ class Window:
 
     def metrics(self, step: int, step_loss: Any, *, probe: CompileProbe, done: bool) -> dict[str, Any]:
         """What is logged at `step`, the window's last: loss, lr, tokens/s, MFU, the step's time
-        breakdown, compile seconds, the evaluation when due, fp16's skipped steps, a mixture of
-        experts' aux loss and expert load."""
+        breakdown, compile seconds, seconds spent saving checkpoints since the last record, the
+        evaluation when due, fp16's skipped steps, a mixture of experts' aux loss and expert load."""
         run, engine = self.session.run, self.session.engine
         loss_value = mean_over_ranks(step_loss.item())
         compiling = compile_seconds() - self.compile_start
@@ -172,6 +181,8 @@ class Window:
         last.update(self.breakdown.read())
         if compiling > 0:
             last["compile_s"] = compiling
+        if self.checkpoint_s > 0:  # what the goodput count (launching/goodput.py) charges to checkpointing
+            last["checkpoint_s"], self.checkpoint_s = self.checkpoint_s, 0.0
         probe.report_compiled(self.session.rank)
         if run.logging.eval_every and (step % run.logging.eval_every == 0 or done):
             self.watch.enter("eval")

@@ -101,6 +101,12 @@ def test_a_hung_rank_restarts_the_run_and_a_second_failure_leaves_the_node_out(r
     assert len(restart) == 1 and restart[0].startswith("dsf: restart 1 of 2: localhost failed (exit "), restart
     assert f"resuming global_step{EVERY}" in restart[0], restart
     assert json.loads((out / "blocklist.json").read_text()) == {"localhost": "the site of 2 failures"}
+    goodput = json.loads((out / "goodput.json").read_text())  # where the wall time went, printed at the end
+    assert goodput["restarts"] == 1 and 0 < goodput["ettr"] < 1, goodput
+    assert goodput["lost_s"] >= 5 and goodput["restarting_s"] > 0 and goodput["checkpoint_s"] > 0, goodput
+    assert abs(goodput["training_s"] + goodput["startup_s"] + goodput["restarting_s"] + goodput["lost_s"]
+               + goodput["checkpoint_s"] - goodput["total_s"]) < 1e-6, goodput
+    assert any(line.startswith("dsf: the job took ") and "ETTR" in line for line in output.splitlines())
     error = [line for line in output.splitlines() if line.startswith("dsf: error: --max-restarts")]
     assert error == [f"dsf: error: --max-restarts: cannot restart: every node is left out (localhost: the site of "
                      f"2 failures); fix the nodes, remove {out / 'blocklist.json'}, and dsf launch --resume"], error

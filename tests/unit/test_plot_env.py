@@ -200,3 +200,21 @@ def test_plot_draws_the_experts_panels_of_a_mixture_of_experts(tmp_path):
     assert_png_drawn(moe / "metrics.png")
     with Image.open(dense / "metrics.png") as a, Image.open(moe / "metrics.png") as b:
         assert b.size[1] > a.size[1] * 1.3 and b.size[0] == a.size[0]
+
+
+def test_plot_marks_the_steps_a_run_restarted_from(tmp_path):
+    """restarts.jsonl (dsf launch --max-restarts) -> a dotted vertical line on the loss panel at
+    each checkpoint step a restart resumed from (0: a restart from the start); none without it."""
+    from dsframework.commands.plot import draw, read_metrics, read_restarts
+
+    run = write_run(tmp_path / "run")
+    assert read_restarts(run) == []
+    (run / "restarts.jsonl").write_text(json.dumps({"restart": 1, "resumes": "global_step10"}) + "\n"
+                                        + json.dumps({"restart": 2, "resumes": None}) + "\n")
+    assert read_restarts(run) == [10, 0]
+    fig = draw({"run": read_metrics(run)}, tmp_path / "m.png", restarts={"run": read_restarts(run)})
+    marks = [line for line in fig.axes[0].lines if line.get_linestyle() == ":"]
+    assert sorted(line.get_xdata()[0] for line in marks) == [0, 10]
+    assert [line.get_label() for line in marks][0] == "restart"
+    assert_png_drawn(tmp_path / "m.png")
+    assert dsf("plot", str(run), cwd=tmp_path).returncode == 0

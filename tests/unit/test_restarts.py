@@ -81,3 +81,25 @@ def test_the_blocklist_lasts_the_job_and_steps_lost(tmp_path):
     assert RestartState.begin(tmp_path, resume=False).blocked == {} and not (tmp_path / "blocklist.json").exists()
     (tmp_path / "metrics.jsonl").write_text("".join(f'{{"step": {s}, "loss": 1.0}}\n' for s in range(1, 14)))
     assert steps_lost(tmp_path, "global_step10") == 3 and steps_lost(tmp_path, None) == 13
+
+
+def test_where_the_wall_time_went(tmp_path):
+    """Goodput from a timeline of two attempts: start-up until the first step, restarting from the
+    failure to the next first step, steps redone from the last checkpoint to the failure, the
+    trainer's checkpoint seconds, the rest training; ETTR = training / total."""
+    from dsframework.launching.goodput import Attempt, Timeline
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 5, "checkpoint_s": 1.5}\n{"step": 6}\n'
+                                            '{"step": 10, "checkpoint_s": 2.5}\n')
+    timeline = Timeline(tmp_path)
+    timeline.begun = 100.0
+    timeline.attempts = [Attempt(started=100.0, resumes=0, first_step=110.0, last_checkpoint=150.0, ended=170.0,
+                                 failed=True),
+                         Attempt(started=172.0, resumes=5, first_step=185.0, last_checkpoint=None, ended=300.0)]
+    goodput = timeline.goodput()
+    assert (goodput.total_s, goodput.startup_s, goodput.restarting_s, goodput.lost_s, goodput.checkpoint_s) == \
+        (200.0, 10.0, 15.0, 20.0, 4.0)
+    assert goodput.training_s == 151.0 and goodput.ettr == pytest.approx(0.755) and goodput.restarts == 1
+    assert goodput.per_restart == [{"restarting_s": 15.0, "lost_s": 20.0}]
+    assert goodput.line() == ("dsf: the job took 200 s: training 151 s (ETTR 0.755), start-up 10 s, 1 restart(s) "
+                              "15 s, lost (steps redone) 20 s, checkpointing 4 s")

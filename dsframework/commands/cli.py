@@ -343,7 +343,8 @@ def launch_cmd(run_yaml: Path, hostfile: Path | None, include: str, exclude: str
     job = Job(run_yaml=run_yaml, overrides=overrides, hostfile=hostfile, resources=resources, active=active,
               master=master_addr or next(iter(active)), master_port=master_port, env=env, explicit=explicit,
               include=include, exclude=exclude, num_nodes=num_nodes, num_gpus=num_gpus, node_rank=node_rank,
-              skipped=skipped, train_flags=(("--resume",) if resume else ()) + (("--overwrite",) if overwrite else ()))
+              skipped=skipped, train_flags=(("--resume",) if resume else ()) + (("--overwrite",) if overwrite else ()),
+              output_dir=run.output_dir)
     how.prepare(job, starting=not (dry_run or check))
     memory = steps.memory_check(run, config, dims, active, cluster_name, force=force)
     if check:

@@ -13,8 +13,9 @@ What dsf launch sees is enough, with one figure from the trainer:
 - restarting: from each failure (the attempt's end) to the first new step of the next attempt;
 - lost: in each failed attempt, the time from its last complete checkpoint (when `latest` named
   it; the attempt's first step when it saved none) to the failure: the steps redone;
-- checkpointing: the seconds the trainer spent saving (`checkpoint_s` in metrics.jsonl, of the
-  records that were kept: a resumed run drops those past its checkpoint);
+- checkpointing: the seconds rank 0 spent saving each checkpoint of this job, appended to
+  CHECKPOINT_TIMES in output_dir as it saves (metrics.jsonl's `checkpoint_s` says the same per
+  logging window, but a resume drops the records past its checkpoint);
 - training: the rest, and ETTR = training / total.
 A step is "seen" when its record appears in metrics.jsonl: every logging.every steps, polled each
 POLL_S, so each figure is good to about a logging window.
@@ -28,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 POLL_S = 0.25
+CHECKPOINT_TIMES = "checkpoint_times.jsonl"
 
 
 @dataclass
@@ -116,7 +118,7 @@ class Timeline:
             restarting, lost = restarting + gap, lost + max(0.0, redone)
             per_restart.append({"restarting_s": round(gap, 2), "lost_s": round(max(0.0, redone), 2)})
         return Goodput(total_s=end - self.begun, startup_s=startup, restarting_s=restarting, lost_s=lost,
-                       checkpoint_s=checkpoint_seconds(self.output_dir / "metrics.jsonl"),
+                       checkpoint_s=checkpoint_seconds(self.output_dir, since=self.begun),
                        restarts=len(self.attempts) - 1, per_restart=per_restart)
 
 
@@ -136,5 +138,13 @@ def last_step(metrics: Path) -> int:
     return max((int(r.get("step", 0)) for r in _records(metrics)), default=0)
 
 
-def checkpoint_seconds(metrics: Path) -> float:
-    return sum(float(r.get("checkpoint_s") or 0.0) for r in _records(metrics))
+def record_checkpoint_time(output_dir: str | Path, *, step: int, seconds: float) -> None:
+    """The trainer's rank 0, after each checkpoint it saved."""
+    with (Path(output_dir) / CHECKPOINT_TIMES).open("a") as log:
+        log.write(json.dumps({"step": step, "seconds": round(seconds, 4), "time": time.time()}) + "\n")
+
+
+def checkpoint_seconds(output_dir: Path, *, since: float) -> float:
+    """Seconds spent saving the checkpoints finished since `since` (this job's)."""
+    return sum(float(r.get("seconds", 0.0)) for r in _records(Path(output_dir) / CHECKPOINT_TIMES)
+               if r.get("time", 0) >= since)

@@ -9,7 +9,7 @@ command it builds, and how it starts.
     for line in launcher.dry_run(job):    # what each node would run
         print(line)
     launcher.check(job)                   # --check: every host and tool, UserError naming the first failure
-    sys.exit(launcher.start(job))         # pdsh: watched (launch_watch.py); the others replace this process
+    sys.exit(launcher.start(job))         # runs the job to its end; its code as launching/exits.py documents
 
 pdsh, openmpi and mvapich are deepspeed's own runners (`PDSHRunner`, `OpenMPIRunner`,
 `MVAPICHRunner`) fed the flags `deepspeed` would parse; no_ssh and slurm start one
@@ -21,9 +21,11 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 import warnings
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -35,6 +37,7 @@ import click
 
 from dsframework.errors import UserError
 from dsframework.launching import hostfile as launch
+from dsframework.launching.exits import job_code
 from dsframework.launching.watch import Outcome, watch_job
 
 SLURM_NODEID = "__DSF_SLURM_NODEID__"  # replaced by $SLURM_NODEID once the line is quoted
@@ -62,6 +65,7 @@ class Job:
     node_rank: int | None = None  # no_ssh: the one node this command starts
     skipped: list[str] = field(default_factory=list)  # defaults not forwarded, and why
     train_flags: tuple[str, ...] = ()  # --resume, --overwrite: passed on to dsf train
+    output_dir: str = ""  # the run's: where dsf train marks a preemption (launching/exits.py)
 
     @property
     def train_args(self) -> list[str]:
@@ -201,7 +205,6 @@ class RunnerLauncher(Launcher):
     """deepspeed's multinode runners: this node starts every node (pdsh over ssh, or mpirun)."""
 
     mpi: ClassVar[bool] = True  # mpirun starts each rank (mpi_rank turns its variables into RANK & co.)
-    keep_process = False  # run the job as a child (pdsh, for --max-restarts) rather than become it
 
     def prepare(self, job: Job, *, starting: bool) -> None:
         self.remote, self.mode_flags = self.runner_mode(job)
@@ -300,7 +303,7 @@ class RunnerLauncher(Launcher):
                 raise UserError("--hostfile", host, f"cannot be started: {why}", self.host_fix(host, why))
 
     def run(self, argv: list[str], job: Job) -> int:
-        exec_argv(argv, {**os.environ, **job.explicit})
+        return run_mapped(argv, {**os.environ, **job.explicit}, job)
 
 
 class Pdsh(RunnerLauncher):
@@ -317,17 +320,16 @@ class Pdsh(RunnerLauncher):
         return ("pdsh",) if self.remote else ()
 
     def run(self, argv: list[str], job: Job) -> int:
-        """The job run to its end and watched (one node here: this process becomes it, unless
-        `keep_process`: `dsf launch --max-restarts` needs the process back)."""
-        if not self.remote and not self.keep_process:
-            exec_argv(argv, {**os.environ, **job.explicit})
+        """The job run to its end and watched, on every node or on this one (no pdsh); its exit
+        code as launching/exits.py documents it (143 for a preemption, whatever deepspeed returned)."""
+        started = time.time()
         self.outcome = watch_job(argv, env={**os.environ, **job.explicit}, hosts=list(job.active),
                                  world_info=launch.world_info(job.active), local=not self.remote)
+        self.outcome.code = job_code(self.outcome.code, job.output_dir, since=started)
         return self.outcome.code
 
     def start_watched(self, job: Job) -> Outcome:
-        """`start`, keeping this process: how the job ended (launching/restarts.py)."""
-        self.keep_process = True
+        """`start`: how the job ended (launching/restarts.py)."""
         self.start(job)
         return self.outcome
 
@@ -377,8 +379,8 @@ class NoSsh(Launcher):
                        f"{launch.shell_line([job.deepspeed, *self.flags(job, node), job.dsf, *job.train_args], job.env)}")
 
     def start(self, job: Job) -> int:
-        exec_argv([job.deepspeed, *self.flags(job, job.node_rank), job.dsf, *job.train_args],
-                  {**os.environ, **job.explicit})
+        return run_mapped([job.deepspeed, *self.flags(job, job.node_rank), job.dsf, *job.train_args],
+                          {**os.environ, **job.explicit}, job)
 
 
 class Slurm(NoSsh):
@@ -412,7 +414,7 @@ class Slurm(NoSsh):
                                 "run inside the allocation: sbatch launch/slurm.sbatch, or salloc")
         argv = self.srun(job)
         argv[0] = shutil.which("srun")
-        exec_argv(argv, {**os.environ, **job.explicit})
+        return run_mapped(argv, {**os.environ, **job.explicit}, job)
 
 
 LAUNCHERS: dict[str, type[Launcher]] = {cls.name: cls for cls in (Pdsh, OpenMPI, MVAPICH, Slurm, NoSsh)}
@@ -420,11 +422,21 @@ LAUNCHERS: dict[str, type[Launcher]] = {cls.name: cls for cls in (Pdsh, OpenMPI,
 
 # --- helpers ----------------------------------------------------------------------------------------------
 
-def exec_argv(argv: list[str], env: Mapping[str, str]) -> None:
-    """Replace this process with `argv` (its exit code is the command's)."""
+def run_mapped(argv: list[str], env: Mapping[str, str], job: Job) -> int:
+    """Run `argv` to its end, SIGTERM and SIGINT passed on to it; its exit code as launching/exits.py
+    documents it (a preemption is 143 here, though srun passes on deepspeed's 1)."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(argv[0], argv, dict(env))
+    started = time.time()
+    child = subprocess.Popen(argv, env=dict(env))
+    old = {sig: signal.signal(sig, lambda signum, frame: child.send_signal(signum))
+           for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        code = child.wait()
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    return job_code(code if code >= 0 else 128 - code, job.output_dir, since=started)
 
 
 def env_file_lines(env: Mapping[str, str], explicit: Mapping[str, str]) -> tuple[Path, dict[str, str]]:

@@ -17,7 +17,8 @@ After a failure (a dead rank, a hung one: faults.hang_timeout, a node that stopp
    wall time went (start-up, restarting, steps redone, checkpointing, training: its ETTR) is
    printed and written to `goodput.json` (launching/goodput.py).
 The loop ends when the job finishes, when it fails on bad input (exit 2: the same again would
-fail), when dsf launch itself is told to stop, after `--max-restarts` restarts, or after
+fail), when it was preempted (exit 143: the scheduler requeues it), when dsf launch itself is told
+to stop, or, exiting 3 (launching/exits.py), after `--max-restarts` restarts or after
 NO_PROGRESS_LIMIT restarts in a row that saved no new checkpoint. A fresh launch (no --resume)
 starts a new blocklist and log; --resume continues them.
 """
@@ -37,6 +38,7 @@ import click
 
 from dsframework.checkpoints import checkpoint as ckpt
 from dsframework.errors import UserError
+from dsframework.launching.exits import BAD_INPUT, FINISHED, GIVEN_UP, PREEMPTED
 from dsframework.launching.goodput import Timeline
 from dsframework.launching.launchers import Job, check_hosts, ssh_reason
 from dsframework.launching.replan import replan
@@ -45,7 +47,6 @@ from dsframework.layout import ParallelDims
 BLOCKLIST, LOG, GOODPUT = "blocklist.json", "restarts.jsonl", "goodput.json"
 NO_PROGRESS_LIMIT = 2
 RANK_PROBE_S = 60.0
-BAD_INPUT_EXIT = 2  # a UserError on the ranks: a restart would fail the same way
 
 
 @dataclass
@@ -113,15 +114,15 @@ def _restart_loop(how: Any, job: Job, run: Any, state: RestartState, timeline: T
         finally:
             timeline.attempt_ended(failed=True)
         timeline.attempts[-1].failed = outcome.code != 0
-        if outcome.code == 0 or outcome.stopped or outcome.code == BAD_INPUT_EXIT:
-            return outcome.code
+        if outcome.code in (FINISHED, BAD_INPUT, PREEMPTED) or outcome.stopped:
+            return outcome.code  # a preemption is the scheduler's to requeue (launching/exits.py)
         why = outcome.failure.line() if outcome.failure else f"the job exited {outcome.code}"
         latest = ckpt.latest_tag(run.checkpoint_dir)
         state.no_progress = state.no_progress + 1 if state.restarts and latest == resumed_from else 0
         stop = _why_stop(state, max_restarts)
         if stop:
             click.echo(f"dsf: error: {why}; not restarted: {stop}", err=True)
-            return outcome.code
+            return GIVEN_UP
         if outcome.failure is not None:
             state.failures[outcome.failure.host] = state.failures.get(outcome.failure.host, 0) + 1
         previous = job.overrides

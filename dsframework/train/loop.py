@@ -20,6 +20,8 @@ from dsframework.config import RunConfig
 from dsframework.data import BlockSampler
 from dsframework.data.store import describe_store
 from dsframework.errors import UserError
+from dsframework.launching.exits import clear_preempted, mark_preempted
+from dsframework.launching.goodput import record_checkpoint_time
 from dsframework.models.experts import describe_experts
 from dsframework.train import step as one_step
 from dsframework.train.compiling import (
@@ -50,6 +52,7 @@ def run_steps(run: RunConfig, session: Session, sinks: Any, *, resume: bool) -> 
                            dp_size=dims.dp, dp_rank=session.dp_rank, seed=run.data.seed)
     meter = FlopsMeter.for_run(run, session.model_config, world=dims.world)
     if session.rank == 0:
+        clear_preempted(run.output_dir)
         print_summary(run, session, meter)
     last: dict[str, Any] = {}
     watch = HangWatch.for_run(run)
@@ -88,6 +91,7 @@ def run_steps(run: RunConfig, session: Session, sinks: Any, *, resume: bool) -> 
             stop_request.close()
             bar.close()
             if session.rank == 0:
+                mark_preempted(run.output_dir, step=step, checkpoint=ckpt.tag_for(step))  # exit 143 for any launcher
                 print(f"dsf: stopped by SIGTERM at step {step}; checkpoint {ckpt.tag_for(step)} saved; "
                       f"continue with `dsf train ... --resume`", flush=True)
             raise Preempted(step)
@@ -105,7 +109,10 @@ def save_checkpoint(run: RunConfig, session: Session, *, step: int, consumed: in
     watch.enter("checkpoint")
     saving = time.perf_counter()
     ckpt.save(session.engine, run.checkpoint_dir, step=step, consumed_samples=consumed, layout=session.dims)
-    window.checkpoint_s += time.perf_counter() - saving
+    seconds = time.perf_counter() - saving
+    window.checkpoint_s += seconds
+    if session.rank == 0:  # what dsf launch's goodput count charges to checkpointing (a resume keeps it)
+        record_checkpoint_time(run.output_dir, step=step, seconds=seconds)
 
 
 def train_watched(session: Session, sampler: BlockSampler, consumed: int, watch: HangWatch, *, step: int) -> Any:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import time
@@ -179,7 +180,8 @@ def test_a_node_lost_mid_run_is_left_out_and_the_job_finishes_replanned(pdsh_clu
                         log=tmp_path / "job.log", cwd=tmp_path, env=node_env(cluster))
     try:
         def past_step_5() -> bool:
-            assert job.poll() is None, f"job ended early ({job.returncode}):\n{(tmp_path / 'job.log').read_text()[-3000:]}"
+            assert job.poll() is None, \
+                f"job ended early ({job.returncode}):\n{(tmp_path / 'job.log').read_text()[-3000:]}"
             return (out / "metrics.jsonl").exists() and max(losses(out), default=0) >= 5
 
         wait_until(past_step_5, timeout=TIMEOUT, what="step 5", every=0.2)
@@ -254,15 +256,21 @@ def preempted(slurm, tmp_path_factory):
     state = wait_job(slurm, job, timeout=LIMIT + 30)
     took = time.monotonic() - sent
     output = (workdir / f"slurm-{job}.out").read_text()
-    print(f"preempted job {job}: {state} {took:.1f} s after SIGTERM")
+    shown = slurm.run(0, ["scontrol", "-o", "show", "job", job], env=env, timeout=15).stdout
+    exit_code = re.search(r"ExitCode=(\d+):", shown)
+    print(f"preempted job {job}: {state} {took:.1f} s after SIGTERM, {exit_code and exit_code.group(0)}")
     assert not job_processes(slurm), "the preempted job left processes"
     latest = out / "checkpoints" / "latest"
-    return workdir, job, output, took, max(losses(out)), latest.read_text().strip() if latest.exists() else None
+    return (workdir, job, output, took, max(losses(out)), latest.read_text().strip() if latest.exists() else None,
+            int(exit_code.group(1)) if exit_code else None)
 
 
 def test_slurm_sigterm_checkpoints_the_step(preempted):
-    workdir, job, output, took, stopped, latest = preempted
+    """... and the batch job exits 143 (launching/exits.py), which `RequeueExit=143` requeues, though
+    deepspeed's per-node launcher ended with 1."""
+    workdir, job, output, took, stopped, latest, exit_code = preempted
     out = workdir / "out"
+    assert exit_code == 143, f"job {job} exited {exit_code}:\n{output[-3000:]}"
     assert took < LIMIT, f"job {job} took {took:.0f} s to stop"
     assert latest == f"global_step{stopped}", output[-3000:]
     assert f"stopped by SIGTERM at step {stopped}" in output, output[-3000:]
@@ -275,7 +283,7 @@ def test_slurm_resume_after_preemption_is_exact(slurm, preempted, reference):
     This is also the SLURM launcher's training check: both jobs train 2 nodes x 2 ranks through
     launch/slurm.sbatch (the hostfile it writes lists both nodes), and every step equals one
     node's 4-rank run (the 1e-5 the other launchers are held to, and tighter)."""
-    workdir, _, _, _, stopped, _ = preempted
+    workdir, _, _, _, stopped, _, _ = preempted
     out = workdir / "out"
     assert stopped < REFERENCE_STEPS, f"preempted only at step {stopped}: nothing left to resume"
     job = sbatch(slurm, workdir, [*launch_args(out, [f"train.stop_after={REFERENCE_STEPS}"]), "--resume"])

@@ -89,8 +89,9 @@ def test_where_the_wall_time_went(tmp_path):
     trainer's checkpoint seconds, the rest training; ETTR = training / total."""
     from dsframework.launching.goodput import Attempt, Timeline
 
-    (tmp_path / "metrics.jsonl").write_text('{"step": 5, "checkpoint_s": 1.5}\n{"step": 6}\n'
-                                            '{"step": 10, "checkpoint_s": 2.5}\n')
+    (tmp_path / "checkpoint_times.jsonl").write_text('{"step": 5, "seconds": 1.5, "time": 130}\n'
+                                                     '{"step": 10, "seconds": 2.5, "time": 190}\n'
+                                                     '{"step": 100, "seconds": 9, "time": 50}\n')  # an older job
     timeline = Timeline(tmp_path)
     timeline.begun = 100.0
     timeline.attempts = [Attempt(started=100.0, resumes=0, first_step=110.0, last_checkpoint=150.0, ended=170.0,
@@ -103,3 +104,27 @@ def test_where_the_wall_time_went(tmp_path):
     assert goodput.per_restart == [{"restarting_s": 15.0, "lost_s": 20.0}]
     assert goodput.line() == ("dsf: the job took 200 s: training 151 s (ETTR 0.755), start-up 10 s, 1 restart(s) "
                               "15 s, lost (steps redone) 20 s, checkpointing 4 s")
+
+
+@pytest.mark.distributed  # runs bash (no ranks): launch/slurm.sbatch's arguments, first run and requeued
+@pytest.mark.parametrize("restarts, want", [("0", "run.yaml --set a=1 --overwrite"),
+                                           ("2", "run.yaml --set a=1 --resume")])
+def test_a_requeued_sbatch_job_resumes_instead_of_starting_over(tmp_path, restarts, want):
+    import os
+    import subprocess
+
+    from tests.distributed.launcher import REPO
+
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "dsf").write_text('#!/bin/sh\necho "$@"\n')
+    (fake / "scontrol").write_text("#!/bin/sh\necho node0\n")
+    for tool in fake.iterdir():
+        tool.chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "BIN": str(fake), "SLURM_JOB_ID": "7",
+           "SLURM_JOB_NODELIST": "node0", "SLURM_SUBMIT_DIR": str(tmp_path), "SLURM_RESTART_COUNT": restarts,
+           "GPUS_PER_NODE": "2", "HOSTFILE": str(tmp_path / "hostfile")}
+    out = subprocess.run(["bash", str(REPO / "launch" / "slurm.sbatch"), "run.yaml", "--set", "a=1", "--overwrite"],
+                         env=env, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"launch {want} --hostfile {tmp_path / 'hostfile'} --launcher slurm"), out.stdout

@@ -6,9 +6,10 @@ the same failures handled by hand, on the tests' namespaced nodes (2 nodes x 2 C
 
 Each job trains tiny.yaml's model (tests/cluster's run, tp 1 x dp 4, ZeRO-2) for --steps steps with
 `--max-restarts 2` and `faults.hang_timeout=10`, and gets two failures:
-  1. past step --fail-every, rank 3's trainer (node1) is killed (SIGKILL);
-  2. past step 2 x --fail-every of the restarted attempt, rank 0's trainer (node0) is stopped
+  1. past step --fail-at[0] (35), rank 3's trainer (node1) is killed (SIGKILL);
+  2. past step --fail-at[1] (75) of the restarted attempt, rank 0's trainer (node0) is stopped
      (SIGSTOP): a hang, which the heartbeat catches after 10 s.
+(Steps that no interval divides: every 10 loses ~5 steps a failure, every 40 ~35.)
 One failure per node: both nodes stay (a node is left out at its second failure).
 
 Automatic: the job's own count (launching/goodput.py, goodput.json): wall time, start-up, each
@@ -65,7 +66,7 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def one_job(cluster, work: Path, *, steps: int, every: int, fail_every: int) -> dict:
+def one_job(cluster, work: Path, *, steps: int, every: int, fail_at: list[int]) -> dict:
     """Run one job with its two failures; its goodput.json, checkpoints and by-hand figures."""
     from tests.cluster.jobs import dsf_launch_cmd, node_env
     from tests.cluster.nodes import wait_until
@@ -77,7 +78,7 @@ def one_job(cluster, work: Path, *, steps: int, every: int, fail_every: int) -> 
     job = cluster.popen(0, dsf_launch_cmd(work, "pdsh", overrides=overrides, flags=["--max-restarts", "2"]),
                         log=work / "job.log", cwd=work, env=node_env(cluster))
     try:
-        for node, rank, sig, step in ((1, 3, signal.SIGKILL, fail_every), (0, 0, signal.SIGSTOP, 2 * fail_every)):
+        for node, rank, sig, step in ((1, 3, signal.SIGKILL, fail_at[0]), (0, 0, signal.SIGSTOP, fail_at[1])):
             wait_until(lambda: job.poll() is None and (out / "metrics.jsonl").exists()
                        and max(losses(out), default=0) >= step, timeout=600, what=f"step {step}", every=0.2)
             os.kill(trainers(cluster, node)[rank], sig)
@@ -97,7 +98,7 @@ def one_job(cluster, work: Path, *, steps: int, every: int, fail_every: int) -> 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=120)
-    parser.add_argument("--fail-every", type=int, default=40)
+    parser.add_argument("--fail-at", type=int, nargs=2, default=[35, 75], help="the steps past which each fails")
     parser.add_argument("--every", type=int, nargs="+", default=[10, 40], help="checkpoint intervals to compare")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -114,7 +115,7 @@ def main() -> None:
             work = root / f"every{every}"
             work.mkdir()
             started = time.monotonic()
-            rows.append(one_job(cluster, work, steps=args.steps, every=every, fail_every=args.fail_every))
+            rows.append(one_job(cluster, work, steps=args.steps, every=every, fail_at=args.fail_at))
             print(f"checkpoint every {every}: {time.monotonic() - started:.0f} s", file=sys.stderr)
     finally:
         cluster.stop()

@@ -16,6 +16,8 @@ written, so memory holds about one output shard plus the input of one tensor:
 - ZeRO-1/2: the same partitions, memory-mapped, each parameter sliced out of them when read
   (zero_to_fp32's lazy mode concatenates those whole);
 - ZeRO-0: the module in mp_rank_XX_model_states.pt, memory-mapped;
+- expert parallelism (DeepSpeed AutoEP, checkpoints/experts.py): at ZeRO 1-3 the fp32 partitions,
+  memory-mapped, each weight joined from the pieces DeepSpeed records, an expert's from its ep ranks;
 - pipeline: the per-layer files, one open at a time;
 - tensor parallel: each tensor rank's part read as above (its mp_rank_YY files), and the ranks'
   parts of one parameter merged at a time (`merge_tensor_parallel_tensor`).
@@ -301,7 +303,7 @@ def _rank_reader(ckpt_dir: Path, tag: str, config: Any, *, tensor_rank: int | No
     tag_dir = ckpt_dir / tag
     mapped = frozenset(str(path.resolve()) for path in tag_dir.iterdir())
     if tensor_rank is None and autoep_layers(tag_dir):  # expert parallelism (tp = pp = 1)
-        return TensorReader(expert_checkpoint_entries(ckpt_dir, tag, config, scratch=scratch), mapped=mapped)
+        return TensorReader(expert_checkpoint_entries(ckpt_dir, tag, config), mapped=mapped)
     is_pipeline = any(tag_dir.glob("layer_*-model_states.pt"))
     if is_pipeline:  # DeepSpeed's pipeline engine
         entries = _pipeline_entries(tag_dir, config, tensor_rank=tensor_rank)

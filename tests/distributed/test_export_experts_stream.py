@@ -2,7 +2,7 @@
 ZeRO 1, 2 and 3 one tensor at a time from its memory-mapped optimizer files, as the dense paths do,
 with no universal conversion (checkpoints/experts.py).
 
-One 2-rank launch (workers/train_matrix.py) trains a 10.6M-parameter Qwen3-MoE (6 layers of 4
+The shared 2-rank launch (conftest.shared_runs) trains a 10.6M-parameter Qwen3-MoE (6 layers of 4
 experts, ep 2) one step at each stage and saves it. Each stage's export, at --max-shard-size 10MB:
 - equals bit for bit, tensor for tensor, the export through DeepSpeed's ds_to_universal (what dsf
   export did before: the conversion into a scratch directory, its fp32 files under transformers'
@@ -12,8 +12,8 @@ experts, ep 2) one step at each stage and saves it. Each stage's export, at --ma
   74-85 MB at ZeRO-1/2 and 252 MB at ZeRO-3 on these checkpoints.
 
 Experts split over expert-data ranks too (ep 2 x dp 2) are test_experts.py's: its exports at ZeRO
-1-3 give the trained engine's logits. Cost: ~40 s (the launch ~19 s; a stage ~7 s, of which the
-export's fresh process ~5 s and the universal conversion ~2 s).
+1-3 give the trained engine's logits. Cost: ~25 s (its runs in the shared launch a few s; a stage
+~7 s, of which the export's fresh process ~5 s and the universal conversion ~2 s).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed.launcher import MATRIX, REPO, launch, rank_env
+from tests.distributed.launcher import REPO, Prefixed, rank_env
 
 WORKERS = Path(__file__).parent / "workers"
 STAGES = (1, 2, 3)
@@ -38,16 +38,25 @@ MODEL = {"hidden_size": 256, "moe_intermediate_size": 512, "num_hidden_layers": 
 FIXED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory) -> Path:
+PREFIX = "autoep-stream-"
+
+
+def shared_specs(ranks: int, root: Path) -> list[str]:
+    """conftest.shared_runs' specs: one step of the Qwen3-MoE at ep 2 and each ZeRO stage, saved."""
+    if ranks != 2:
+        return []
     from dsframework.models.tiny import tiny_config
 
-    root = tmp_path_factory.mktemp("autoep-stream")
-    tiny_config("qwen3_moe", **MODEL).to_json_file(root / "qwen3_moe.json")
-    specs = [f"zero{stage}|eager|model.name={root / 'qwen3_moe.json'};parallel.ep=2;parallel.zero_stage={stage};"
-             "train.steps=1;train.warmup_steps=0;checkpoint.save_final=true" for stage in STAGES]
-    launch([str(MATRIX), str(root), *specs], num_ranks=2)
-    return root
+    tiny_config("qwen3_moe", **MODEL).to_json_file(root / f"{PREFIX}qwen3_moe.json")
+    return [f"{PREFIX}zero{stage}|eager|model.name={root / f'{PREFIX}qwen3_moe.json'};parallel.ep=2;"
+            f"parallel.zero_stage={stage};train.steps=1;train.warmup_steps=0;checkpoint.save_final=true"
+            for stage in STAGES]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(shared_runs) -> Prefixed:
+    """The shared world-2 launch's runs of this module, by their names here (`checkpoints / "zero1"`)."""
+    return Prefixed(shared_runs(2)[0], PREFIX)
 
 
 class _UniversalFile:

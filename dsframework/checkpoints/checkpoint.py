@@ -215,7 +215,7 @@ def verify(ckpt_dir: Path, tag: str) -> dict[str, Any] | None:
 
 def to_universal(ckpt_dir: Path, tag: str, *, into: Path | None = None) -> str:
     """Convert `tag` with deepspeed's ds_to_universal (once; rank 0); returns the universal tag,
-    written beside the checkpoint or in the directory `into` (dsf export's scratch).
+    written beside the checkpoint or in the directory `into` (a scratch directory).
 
     A universal checkpoint holds each parameter's fp32 weights and optimizer states whole, so a
     run saved at one data-parallel size loads at another.

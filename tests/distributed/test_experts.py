@@ -95,9 +95,9 @@ def test_each_rank_holds_half_the_experts(trained, model_type):
 
 @pytest.mark.parametrize("model_type, stage", CASES, ids=[case_name(*case) for case in CASES])
 def test_export_writes_transformers_experts_with_the_engines_logits(trained, tmp_path, model_type, stage):
-    """ZeRO 1-3 through DeepSpeed's universal conversion (in export's scratch: the checkpoint
-    directory is left as it was), ZeRO-0 from the per-expert files; AutoEP's w1 | w3 and w2 back
-    to transformers' gate_up_proj and down_proj."""
+    """ZeRO 1-3 streamed from the memory-mapped fp32 partitions (experts split over the ep 2 x dp 2
+    ranks' expert-data groups), ZeRO-0 from the per-expert files; AutoEP's w1 | w3 and w2 back to
+    transformers' gate_up_proj and down_proj."""
     import torch
     from transformers import AutoModelForCausalLM
 

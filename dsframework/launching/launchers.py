@@ -98,8 +98,8 @@ class Launcher:
     tools: ClassVar[tuple[str, ...]] = ()  # what it runs on this node
     needs_hostfile: ClassVar[bool] = True
     # why `dsf launch --max-restarts` cannot restart a job it started (None: it can; launching/restarts.py)
-    cannot_restart: ClassVar[str | None] = ("starts the job and ends with it (dsf never sees which node failed, "
-                                            "nor gets the process back to restart it)")
+    cannot_restart: ClassVar[str | None] = ("does not say which node failed (dsf's restarts read pdsh's per-node "
+                                            "output to leave a node out)")
 
     def check_flags(self, *, hostfile: bool, node_rank: int | None) -> None:
         """The flag combinations this launcher refuses, before the hostfile is read."""
@@ -362,6 +362,7 @@ class NoSsh(Launcher):
     """`deepspeed --no_ssh --node_rank K` run on each node by hand (or by another scheduler)."""
 
     name = "no_ssh"
+    cannot_restart = "starts one node per command: no one command sees the whole job to restart it"
 
     def check_flags(self, *, hostfile: bool, node_rank: int | None) -> None:
         super().check_flags(hostfile=hostfile, node_rank=None)
@@ -388,6 +389,8 @@ class Slurm(NoSsh):
 
     name = "slurm"
     tools = ("srun",)
+    cannot_restart = ("does not restart inside an allocation yet (SLURM requeues a preempted job itself: exit 143, "
+                      "docs/launching.md#exit-codes)")
     check_flags = Launcher.check_flags  # --node-rank is SLURM's to give
 
     def prepare(self, job: Job, *, starting: bool) -> None:

@@ -24,9 +24,10 @@ def run_at(*overrides: str):
 
 def test_only_pdsh_restarts():
     check_can_restart(LAUNCHERS["pdsh"](), 3)
-    for name in ("openmpi", "mvapich", "no_ssh", "slurm"):
+    for name, why in (("openmpi", "does not say which node failed"), ("mvapich", "does not say which node failed"),
+                      ("no_ssh", "starts one node per command"), ("slurm", "does not restart inside an allocation")):
         check_can_restart(LAUNCHERS[name](), 0)
-        with pytest.raises(UserError, match=rf"^--max-restarts=2: --launcher {name} starts the job and ends with it"):
+        with pytest.raises(UserError, match=rf"^--max-restarts=2: --launcher {name} {why}.*; use --launcher pdsh"):
             check_can_restart(LAUNCHERS[name](), 2)
 
 

@@ -8,12 +8,14 @@
 
 Rank 0 runs it once; the result is cached beside the checkpoint, written under `<name>.partial`
 and renamed when complete. Nothing of the saved checkpoint is changed. The route, through the dense
-(transformers) layout:
+(transformers) layout, one parameter and one of its states at a time:
 
-1. Read the saved ZeRO-1/2 optimizer partitions, `zero_pp_rank_<dp>_mp_rank_<mp>_optim_states.pt`
-   (mp = pipeline stage * tp + tensor rank): a parameter's fp32 weights, exp_avg and exp_avg_sq
-   are its fragments in the data-parallel ranks' flat partitions, joined in dp order
-   (`param_slice_mappings`: the arithmetic of deepspeed's ds_to_universal).
+1. Open the saved ZeRO-1/2 optimizer partitions, `zero_pp_rank_<dp>_mp_rank_<mp>_optim_states.pt`
+   (mp = pipeline stage * tp + tensor rank), memory-mapped, and index them: a parameter's fp32
+   weights, exp_avg and exp_avg_sq are its fragments in the data-parallel ranks' flat partitions,
+   joined in dp order (`param_slice_mappings`: the arithmetic of deepspeed's ds_to_universal).
+   A fragment is copied out when its parameter is converted, and the files' pages are then handed
+   back (export's `_drop_mapped_pages`).
 2. Name each tensor by its transformers name, the one name every layout shares:
    `model.layers.0.self_attn.q_proj.weight` (tp 1 x pp 1), `model.model.layers.0...` (tp > 1: the
    model inside `TensorParallelCausalLM`), `1.layer.self_attn.q_proj.weight` (pp > 1: layer index
@@ -38,16 +40,23 @@ tied embedding's two pipeline copies write the same fragment files unless the ch
 pipeline-replicated pattern. dsf keeps ds_to_universal for what it does exactly: a dp-only change
 at tp = pp = 1 (`checkpoint.to_universal`, ZeRO-1/2/3).
 
-Rank 0 holds the model's fp32 weights and both Adam moments in host memory while it converts
-(from all tensor and pipeline ranks): 12 bytes a parameter on one host, once per layout change.
-Unlike construction and export, this step is not yet streamed one parameter at a time.
+Memory: one state of one parameter is held at a time, as its saved shards, then dense, then cut
+for the new layout (about 3 x that tensor at the peak), so the converting process grows by less
+than 4 x the largest parameter's fp32 bytes plus 64 MB, whatever the model's size: a 374M-parameter
+Llama saved at tp 2 x pp 2 grows it by 342 MB for dp 4 and 411 MB for tp 2 x dp 2 (the bound: 588 MB;
+12 GB when the whole model was held; bench/reshard_memory.py). The fp32 partitions are Parameters:
+they are read without autograd, or its graph would keep every temporary alive.
+
+Rank 0 converts alone while the other ranks wait (`train.setup.resume_tag`, under
+`rank_zero_first`). `write_universal` takes the parameters to convert, so ranks could each write a
+share of the folders before a barrier, and rank 0 zero/optimizer_state.pt and the rename.
 """
 from __future__ import annotations
 
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, NamedTuple
 
 import torch
 from deepspeed.checkpoint.constants import (
@@ -62,6 +71,7 @@ from deepspeed.checkpoint.constants import (
 )
 
 from dsframework.checkpoints.checkpoint import MANIFEST, PARTIAL, UNIVERSAL, read_manifest, saved_layout
+from dsframework.checkpoints.export import _drop_mapped_pages
 from dsframework.errors import UserError
 from dsframework.layout import ParallelDims
 from dsframework.models.hf import hf_parameter_shapes
@@ -145,10 +155,11 @@ def concatenated_shards(dense: torch.Tensor, layouts: list[tuple[int, torch.Tens
     return torch.cat(parts, dim)
 
 
-# --- reading the saved ZeRO partitions ------------------------------------------------------------
+# --- reading the saved ZeRO partitions, memory-mapped ---------------------------------------------
 
 def _load(path: Path) -> Any:
-    return torch.load(path, map_location="cpu", weights_only=False)
+    """torch.load(mmap=True): the file's tensors are views of its pages, read only when used."""
+    return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
 
 
 def _required(path: Path, fix: str) -> Path:
@@ -166,89 +177,148 @@ def _optim_file(tag_dir: Path, *, dp: int, mp: int, fix: str) -> Path:
     return _required(tag_dir / name, fix)
 
 
-def read_partitions(tag_dir: Path, saved: ParallelDims, *, fix: str) -> tuple[list[dict[str, States]], Any, dict]:
-    """Per tensor rank {saved parameter name: {state: that rank's whole shard}}, the optimizer
-    step, and the optimizer's global state (loss scaler, param groups: zero/optimizer_state.pt)."""
-    shards: list[dict[str, States]] = [{} for _ in range(saved.tp)]
-    common, step = None, None
-    for mp in range(saved.tp * saved.pp):
+def _flat_states(optim: dict, group: int) -> States:
+    """One parameter group's flat partition of one dp rank: fp32 weights and Adam's moments."""
+    fp32 = optim[SINGLE_PARTITION_OF_FP32_GROUPS][group]
+    states = optim[BASE_OPTIMIZER_STATE]["state"].get(group, {})
+    return {"fp32": fp32, **{key: value for key, value in states.items()
+                             if torch.is_tensor(value) and value.shape == fp32.shape}}
+
+
+class Fragment(NamedTuple):
+    """A parameter's elements in one dp rank's flat partitions: `numel` from `start` of each state."""
+    flat: States
+    start: int
+    numel: int
+    file: str  # the partition file, memory-mapped (its pages handed back once read)
+
+
+class SavedPartitions:
+    """The saved ZeRO-1/2 optimizer partitions of every (dp, mp) rank, memory-mapped and indexed
+    (mp = pipeline stage * tp + tensor rank): per tensor rank, {saved parameter name: (shape, its
+    fragments in dp order)}, the optimizer step and its global state. Nothing of the states is read
+    until `read`, which copies one tensor rank's shard of one state and hands the pages back."""
+
+    def __init__(self, tag_dir: Path, saved: ParallelDims, *, fix: str):
+        self.ranks: list[dict[str, tuple[torch.Size, list[Fragment]]]] = [{} for _ in range(saved.tp)]
+        self.step: Any = None
+        self.common: dict | None = None
+        for mp in range(saved.tp * saved.pp):
+            rank = self.ranks[mp % saved.tp]
+            for name, entry in self._index(tag_dir, saved, mp=mp, fix=fix).items():
+                rank.setdefault(name, entry)  # a tied copy on the last stage: the same values as the first's
+
+    def _open(self, path: Path, *, fix: str) -> dict:
+        optim = _load(path)[OPTIMIZER_STATE_DICT]
+        if PARAM_SLICE_MAPPINGS not in optim:
+            raise UserError("checkpoint file", str(path), "holds no param_slice_mappings (not a ZeRO-1/2 "
+                            "partition of DeepSpeed >= 0.10), so it cannot be resharded", fix)
+        if self.common is None:  # the first file's: the same in every one
+            base = optim[BASE_OPTIMIZER_STATE]
+            self.common = {k: v for k, v in optim.items()
+                           if k not in (BASE_OPTIMIZER_STATE, PARAM_SLICE_MAPPINGS, SINGLE_PARTITION_OF_FP32_GROUPS)}
+            self.common[PARAM_GROUPS] = base[PARAM_GROUPS]
+            self.step = base["state"][0].get("step") if base["state"] else None
+        return optim
+
+    def _index(self, tag_dir: Path, saved: ParallelDims, *, mp: int,
+               fix: str) -> dict[str, tuple[torch.Size, list[Fragment]]]:
+        """{saved parameter name: (shape, fragments)} of model-parallel rank `mp`."""
         model_states = _load(_required(tag_dir / f"mp_rank_{mp:02d}_model_states.pt", fix))
         shapes = {name: shape for group in model_states[PARAM_SHAPES] for name, shape in group.items()}
-        pieces: dict[str, dict[str, list[torch.Tensor]]] = {}
+        del model_states  # unmapped: only its parameter shapes are used
+        fragments: dict[str, list[Fragment]] = {}
         for dp in range(saved.dp):
             path = _optim_file(tag_dir, dp=dp, mp=mp, fix=fix)
-            optim = _load(path)[OPTIMIZER_STATE_DICT]
-            if PARAM_SLICE_MAPPINGS not in optim:
-                raise UserError("checkpoint file", str(path), "holds no param_slice_mappings (not a ZeRO-1/2 "
-                                "partition of DeepSpeed >= 0.10), so it cannot be resharded", fix)
-            states = optim[BASE_OPTIMIZER_STATE]["state"]
-            if common is None:
-                common = {k: v for k, v in optim.items()
-                          if k not in (BASE_OPTIMIZER_STATE, PARAM_SLICE_MAPPINGS, SINGLE_PARTITION_OF_FP32_GROUPS)}
-                common[PARAM_GROUPS] = optim[BASE_OPTIMIZER_STATE][PARAM_GROUPS]
-                step = states[0].get("step") if states else None
+            optim, file = self._open(path, fix=fix), str(path.resolve())
             for group, mapping in enumerate(optim[PARAM_SLICE_MAPPINGS]):
-                fp32 = optim[SINGLE_PARTITION_OF_FP32_GROUPS][group]
-                flat = {"fp32": fp32, **{key: value for key, value in states.get(group, {}).items()  # Adam's moments
-                                         if torch.is_tensor(value) and value.shape == fp32.shape}}
+                flat = _flat_states(optim, group)
                 for name, fragment in mapping.items():
-                    for key, tensor in flat.items():
-                        pieces.setdefault(name, {}).setdefault(key, []).append(
-                            tensor.narrow(0, fragment.start, fragment.numel))
-        rank = shards[mp % saved.tp]
-        for name, states_of in pieces.items():
-            if name not in rank:  # a tied copy on the last stage: the same values as the first's
-                rank[name] = {key: torch.cat(parts).view(shapes[name]) for key, parts in states_of.items()}
-    return shards, step, common
+                    fragments.setdefault(name, []).append(Fragment(flat, fragment.start, fragment.numel, file))
+        return {name: (shapes[name], parts) for name, parts in fragments.items()}
+
+    def keys(self, rank: int, name: str) -> dict[str, bool]:
+        """{state saved of parameter `name` of tensor rank `rank` ("fp32", "exp_avg", ...): whether it
+        requires grad} (DeepSpeed's fp32 partitions are Parameters: written so, read without autograd)."""
+        keys: dict[str, bool] = {}
+        for fragment in self.ranks[rank][name][1]:
+            for key, tensor in fragment.flat.items():
+                keys.setdefault(key, tensor.requires_grad)
+        return keys
+
+    @torch.no_grad()  # the fp32 partitions are Parameters: a graph through them would keep every temporary alive
+    def read(self, rank: int, name: str, key: str) -> torch.Tensor:
+        """State `key` of tensor rank `rank`'s whole shard of `name`, in memory of its own, without
+        autograd history."""
+        shape, fragments = self.ranks[rank][name]
+        held = [fragment for fragment in fragments if key in fragment.flat]
+        tensor = torch.cat([fragment.flat[key].narrow(0, fragment.start, fragment.numel) for fragment in held])
+        _drop_mapped_pages(frozenset(fragment.file for fragment in held))
+        return tensor.view(shape)
 
 
-def dense_states(config: Any, saved: ParallelDims, shards: list[dict[str, States]], *,
-                 where: Path, fix: str) -> dict[str, States]:
-    """{transformers name: {state: dense tensor}} for every parameter of the model."""
-    names = LayoutNames(config, saved)
-    layouts = _tensor_layouts(config, saved.tp)
-    by_hf = [{names.to_hf(name): shard for name, shard in rank.items()} for rank in shards]
-    expected = hf_parameter_shapes(config)
-    dense: dict[str, States] = {}
-    for hf, shape in expected.items():
-        if any(hf not in rank for rank in by_hf):
-            missing = sum(name not in by_hf[0] for name in expected)
-            raise UserError("checkpoint", str(where), f"holds no optimizer state for {hf} ({missing} of the "
-                            f"model's {len(expected)} parameters missing)",
+# --- one parameter at a time: saved shards -> dense -> the new layout's universal files ----------
+
+class Conversion:
+    """What converting a parameter needs: the saved partitions, each transformers parameter's saved
+    names (one per tensor rank) and shape, and both layouts' tensor shards and names."""
+
+    def __init__(self, config: Any, saved: ParallelDims, target: ParallelDims, partitions: SavedPartitions, *,
+                 where: Path, fix: str):
+        self.partitions, self.where, self.fix = partitions, where, fix
+        self.saved_layouts, self.target_layouts = _tensor_layouts(config, saved.tp), _tensor_layouts(config, target.tp)
+        self.target_names = LayoutNames(config, target)
+        names = LayoutNames(config, saved)
+        by_hf = [{names.to_hf(name): name for name in rank} for rank in partitions.ranks]
+        self.shapes = hf_parameter_shapes(config)
+        missing = [hf for hf in self.shapes if any(hf not in rank for rank in by_hf)]
+        if missing:
+            raise UserError("checkpoint", str(where), f"holds no optimizer state for {missing[0]} ({len(missing)} "
+                            f"of the model's {len(self.shapes)} parameters missing)",
                             "resume with the model the checkpoint was saved with")
-        if hf in layouts[0]:
-            dense[hf] = {key: merge_tensor_parallel_tensor(hf, [rank[hf][key] for rank in by_hf], layouts)
-                         for key in by_hf[0][hf]}
-        else:
-            dense[hf] = by_hf[0][hf]  # replicated: the same on every tensor rank
-        got = dense[hf]["fp32"].shape
-        if got != shape:
-            raise UserError("checkpoint", str(where), f"holds {hf} as {tuple(got)}, the model has {tuple(shape)}",
-                            fix)
-    return dense
+        self.saved_names = {hf: [rank[hf] for rank in by_hf] for hf in self.shapes}
 
+    def dense(self, hf: str, key: str) -> torch.Tensor:
+        """State `key` of parameter `hf`, dense: the saved tensor ranks' shards merged (one at a time)."""
+        saved = self.saved_names[hf]
+        if hf not in self.saved_layouts[0]:
+            return self.partitions.read(0, saved[0], key)  # replicated: the same on every tensor rank
+        shards = [self.partitions.read(rank, name, key) for rank, name in enumerate(saved)]
+        return merge_tensor_parallel_tensor(hf, shards, self.saved_layouts)
 
-# --- writing the universal checkpoint for the new layout -----------------------------------------
+    def entry(self, hf: str, dense: torch.Tensor) -> dict:
+        """What the universal loader reads of one state: the dense tensor, or the new ranks' shards."""
+        if hf not in self.target_layouts[0]:
+            return {PARAM: dense}
+        per_rank = [layout[hf] for layout in self.target_layouts]
+        return {PARAM: concatenated_shards(dense, per_rank), CAT_DIM: per_rank[0][0]}
 
-def write_universal(out: Path, config: Any, target: ParallelDims, dense: dict[str, States], *, step: Any,
-                    common: dict) -> None:
-    """zero/<name in the target layout>/<state>.pt for every parameter, and zero/optimizer_state.pt."""
-    names = LayoutNames(config, target)
-    layouts = _tensor_layouts(config, target.tp)
-    zero = out / "zero"
-    for hf, states in dense.items():
-        folder = zero / names.from_hf(hf)
+    def write(self, zero: Path, hf: str) -> None:
+        """zero/<name in the new layout>/<state>.pt of one parameter, one state in memory at a time."""
+        folder = zero / self.target_names.from_hf(hf)
         folder.mkdir(parents=True)
-        for key, tensor in states.items():
-            if hf in layouts[0]:
-                per_rank = [layout[hf] for layout in layouts]
-                entry = {PARAM: concatenated_shards(tensor, per_rank), CAT_DIM: per_rank[0][0]}
-            else:
-                entry = {PARAM: tensor}
+        for key, requires_grad in self.partitions.keys(0, self.saved_names[hf][0]).items():
+            dense = self.dense(hf, key)
+            if dense.shape != self.shapes[hf]:
+                raise UserError("checkpoint", str(self.where), f"holds {hf} as {tuple(dense.shape)}, the model has "
+                                f"{tuple(self.shapes[hf])}", self.fix)
+            entry = self.entry(hf, dense)
+            del dense
+            entry[PARAM].requires_grad_(requires_grad)  # as saved (the loader copies the values alone)
             torch.save(entry, folder / f"{key}.pt")
-        if step is not None:
-            torch.save(step, folder / "step.pt")
-    torch.save(common, zero / "optimizer_state.pt")
+            del entry
+        if self.partitions.step is not None:
+            torch.save(self.partitions.step, folder / "step.pt")
+
+
+def write_universal(out: Path, conversion: Conversion, names: Iterable[str]) -> None:
+    """zero/<name in the target layout>/<state>.pt for each parameter of `names` (transformers
+    names), converted one at a time, and zero/optimizer_state.pt."""
+    zero = out / "zero"
+    for hf in names:
+        conversion.write(zero, hf)
+    zero.mkdir(parents=True, exist_ok=True)
+    torch.save(conversion.partitions.common, zero / "optimizer_state.pt")
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
@@ -275,15 +345,18 @@ def reshard(ckpt_dir: str | Path, tag: str, config: Any, *, target: ParallelDims
     source = ckpt_dir / tag
     fix = (f"restore it, or resume at the saved layout (parallel.tp={saved.tp}, parallel.pp={saved.pp} "
            f"on {saved.world} ranks)")
-    shards, step, common = read_partitions(source, saved, fix=fix)
-    dense = dense_states(config, saved, shards, where=source, fix=fix)
-    del shards
+    partitions = SavedPartitions(source, saved, fix=fix)
+    conversion = Conversion(config, saved, target, partitions, where=source, fix=fix)
     tmp = ckpt_dir / (name + PARTIAL)
     shutil.rmtree(tmp, ignore_errors=True)
-    write_universal(tmp, config, target, dense, step=step, common=common)
-    for path in sorted(source.iterdir()):
-        if (path.name.startswith("mp_rank_") and path.name.endswith("_model_states.pt")
-                or path.name.startswith("rng_rank") or path.name == MANIFEST):
-            _link_or_copy(path, tmp / path.name)
+    try:
+        write_universal(tmp, conversion, conversion.shapes)
+        for path in sorted(source.iterdir()):
+            if (path.name.startswith("mp_rank_") and path.name.endswith("_model_states.pt")
+                    or path.name.startswith("rng_rank") or path.name == MANIFEST):
+                _link_or_copy(path, tmp / path.name)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written is left
+        raise
     os.replace(tmp, out)
     return name

@@ -36,6 +36,7 @@ from torch import nn
 from dsframework.errors import UserError
 
 _CACHE = "_dsf_logit_postprocess"  # the model's attribute holding logit_postprocess's answer
+_POINTS = "_dsf_swap_points"  # ... and router_loss's swap points
 _WHOLE_LOGITS = ("set train.chunked_loss=false and parallel.tp=1, parallel.pp=1: the model's own forward then "
                  "computes the whole logits")
 
@@ -210,7 +211,9 @@ def router_loss(lm: Any, decoder_output: Any, *, attention_mask: torch.Tensor | 
     `self.router_aux_loss_coef * aux_loss` to the loss when given labels."""
     if getattr(decoder_output, "router_logits", None) is None:
         return None
-    (base_parent, base_name), (head_parent, head_name) = _swap_points(lm)
+    if _POINTS not in vars(lm):  # found once per model: named_modules walks all of them
+        vars(lm)[_POINTS] = _swap_points(lm)
+    (base_parent, base_name), (head_parent, head_name) = vars(lm)[_POINTS]
     base, head = base_parent._modules[base_name], head_parent._modules[head_name]
     base_parent._modules[base_name], head_parent._modules[head_name] = _Output(decoder_output), _Output()
     try:

@@ -188,7 +188,7 @@ def report(model: dict, routes: dict[str, dict], compared: tuple[int, list[str]]
     print(f"model: {model['parameters'] / 1e6:.1f}M parameters, states {model['states_bytes'] / mb:.0f} MB "
           f"(fp32 + exp_avg + exp_avg_sq); largest {model['largest']} {model['largest_fp32_bytes'] / mb:.0f} MB fp32")
     print(f"bound: 4 x {model['largest_fp32_bytes'] / mb:.0f} MB + 64 MB = {model['bound_bytes'] / mb:.0f} MB\n")
-    print(f"| route | peak RSS growth | / bound | seconds |\n|---|---:|---:|---:|")
+    print("| route | peak RSS growth | / bound | seconds |\n|---|---:|---:|---:|")
     for name, fig in routes.items():
         print(f"| {name} | {fig['growth_bytes'] / mb:,.0f} MB | {fig['growth_bytes'] / model['bound_bytes']:.2f} "
               f"| {fig['seconds']:.1f} |")

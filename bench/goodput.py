@@ -71,7 +71,7 @@ def one_job(cluster, work: Path, *, steps: int, every: int, fail_at: list[int]) 
     from tests.cluster.jobs import dsf_launch_cmd, node_env
     from tests.cluster.nodes import wait_until
     from tests.cluster.test_failures import trainers
-    from tests.distributed.launcher import losses
+    from tests.distributed.launcher import last_logged_step
 
     out = work / "out"
     overrides = [f"train.stop_after={steps}", f"checkpoint.every={every}", f"faults.hang_timeout={HANG_TIMEOUT}"]
@@ -79,8 +79,8 @@ def one_job(cluster, work: Path, *, steps: int, every: int, fail_at: list[int]) 
                         log=work / "job.log", cwd=work, env=node_env(cluster))
     try:
         for node, rank, sig, step in ((1, 3, signal.SIGKILL, fail_at[0]), (0, 0, signal.SIGSTOP, fail_at[1])):
-            wait_until(lambda: job.poll() is None and (out / "metrics.jsonl").exists()
-                       and max(losses(out), default=0) >= step, timeout=600, what=f"step {step}", every=0.2)
+            wait_until(lambda: job.poll() is None and last_logged_step(out / "metrics.jsonl") >= step, timeout=600,
+                       what=f"step {step}", every=0.2)
             os.kill(trainers(cluster, node)[rank], sig)
         code = job.wait(timeout=900)
     finally:

@@ -145,6 +145,18 @@ def losses(output_dir: Path) -> dict[int, float]:
     return {m["step"]: m["loss"] for m in read_metrics(output_dir) if "loss" in m}
 
 
+def last_logged_step(metrics: Path) -> int:
+    """The last step a running job's metrics.jsonl logged (0: none yet); a line the trainer is still
+    writing is skipped, so a poll never fails on it."""
+    steps = [0]
+    for line in metrics.read_text().splitlines() if metrics.exists() else ():
+        try:
+            steps.append(json.loads(line)["step"])
+        except ValueError:
+            continue
+    return max(steps)
+
+
 def run_overrides(output_dir: Path, overrides: list[str] = ()) -> list[str]:
     return [*BASE_OVERRIDES, f"output_dir={output_dir}", *overrides]
 

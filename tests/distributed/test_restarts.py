@@ -1,6 +1,6 @@
 """`dsf launch --max-restarts 2` on one node (launching/restarts.py): a rank stopped (SIGSTOP) past
-step 60 hangs, is caught (faults.hang_timeout=5) and the job restarts from global_step50; a rank
-of the restarted attempt killed (SIGKILL) past step 160 makes localhost the site of a second
+step 35 hangs, is caught (faults.hang_timeout=5) and the job restarts from global_step25; a rank
+of the restarted attempt killed (SIGKILL) past step 85 makes localhost the site of a second
 failure, which leaves it out: the job stops in one line, with the blocklist written. Every step
 logged equals a straight run's (conftest.shared_runs, the same process order and data) within
 1e-5; restarts.jsonl and the output say when, why, where and from which checkpoint. The multi-node
@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.launcher import BIN, TINY_YAML, assert_close, losses, rank_env, run_overrides
+from tests.distributed.launcher import BIN, TINY_YAML, assert_close, last_logged_step, losses, rank_env, run_overrides
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
-STEPS, EVERY = 300, 50
+STEPS, EVERY = 150, 25
 COMMON = [f"train.steps={STEPS}", f"checkpoint.every={EVERY}", "faults.hang_timeout=5"]
 
 
@@ -48,9 +48,7 @@ def wait_for_step(output_dir: Path, job: subprocess.Popen, step: int, log: Path)
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
         assert job.poll() is None, f"the job ended ({job.returncode}) before step {step}:\n{log.read_text()[-3000:]}"
-        path = output_dir / "metrics.jsonl"
-        done = max((json.loads(line)["step"] for line in path.read_text().splitlines() if line), default=0) \
-            if path.exists() else 0
+        done = last_logged_step(output_dir / "metrics.jsonl")
         if done >= step:
             return done
         time.sleep(0.05)
@@ -59,7 +57,7 @@ def wait_for_step(output_dir: Path, job: subprocess.Popen, step: int, log: Path)
 
 @pytest.fixture(scope="module")
 def restarted(shared_runs, tmp_path_factory):
-    """The job, stopped (SIGSTOP, rank 0) past step 60 and killed (SIGKILL, rank 1) past step 160 of its
+    """The job, stopped (SIGSTOP, rank 0) past step 35 and killed (SIGKILL, rank 1) past step 85 of its
     restarted attempt: (its output directory, exit code, output, the straight run's directory)."""
     root = shared_runs(2)[0]
     work = tmp_path_factory.mktemp("restarts")

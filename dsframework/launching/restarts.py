@@ -39,7 +39,7 @@ import click
 from dsframework.checkpoints import checkpoint as ckpt
 from dsframework.errors import UserError
 from dsframework.launching.exits import BAD_INPUT, FINISHED, GIVEN_UP, PREEMPTED
-from dsframework.launching.goodput import Timeline
+from dsframework.launching.goodput import Timeline, last_step
 from dsframework.launching.launchers import Job, check_hosts, ssh_reason
 from dsframework.launching.replan import replan
 from dsframework.layout import ParallelDims
@@ -203,15 +203,7 @@ def _without_layout(overrides: tuple[str, ...]) -> tuple[str, ...]:
 def steps_lost(output_dir: Path, tag: str | None) -> int:
     """Steps trained since checkpoint `tag`, which the restart redoes: the last step metrics.jsonl
     logged (every logging.every steps: a lower bound) less the checkpoint's."""
-    done = 0
-    path = output_dir / "metrics.jsonl"
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                done = max(done, int(json.loads(line).get("step", 0)))
-            except (ValueError, AttributeError):
-                continue
-    return max(0, done - (ckpt.step_of(tag) if tag else 0))
+    return max(0, last_step(output_dir / "metrics.jsonl") - (ckpt.step_of(tag) if tag else 0))
 
 
 def _world(active: "OrderedDict[str, list[int]]") -> int:

@@ -147,14 +147,10 @@ def losses(output_dir: Path) -> dict[int, float]:
 
 def last_logged_step(metrics: Path) -> int:
     """The last step a running job's metrics.jsonl logged (0: none yet); a line the trainer is still
-    writing is skipped, so a poll never fails on it."""
-    steps = [0]
-    for line in metrics.read_text().splitlines() if metrics.exists() else ():
-        try:
-            steps.append(json.loads(line)["step"])
-        except ValueError:
-            continue
-    return max(steps)
+    writing is skipped, so a poll never fails on it (dsf launch's own poll: launching/goodput.py)."""
+    from dsframework.launching.goodput import last_step
+
+    return last_step(metrics)
 
 
 def run_overrides(output_dir: Path, overrides: list[str] = ()) -> list[str]:

@@ -189,6 +189,18 @@ class PretrainedSlices:
         self.bytes_read = 0
         self.where = self._index()
         self._open: dict[Path, Any] = {}
+        self.renamed: dict[str, str] = {}  # model name -> the stored key transformers renames to it
+
+    @classmethod
+    def for_model(cls, directory: Path, model: nn.Module) -> "PretrainedSlices":
+        """The reader of `directory` for `model` (a meta or sharded skeleton of the config's model):
+        its tied aliases, base-model prefix and the stored names transformers renames at load.
+
+            reader = PretrainedSlices.for_model(pretrained_dir, empty_model(config))
+        """
+        reader = cls(directory, aliases=tied_aliases(model), prefix=model.base_model_prefix)
+        reader.renamed = renamed_at_load(model, reader.where)
+        return reader
 
     def _index(self) -> dict[str, Path]:
         index = self.directory / SAFETENSORS_INDEX
@@ -223,7 +235,7 @@ class PretrainedSlices:
 
     def _stored_name(self, name: str) -> str | None:
         for candidate in (name, *self.aliases.get(name, ())):
-            for key in (candidate, candidate.removeprefix(self.prefix + ".")):
+            for key in (candidate, candidate.removeprefix(self.prefix + "."), self.renamed.get(candidate)):
                 if key in self.where:
                     return key
         return None
@@ -264,6 +276,31 @@ class PretrainedSlices:
         self._open.clear()
 
 
+def renamed_at_load(model: nn.Module, stored_keys: Iterable[str]) -> dict[str, str]:
+    """{model name: stored key} for the stored keys that transformers only renames as it loads them:
+    its own WeightRenamings, as from_pretrained applies them (GPT-NeoX's `embed_out` -> `lm_head`,
+    EXAONE's `transformer.h.N.attn.attention` -> `model.layers.N.self_attn`, LFM3's `gate_proj` ->
+    `g_proj`). A key that a WeightConverter merges or splits (Qwen3-MoE's per-expert weights) is left
+    out: no one stored tensor holds its slice. A model with other kinds of transforms (Dory's layer
+    pairs) gets no renaming at all rather than a guess."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if type(t) is WeightRenaming]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    if not renamings or len(renamings) + len(converters) < len(transforms):
+        return {}
+    names = {name: True for name, _ in model.named_parameters(remove_duplicate=False)}
+    renamed = {}
+    for key in stored_keys:
+        name, converted_by = rename_source_key(key, renamings, converters, base_model_prefix=model.base_model_prefix,
+                                               meta_state_dict=names)
+        if converted_by is None and name != key and name in names:
+            renamed[name] = key
+    return renamed
+
+
 def converted_at_load(model_type: str) -> bool:
     """True when transformers renames or merges this type's stored tensors as it loads them (its
     conversion mapping: Qwen3-MoE's per-expert gate/up/down into fused experts, GPT-NeoX, ...):
@@ -284,7 +321,7 @@ def check_pretrained_files(directory: Path, config: Any, *, sliced: bool = False
     if not any((directory / name).is_file() for name in (SAFETENSORS_FILE, SAFETENSORS_INDEX)):
         return
     model = empty_model(config)
-    reader = PretrainedSlices(directory, aliases=tied_aliases(model), prefix=model.base_model_prefix)
+    reader = PretrainedSlices.for_model(directory, model)
     try:
         for name, param in model.named_parameters():
             if reader._stored_name(name) is None and converted_at_load(config.model_type):
@@ -428,8 +465,7 @@ def build_for_layout(source: Any, config: Any, *, seed: int, tp_group: Any = Non
         num_stages, stage = pipeline
         owned = stage_module_paths(model, num_stages=num_stages, stage=stage, partition_method=partition_method)
     if source.pretrained_dir is not None:
-        values: Any = PretrainedSlices(source.pretrained_dir, aliases=tied_aliases(model),
-                                       prefix=model.base_model_prefix)
+        values: Any = PretrainedSlices.for_model(source.pretrained_dir, model)
     else:
         values = SeededInit(model, seed=seed)
     zero3 = None

@@ -1,6 +1,7 @@
 """Context parallelism (DeepSpeed Ulysses, `parallel.cp`) trains exactly: each rank of a context
 group holds seq_len / cp tokens of the same sequences, and the losses equal a single-process
-reference that sees whole sequences, for ZeRO 0-3, the Llama family and GPT-2, at cp 2 (world 2),
+reference that sees whole sequences, for ZeRO 0-3, the Llama family, GPT-2 and Granite (its
+logits scaled after the head), at cp 2 (world 2),
 cp 2 x dp 2 and tp 2 x cp 2 (world 4): each stage and each family at least once, not every
 product (the suite's time); eval, resume and export work.
 
@@ -31,7 +32,15 @@ RUNS = {
     "cp2xdp2-zero3-llama": (4, ["parallel.cp=2", "parallel.zero_stage=3", *SAVE]),
     "cp2xdp2-zero2-gpt2": (4, ["parallel.cp=2", "parallel.zero_stage=2", "model.name=tiny-gpt2"]),
     "tp2xcp2-zero3-llama": (4, ["parallel.tp=2", "parallel.cp=2", "parallel.zero_stage=3", "checkpoint.save_final=true"]),
+    # Granite divides its head's logits by logits_scaling before its loss: a shard's loss must too
+    "cp2-zero1-granite": (2, ["parallel.cp=2", "parallel.zero_stage=1", "model.name={root}/granite.json"]),
 }
+GRANITE = {"logits_scaling": 0.25}  # logits x4: a loss that skipped the scaling would be far off
+
+
+def settings(name: str, root: Path) -> list[str]:
+    """RUNS[name]'s settings, with the shared launch's root where a model config was written."""
+    return [setting.format(root=root) for setting in RUNS[name][1]]
 
 
 def _family(name: str) -> str:
@@ -39,22 +48,27 @@ def _family(name: str) -> str:
 
 
 def shared_specs(ranks: int, root: Path) -> list[str]:
-    """conftest.shared_runs' specs: the runs of this world size."""
-    return [f"{name}|eager|{';'.join(settings)}" for name, (world, settings) in RUNS.items() if world == ranks]
+    """conftest.shared_runs' specs: the runs of this world size (Granite's config written under root)."""
+    from dsframework.models.tiny import tiny_config
+
+    if ranks == 2:
+        tiny_config("granite", **GRANITE).to_json_file(root / "granite.json")
+    return [f"{name}|eager|{';'.join(settings(name, root))}" for name, (world, _) in RUNS.items() if world == ranks]
 
 
 @pytest.fixture(scope="module")
 def cp_runs(shared_runs):
     """name -> (step -> loss) of every run in RUNS, "dir-<name>" -> its directory;
     "reference-<family>" -> (losses, model)."""
-    runs = {}
+    runs, roots = {}, {}
     for name, (ranks, _) in RUNS.items():
-        runs[f"dir-{name}"] = shared_runs(ranks)[0] / name
+        roots[name] = shared_runs(ranks)[0]
+        runs[f"dir-{name}"] = roots[name] / name
         runs[name] = losses(runs[f"dir-{name}"])
-    for family in ("llama", "gpt2"):
+    for family in ("llama", "gpt2", "granite"):
         name = next(n for n in RUNS if _family(n) == family)
-        runs[f"reference-{family}"] = reference_train(build_run_config({}, run_overrides(runs[f"dir-{name}"],
-                                                                                         RUNS[name][1])))
+        run = build_run_config({}, run_overrides(runs[f"dir-{name}"], settings(name, roots[name])))
+        runs[f"reference-{family}"] = reference_train(run)
     return runs
 
 
@@ -63,6 +77,8 @@ def test_context_parallel_matches_the_whole_sequence_reference(cp_runs, name):
     want, _ = cp_runs[f"reference-{_family(name)}"]
     assert want[8] < want[1], "the reference learns"
     assert_close(cp_runs[name], want, rtol=1e-4, what=f"{name} vs one process seeing whole sequences")
+    # step 1: the untrained model's loss on the same batch, transformers' own (with Granite's scaling)
+    assert abs(cp_runs[name][1] - want[1]) <= 1e-5 * want[1], (name, cp_runs[name][1], want[1])
 
 
 def _mean_loss(model, blocks, micro_batch: int) -> float:
@@ -90,13 +106,13 @@ def test_eval_loss_is_the_whole_sequence_loss(cp_runs):
 @pytest.mark.parametrize("name", ["cp2xdp2-zero3-llama"])
 def test_resume_from_a_context_parallel_checkpoint_is_exact(cp_runs, tmp_path, name):
     """The step-4 checkpoint of the run, resumed, gives the run's own steps 5-8 (1e-6)."""
-    ranks, settings = RUNS[name]
+    ranks, run_settings = RUNS[name]
     resumed_dir = tmp_path / name
     shutil.copytree(cp_runs[f"dir-{name}"], resumed_dir)
     ckpts = resumed_dir / "checkpoints"
     shutil.rmtree(ckpts / "global_step8")
     (ckpts / "latest").write_text("global_step4")
-    resumed = train_run(resumed_dir, settings, num_ranks=ranks, flags=("--resume",))
+    resumed = train_run(resumed_dir, run_settings, num_ranks=ranks, flags=("--resume",))
     assert_close({s: resumed[s] for s in range(5, 9)}, {s: cp_runs[name][s] for s in range(5, 9)},
                  rtol=1e-6, what=f"{name} resumed at step 4")
 

@@ -17,7 +17,7 @@ from dsframework.config import ModelSpec
 from dsframework.errors import UserError
 from dsframework.models.build import build_model, resolve_model
 from dsframework.models.construct import (PretrainedSlices, SeededInit, check_pretrained_files, dense_templates,
-                                          empty_model, materialize, tied_aliases)
+                                          empty_model, materialize)
 from dsframework.models.tensor_parallel import shard_model
 from dsframework.parallel.pipeline import stage_module_paths
 from dsframework.parallel.tensor import LayoutOnlyGroup
@@ -73,27 +73,39 @@ def save_pretrained(model_type: str, path):
     """A small random model, vocabulary not divisible by tp, saved as several safetensors files."""
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
+    from transformers import AutoModelForCausalLM
+
+    from dsframework.models.tiny import tiny_config
+
     torch.manual_seed(5)
     if model_type == "llama":
         model = LlamaForCausalLM(LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=96,
                                              num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2))
-    else:
+    elif model_type == "gpt2":
         model = GPT2LMHeadModel(GPT2Config(vocab_size=101, n_embd=64, n_layer=3, n_head=4, n_positions=64))
+    else:  # a type transformers' save renames (its conversion mapping, reversed)
+        model = AutoModelForCausalLM.from_config(tiny_config(model_type, vocab_size=101))
     model.save_pretrained(path, max_shard_size="40KB")
     assert len(list(path.glob("*.safetensors"))) > 3 and (path / "model.safetensors.index.json").is_file()
     return model
 
 
-@pytest.mark.parametrize("model_type", ["llama", "gpt2"])
+@pytest.mark.parametrize("model_type", ["llama", "gpt2", "gpt_neox", "exaone"])
 def test_sliced_loading_reads_only_this_ranks_share(tmp_path, model_type, one_thread):
-    save_pretrained(model_type, tmp_path)
+    """Each place reads its slices and nothing else. GPT-NeoX and EXAONE are stored under the names
+    transformers' save writes (`embed_out`, `transformer.h.N.attn.attention`), renamed as
+    from_pretrained renames them."""
+    saved = save_pretrained(model_type, tmp_path)
+    if model_type in ("gpt_neox", "exaone"):
+        stored = set(json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"])
+        assert stored - {name for name, _ in saved.named_parameters()}, "saved under other names than the model's"
     source = resolve_model(ModelSpec(name=str(tmp_path)))
     dense = build_model(source, source.config, seed=0)  # transformers' from_pretrained
     on_disk = sum(p.stat().st_size for p in tmp_path.glob("*.safetensors"))
     for tp, rank, pipeline in PLACES:
         reference = shard_model(copy.deepcopy(dense), group=LayoutOnlyGroup(size=tp, rank=rank)) if tp > 1 else dense
         model, templates = sharded_meta(source.config, tp, rank)
-        reader = PretrainedSlices(tmp_path, aliases=tied_aliases(model), prefix=model.base_model_prefix)
+        reader = PretrainedSlices.for_model(tmp_path, model)
         report = materialize(model, templates, reader, owned=owned_paths(model, pipeline))
         reader.close()
         assert assert_same_where_materialised(model, reference) > 0

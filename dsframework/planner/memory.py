@@ -79,7 +79,8 @@ the math kernel; and the layers are transformers' own. Per layer, in elements of
 
     norms (each RMSNorm: 3 h, its input upcast to fp32, normalized, scaled, + 1 rsqrt in fp32;
            each LayerNorm: 2 h, input and output, + 2 fp32 mean and rstd; layer_norms of them:
-           2 pre-norms, Gemma's 4, OLMo 2's 2 post-norms)
+           2 pre-norms, Gemma's 4, OLMo 2's 2 post-norms; a parallel residual's two norms of one
+           input, GPT-NeoX's, keep that input once: h less)
     + [attention + MLP + q/k norms + lse a] / t, where
       attention: Q q + K kv + V kv + out q (separate projections, rotary applied), or, fused
                  q|k|v (GPT-2, Phi-3, GPT-NeoX), the fused output's views and sdpa's contiguous
@@ -321,7 +322,7 @@ def layer_activation_bytes(desc: ModelDesc, *, micro_batch: int, seq_len: int, t
     q = a * hd  # the queries' (and the attention output's) width
     kv = ulysses_kv_heads(desc, tp=tp, cp=cp) * hd * tp  # per token, before the / tp below
     w = 4 if precision == "fp32" else 2
-    norms = desc.layer_norms * _norm_bytes(desc, h, w)
+    norms = desc.layer_norms * _norm_bytes(desc, h, w) - (h * w if desc.norms_share_input else 0)
     if desc.fused_qkv:
         # q, k, v views of the fused output and sdpa's contiguous copies (its output, o_proj's
         # input, among them); under Ulysses q, k, v arrive contiguous from the all-to-all and the

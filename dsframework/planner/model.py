@@ -54,6 +54,7 @@ class ModelDesc:
     layer_norms: int = 2  # norms of a decoder layer (2 pre-norms; Gemma 2/3: 4, OLMo 2: 2 post-norms)
     norm: Literal["rms", "layer"] = "rms"  # RMSNorm or LayerNorm
     qk_norm: bool = False  # norms on the queries and keys (Qwen3, Gemma 3, OLMo 2)
+    norms_share_input: bool = False  # a parallel residual's two norms read one input (GPT-NeoX): kept once
     sliding_window: int | None = None  # tokens a sliding-window layer attends to (None: all)
     eager_attention: bool = False  # transformers picks eager attention (Gemma 2): s x s scores are kept
     attn_softcapping: bool = False  # tanh-capped attention scores (Gemma 2): one more s x s tensor
@@ -121,12 +122,15 @@ def _features(config: Any, layer: Any, *, q: int, kv: int, ffn: int) -> dict[str
     of width ffn or 2 ffn hold 3 x hidden x ffn), a fused q|k|v projection (a matrix q + 2 kv wide), its norms (those of
     the layer itself and, inside attention, q/k norms) and their kind."""
     h = config.hidden_size
-    matrices = [tuple(p.shape) for p in layer.parameters() if p.dim() == 2]
-    mlp = sum(a * b for a, b in matrices if {a, b} & {ffn, 2 * ffn})  # (gate|up fused: 2 ffn)
+    named = [(name, tuple(p.shape)) for name, p in layer.named_parameters() if p.dim() == 2]
+    matrices = [shape for _, shape in named]
+    # (gate|up fused: 2 ffn); attention's matrices left out, whose fused q|k|v may be 2 ffn wide too
+    mlp = sum(a * b for name, (a, b) in named if "att" not in name and {a, b} & {ffn, 2 * ffn})
     norms = [(name, type(module).__name__) for name, module in layer.named_modules() if "Norm" in type(module).__name__]
     layer_norms = [kind for name, kind in norms if "." not in name]
     return dict(gated_mlp=mlp >= 3 * h * ffn, fused_qkv=any(q + 2 * kv in shape for shape in matrices),
                 layer_norms=len(layer_norms), qk_norm=any("." in name for name, _ in norms),
+                norms_share_input=len(layer_norms) >= 2 and bool(getattr(config, "use_parallel_residual", False)),
                 norm="rms" if any("RMS" in kind for kind in layer_norms) else "layer")
 
 

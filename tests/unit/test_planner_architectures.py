@@ -92,7 +92,7 @@ def test_a_refused_split_is_dropped_with_the_reason():
 
 
 # Activations: what autograd saves at tp 1 (as test_planner.py checks Llama and GPT-2), within 10 %.
-@pytest.mark.parametrize("model_type", ["qwen3", "gemma2", "phi3"])
+@pytest.mark.parametrize("model_type", list(TINY))
 def test_activation_bytes_match_what_autograd_saves(one_thread, model_type):
     config = tiny_config(model_type)
     model = _real_model(config).train()

@@ -6,8 +6,9 @@
     ds_config["checkpoint"] = {"load_universal": True}        # every rank, before deepspeed.initialize
     engine.load_checkpoint(ckpt_dir, tag=tag)                 # weights, Adam moments, step, lr schedule
 
-Rank 0 runs it once; the result is cached beside the checkpoint, written under `<name>.partial`
-and renamed when complete. Nothing of the saved checkpoint is changed. The route, through the dense
+`reshard` converts in one process; a resuming job's ranks share the work (`Resharding`, below).
+The result is cached beside the checkpoint, written under `<name>.partial` and renamed when
+complete. Nothing of the saved checkpoint is changed. The route, through the dense
 (transformers) layout, one parameter and one of its states at a time:
 
 1. Open the saved ZeRO-1/2 optimizer partitions, `zero_pp_rank_<dp>_mp_rank_<mp>_optim_states.pt`
@@ -47,16 +48,17 @@ Llama saved at tp 2 x pp 2 grows it by 342 MB for dp 4 and 411 MB for tp 2 x dp 
 12 GB when the whole model was held; bench/reshard_memory.py). The fp32 partitions are Parameters:
 they are read without autograd, or its graph would keep every temporary alive.
 
-Rank 0 converts alone while the other ranks wait (`train.setup.resume_tag`, under
-`rank_zero_first`). `write_universal` takes the parameters to convert, so ranks could each write a
-share of the folders before a barrier, and rank 0 zero/optimizer_state.pt and the rename.
+Every rank of the resuming job converts a share of the parameters, about 1/world of the model's
+elements each (`share_of`; `Resharding`, driven by train/setup.reshard_in_shares): rank 0 clears
+the folder first, and writes zero/optimizer_state.pt and renames it into place once every share is
+written. The result is the same files, bit for bit, whichever ranks wrote them.
 """
 from __future__ import annotations
 
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Iterable, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from deepspeed.checkpoint.constants import (
@@ -311,14 +313,17 @@ class Conversion:
             torch.save(self.partitions.step, folder / "step.pt")
 
 
-def write_universal(out: Path, conversion: Conversion, names: Iterable[str]) -> None:
-    """zero/<name in the target layout>/<state>.pt for each parameter of `names` (transformers
-    names), converted one at a time, and zero/optimizer_state.pt."""
-    zero = out / "zero"
-    for hf in names:
-        conversion.write(zero, hf)
-    zero.mkdir(parents=True, exist_ok=True)
-    torch.save(conversion.partitions.common, zero / "optimizer_state.pt")
+def share_of(shapes: dict[str, torch.Size], rank: int, world: int) -> list[str]:
+    """The parameters rank `rank` of `world` converts: the largest first, each to the rank with the
+    fewest elements so far, so every rank converts about 1/world of the model (and no rank two of its
+    largest tensors when there are as many ranks as those)."""
+    load, mine = [0] * world, []
+    for hf in sorted(shapes, key=lambda name: (-shapes[name].numel(), name)):
+        least = min(range(world), key=lambda r: (load[r], r))
+        load[least] += shapes[hf].numel()
+        if least == rank:
+            mine.append(hf)
+    return mine
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
@@ -328,35 +333,75 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         shutil.copy2(src, dst)
 
 
-def reshard(ckpt_dir: str | Path, tag: str, config: Any, *, target: ParallelDims,
-            saved: ParallelDims | None = None) -> str:
-    """Write `tag` (ZeRO-1/2) as a universal checkpoint for `target`, once; returns its tag.
-    `config`: the transformers config of the model (the checkpoint's); `saved`: the layout it was
-    saved at, read from its manifest when None."""
-    ckpt_dir = Path(ckpt_dir)
-    saved = saved or saved_layout(read_manifest(ckpt_dir, tag), zero_stage=target.zero_stage)
-    if saved is None:
-        raise UserError("checkpoint", str(ckpt_dir / tag), f"has no {MANIFEST}, so the layout it was saved at is "
-                        "unknown", "resume it at the layout it was saved at")
-    name = universal_tag(tag, target)
-    out = ckpt_dir / name
-    if out.is_dir():  # renamed into place only when complete
-        return name
-    source = ckpt_dir / tag
-    fix = (f"restore it, or resume at the saved layout (parallel.tp={saved.tp}, parallel.pp={saved.pp} "
-           f"on {saved.world} ranks)")
-    partitions = SavedPartitions(source, saved, fix=fix)
-    conversion = Conversion(config, saved, target, partitions, where=source, fix=fix)
-    tmp = ckpt_dir / (name + PARTIAL)
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        write_universal(tmp, conversion, conversion.shapes)
-        for path in sorted(source.iterdir()):
+class Resharding:
+    """One conversion of a saved tag into the universal tag of another layout, in three parts so the
+    ranks of a job can share it (train/setup.reshard_in_shares): `clear` (once, first), `write_share`
+    (each rank its share of the parameters, into `<name>.partial`) and `commit` (once, last: the
+    common optimizer state, the model-state files linked, the rename that makes it whole).
+
+        job = Resharding.plan(ckpt_dir, "global_step4", config, target=dims)  # None: already there
+        job.clear(); job.write_share(rank=0, world=1); job.commit()
+    """
+
+    def __init__(self, ckpt_dir: Path, tag: str, name: str, conversion: Conversion):
+        self.source, self.name, self.conversion = ckpt_dir / tag, name, conversion
+        self.out, self.tmp = ckpt_dir / name, ckpt_dir / (name + PARTIAL)
+
+    @classmethod
+    def plan(cls, ckpt_dir: str | Path, tag: str, config: Any, *, target: ParallelDims,
+             saved: ParallelDims | None = None) -> "Resharding | None":
+        """The conversion of `tag` for `target`, or None when its universal tag is already whole.
+        `config`: the checkpoint's transformers config; `saved`: its layout (its manifest's when None)."""
+        ckpt_dir = Path(ckpt_dir)
+        saved = saved or saved_layout(read_manifest(ckpt_dir, tag), zero_stage=target.zero_stage)
+        if saved is None:
+            raise UserError("checkpoint", str(ckpt_dir / tag), f"has no {MANIFEST}, so the layout it was saved at "
+                            "is unknown", "resume it at the layout it was saved at")
+        name = universal_tag(tag, target)
+        if (ckpt_dir / name).is_dir():  # renamed into place only when complete
+            return None
+        fix = (f"restore it, or resume at the saved layout (parallel.tp={saved.tp}, parallel.pp={saved.pp} "
+               f"on {saved.world} ranks)")
+        source = ckpt_dir / tag
+        partitions = SavedPartitions(source, saved, fix=fix)
+        return cls(ckpt_dir, tag, name, Conversion(config, saved, target, partitions, where=source, fix=fix))
+
+    def clear(self) -> None:
+        """Remove what an interrupted conversion left."""
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def write_share(self, *, rank: int, world: int) -> None:
+        """The folders of this rank's share of the parameters (`share_of`), one parameter at a time."""
+        zero = self.tmp / "zero"
+        for hf in share_of(self.conversion.shapes, rank, world):
+            self.conversion.write(zero, hf)
+
+    def commit(self) -> str:
+        """After every share is written: zero/optimizer_state.pt, the saved model-state, RNG and
+        manifest files linked in, and the rename; returns the universal tag."""
+        zero = self.tmp / "zero"
+        zero.mkdir(parents=True, exist_ok=True)
+        torch.save(self.conversion.partitions.common, zero / "optimizer_state.pt")
+        for path in sorted(self.source.iterdir()):
             if (path.name.startswith("mp_rank_") and path.name.endswith("_model_states.pt")
                     or path.name.startswith("rng_rank") or path.name == MANIFEST):
-                _link_or_copy(path, tmp / path.name)
+                _link_or_copy(path, self.tmp / path.name)
+        os.replace(self.tmp, self.out)
+        return self.name
+
+
+def reshard(ckpt_dir: str | Path, tag: str, config: Any, *, target: ParallelDims,
+            saved: ParallelDims | None = None) -> str:
+    """Write `tag` (ZeRO-1/2) as a universal checkpoint for `target`, once, in this process alone;
+    returns its tag. `config`: the transformers config of the model (the checkpoint's); `saved`: the
+    layout it was saved at, read from its manifest when None."""
+    job = Resharding.plan(ckpt_dir, tag, config, target=target, saved=saved)
+    if job is None:
+        return universal_tag(tag, target)
+    job.clear()
+    try:
+        job.write_share(rank=0, world=1)
+        return job.commit()
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written is left
+        job.clear()  # nothing half-written is left
         raise
-    os.replace(tmp, out)
-    return name

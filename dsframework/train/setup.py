@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from dsframework.checkpoints import checkpoint as ckpt
-from dsframework.checkpoints.reshard import reshard, universal_tag
+from dsframework.checkpoints.reshard import universal_tag
 from dsframework.config import RunConfig, dump_run_config
 from dsframework.data import (
     load_texts,
@@ -63,6 +63,7 @@ from dsframework.runtime_facts import loss_chunking as rank_loss_chunking
 from dsframework.train.compiling import compile_engine, use_inductor_cache
 from dsframework.train.expert_load import ExpertLoad
 from dsframework.train.metrics import check_no_previous_outputs, remove_previous_outputs
+from dsframework.train.resharding import reshard_in_shares
 from dsframework.train.world import init_distributed, rank_zero_first
 
 
@@ -377,17 +378,16 @@ def resume_tag(run: RunConfig, dims: ParallelDims, manifest: dict[str, Any] | No
     """(tag to load, whether it is a universal checkpoint) for resuming at `dims`.
 
     The ZeRO stage and the model stay as saved (the model is checked before this is called);
-    tp, pp and dp may change, with the same global batch. Rank 0 converts the checkpoint once and
+    tp, pp and dp may change, with the same global batch. The checkpoint is converted once and
     every rank then loads its new shard of it (`checkpoint.load_universal`):
-    - dp alone, at tp = pp = 1, ZeRO-1/2/3: deepspeed's ds_to_universal (`checkpoint.to_universal`);
+    - dp alone, at tp = pp = 1, ZeRO-1/2/3: deepspeed's ds_to_universal on rank 0 (`checkpoint.to_universal`);
       with split experts, ep and dp (AutoEP's blocks before and after, at ep 1 too: its own names), the same;
-    - tp or pp (and dp beside them), ZeRO-1/2: `reshard.reshard`, through the dense layout.
+    - tp or pp (and dp beside them), ZeRO-1/2: every rank a share, through the dense layout
+      (`train/resharding.reshard_in_shares`).
     ZeRO-0 states are whole on every rank of a layout: dp may change, tp and pp may not. ZeRO-3 with
     tensor parallelism, and context parallelism, resume at their saved layout only (cp itself may not
     change; zero_hpz may).
     """
-    import torch.distributed
-
     tag = ckpt.latest_tag(run.checkpoint_dir)
     # (a manifest from before the ZeRO stage was recorded: taken to be this run's)
     was = ckpt.saved_layout(manifest, zero_stage=dims.zero_stage)
@@ -424,15 +424,25 @@ def resume_tag(run: RunConfig, dims: ParallelDims, manifest: dict[str, Any] | No
                         "shards", f"{keep} on {was.world} ranks")
     dp_only = not layers_move and not dims.tp_enabled and not dims.pp_enabled
     target = tag + ckpt.UNIVERSAL if dp_only else universal_tag(tag, dims)
-    with rank_zero_first():
-        if torch.distributed.get_rank() == 0:
-            print(f"dsf: resuming at {dims} from a checkpoint saved at {was}: "
-                  f"converting {tag} into {target}", flush=True)
-            if dp_only:
-                ckpt.to_universal(run.checkpoint_dir, tag)
-            else:
-                reshard(run.checkpoint_dir, tag, config, saved=was, target=dims)
+    convert(run.checkpoint_dir, tag, config, was=was, dims=dims, into=target)
     return target, True
+
+
+def convert(ckpt_dir: Path, tag: str, config: Any, *, was: ParallelDims, dims: ParallelDims, into: str) -> None:
+    """`tag` (saved at `was`) converted into the universal tag `into` for `dims`: by rank 0 with
+    DeepSpeed's ds_to_universal for a dp-only change, else by every rank, a share each."""
+    import torch
+
+    dp_only = into == tag + ckpt.UNIVERSAL
+    if torch.distributed.get_rank() == 0:
+        print(f"dsf: resuming at {dims} from a checkpoint saved at {was}: converting {tag} into {into}"
+              + ("" if dp_only else f" (each of the {dims.world} ranks a share of the parameters)"), flush=True)
+    if dp_only:
+        with rank_zero_first():
+            if torch.distributed.get_rank() == 0:
+                ckpt.to_universal(ckpt_dir, tag)
+    else:
+        reshard_in_shares(ckpt_dir, tag, config, saved=was, target=dims)
 
 
 def check_same_stage_and_cp(was: ParallelDims, dims: ParallelDims) -> None:

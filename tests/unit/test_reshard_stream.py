@@ -226,6 +226,34 @@ def test_streamed_writes_what_the_whole_model_route_wrote(tmp_path, case):
                 assert torch.equal(stored[PARAM], value), (hf, key)
 
 
+def test_shares_written_by_several_ranks_make_the_same_files(tmp_path):
+    """A job's ranks each write a share (here three ranks, one after the other, as processes would):
+    every parameter once, about a third of the elements each, and the committed folder is the one
+    process's, file for file."""
+    from dsframework.checkpoints.reshard import Resharding, share_of
+
+    config = model_config("tiny-llama", vocab_size=17)
+    saved = ParallelDims(world=8, tp=2, pp=2, zero_stage=1)
+    target = ParallelDims(world=4, tp=2, zero_stage=1)
+    dense = write_checkpoint(tmp_path / "one" / TAG, config, saved)
+    linked_copy(tmp_path / "one", tmp_path / "shared")
+    alone = tmp_path / "one" / reshard(tmp_path / "one", TAG, config, saved=saved, target=target)
+
+    job = Resharding.plan(tmp_path / "shared", TAG, config, saved=saved, target=target)
+    shares = [share_of(job.conversion.shapes, rank, 3) for rank in range(3)]
+    assert sorted(sum(shares, [])) == sorted(job.conversion.shapes)
+    elements = [sum(job.conversion.shapes[hf].numel() for hf in share) for share in shares]
+    largest = max(shape.numel() for shape in job.conversion.shapes.values())
+    assert max(elements) - min(elements) <= largest, elements
+    job.clear()
+    for rank in range(3):
+        job.write_share(rank=rank, world=3)
+    assert not (tmp_path / "shared" / job.name).exists(), "not whole before the commit"
+    assert job.commit() == alone.name
+    assert assert_same_files(tmp_path / "shared" / job.name, alone) == 1 + 4 * len(dense)
+    assert Resharding.plan(tmp_path / "shared", TAG, config, saved=saved, target=target) is None
+
+
 # --- memory ------------------------------------------------------------------------------------------
 
 MID_LLAMA = {"vocab_size": 8192, "hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 12,

@@ -1,7 +1,7 @@
 """A resume at another layout converts its checkpoint with every rank of the job: each writes the
-universal files of its share of the parameters (checkpoints/reshard.py `Resharding`), so no process
-holds more than one parameter's states at a time and the conversion takes about 1/world of the time
-one process would.
+universal files of its share of the parameters (checkpoints/reshard.py `Resharding`): about 1/world
+of the elements each, one parameter's states at a time, so no process holds more than that and the
+work is divided among the job's processes instead of left to rank 0.
 
     reshard_in_shares(run.checkpoint_dir, "global_step4", config, saved=was, target=dims)  # all ranks
     # -> "global_step4.universal-tp1pp1dp4", whole on disk when any rank returns

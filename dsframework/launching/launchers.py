@@ -38,11 +38,12 @@ import click
 from dsframework.errors import UserError
 from dsframework.launching import hostfile as launch
 from dsframework.launching.exits import job_code
-from dsframework.launching.watch import Outcome, watch_job
+from dsframework.launching.watch import SRUN_NODE, Outcome, watch_job, watch_srun
 
 SLURM_NODEID = "__DSF_SLURM_NODEID__"  # replaced by $SLURM_NODEID once the line is quoted
 MPI_ENTRY = "dsframework.commands.mpi_rank"  # `deepspeed --module dsframework.commands.mpi_rank MASTER:PORT train ...`
 CHECK_TIMEOUT_S = 15.0
+RANK_PROBE_S = 60.0  # a node's first `import torch, deepspeed` (a cold filesystem cache)
 
 
 @dataclass
@@ -116,6 +117,13 @@ class Launcher:
     def probe(self, host: str) -> str | None:
         """None when `host` can take part, else why not (one line). Default: its name resolves."""
         return resolve_reason(host)
+
+    def rank_probe(self, host: str) -> str | None:
+        """`probe`, then: a rank could start on `host` (this Python imports torch and deepspeed there,
+        over ssh); the pre-flight of a restart (launching/restarts.py)."""
+        imports = (f"{shlex.quote(sys.executable)} -c 'import torch, deepspeed' >/dev/null 2>&1 || "
+                   f"{{ echo 'cannot import torch and deepspeed with {sys.executable}'; exit 3; }}")
+        return self.probe(host) or ssh_reason(host, imports, timeout_s=RANK_PROBE_S)
 
     def hosts_to_check(self, job: Job) -> list[str]:
         return [host for host in job.active if host not in launch.local_names()]
@@ -389,8 +397,7 @@ class Slurm(NoSsh):
 
     name = "slurm"
     tools = ("srun",)
-    cannot_restart = ("does not restart inside an allocation yet (SLURM requeues a preempted job itself: exit 143, "
-                      "docs/launching.md#exit-codes)")
+    cannot_restart = None  # srun steps inside the allocation, on the nodes that remain
     check_flags = Launcher.check_flags  # --node-rank is SLURM's to give
 
     def prepare(self, job: Job, *, starting: bool) -> None:
@@ -404,20 +411,48 @@ class Slurm(NoSsh):
         return ("run dsf launch inside the job (launch/slurm.sbatch) or an salloc shell" if tool == "SLURM_JOB_ID"
                 else super().tool_fix(tool))
 
-    def srun(self, job: Job) -> list[str]:
-        return srun_command([job.deepspeed, *self.flags(job, SLURM_NODEID), job.dsf, *job.train_args], job.active)
+    def srun(self, job: Job, *, labelled: bool = False) -> list[str]:
+        return srun_command([job.deepspeed, *self.flags(job, SLURM_NODEID), job.dsf, *job.train_args], job.active,
+                            labelled=labelled)
+
+    def hosts_to_check(self, job: Job) -> list[str]:
+        return list(job.active)  # through srun: this node too, as a step of the allocation
+
+    def rank_probe(self, host: str) -> str | None:
+        """None when a one-task srun step on `host` imports torch and deepspeed with this Python: the
+        node is up in SLURM's eyes, inside the allocation, and can start a rank."""
+        srun = shutil.which("srun") or "srun"
+        # (no --immediate: the failed step's tasks may still be ending, and srun then waits for them)
+        cmd = [srun, "--nodes=1", "--ntasks=1", f"--nodelist={host}", sys.executable, "-c", "import torch, deepspeed"]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RANK_PROBE_S, stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            return f"an srun step on {host} did not finish within {RANK_PROBE_S:.0f} s"
+        lines = [line.strip() for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+        return None if proc.returncode == 0 else (lines[-1] if lines else f"srun exited with code {proc.returncode}")
+
+    def start_watched(self, job: Job) -> Outcome:
+        """`start`, with srun's output labelled by task, so that a failure names its node
+        (launching/watch.watch_srun); the Outcome, its code as launching/exits.py documents it."""
+        self.start(job, watched=True)
+        return self.outcome
 
     def dry_run(self, job: Job) -> Iterator[str]:
         yield f"srun: {launch.shell_line(self.srun(job), job.env)}"
 
-    def start(self, job: Job) -> int:
+    def start(self, job: Job, *, watched: bool = False) -> int:
         for name, why in self.missing_tools():
             if why is not None:
                 raise UserError("--launcher", "slurm", f"{name} {why}",
                                 "run inside the allocation: sbatch launch/slurm.sbatch, or salloc")
-        argv = self.srun(job)
+        argv = self.srun(job, labelled=watched)
         argv[0] = shutil.which("srun")
-        return run_mapped(argv, {**os.environ, **job.explicit}, job)
+        if not watched:
+            return run_mapped(argv, {**os.environ, **job.explicit}, job)
+        started = time.time()
+        self.outcome = watch_srun(argv, env={**os.environ, **job.explicit}, hosts=list(job.active))
+        self.outcome.code = job_code(self.outcome.code, job.output_dir, since=started)
+        return self.outcome.code
 
 
 LAUNCHERS: dict[str, type[Launcher]] = {cls.name: cls for cls in (Pdsh, OpenMPI, MVAPICH, Slurm, NoSsh)}
@@ -482,13 +517,19 @@ def check_slurm_resources(active: Mapping[str, list[int]], *, include: str, excl
                         "every host with --num-gpus N") from None
 
 
-def srun_command(node_argv: list[str], active: Mapping[str, list[int]]) -> list[str]:
+def srun_command(node_argv: list[str], active: Mapping[str, list[int]], *, labelled: bool = False) -> list[str]:
     """srun starting `node_argv` once per active host, inside the allocation; its `--node_rank`
-    is $SLURM_NODEID, single-quoted so that each node expands its own."""
+    is $SLURM_NODEID, single-quoted so that each node expands its own. `labelled`: every line
+    carries its task's number (--label), and each task first names its node (watch.SRUN_NODE)."""
     # scancel --signal=TERM (preemption) signals every process of the step. deepspeed's runner has no
     # handler and would die at once, ending the task, and SLURM then kills what is left of the step
     # (the launcher, the ranks saving their checkpoint). Ignored here, the runner (SIG_IGN survives
     # exec) waits for its launcher, which passes TERM on; the ranks and the launcher set their own.
     script = "trap '' TERM; " + shlex.join(node_argv).replace(SLURM_NODEID, "$SLURM_NODEID")
-    return ["srun", f"--nodes={len(active)}", "--ntasks-per-node=1", f"--nodelist={','.join(active)}",
-            "--kill-on-bad-exit=1", "bash", "-c", script]
+    if labelled:
+        script = f'echo "{SRUN_NODE}$SLURMD_NODENAME"; ' + script
+    # --ntasks too: srun takes the allocation's SLURM_NTASKS as its default, which would put two
+    # launchers on a node when the job runs on fewer nodes than it was given (a node left out)
+    return ["srun", f"--nodes={len(active)}", f"--ntasks={len(active)}", "--ntasks-per-node=1",
+            f"--nodelist={','.join(active)}",
+            "--kill-on-bad-exit=1", *(["--label"] if labelled else []), "bash", "-c", script]

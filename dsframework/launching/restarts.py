@@ -4,8 +4,9 @@ on the nodes that pass a pre-flight check, at a layout re-planned for them.
     code = run_with_restarts(Pdsh(), job, run, max_restarts=3, cluster_name=None)
 
 After a failure (a dead rank, a hung one: faults.hang_timeout, a node that stopped answering):
-1. every node of the job is checked again (ssh, the checkout and venv: the launcher's `probe`;
-   then `import torch, deepspeed` by the venv's Python there: `rank_probe`); a node that fails
+1. every node of the job is checked again (the launcher's `rank_probe`: pdsh's ssh, checkout and
+   venv, then `import torch, deepspeed` by the venv's Python there; slurm's, that import as a
+   one-task srun step on the node, inside the allocation); a node that fails
    is left out for the rest of the job, and so is a node that passes but is the site of its
    second failure. `blocklist.json` in output_dir keeps them, with the reason;
 2. the layout is re-planned when the world changed (launching/replan.py: same global batch, same
@@ -25,8 +26,6 @@ starts a new blocklist and log; --resume continues them.
 from __future__ import annotations
 
 import json
-import shlex
-import sys
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
@@ -40,13 +39,12 @@ from dsframework.checkpoints import checkpoint as ckpt
 from dsframework.errors import UserError
 from dsframework.launching.exits import BAD_INPUT, FINISHED, GIVEN_UP, PREEMPTED
 from dsframework.launching.goodput import Timeline, last_step
-from dsframework.launching.launchers import Job, check_hosts, ssh_reason
+from dsframework.launching.launchers import Job, check_hosts
 from dsframework.launching.replan import replan
 from dsframework.layout import ParallelDims
 
 BLOCKLIST, LOG, GOODPUT = "blocklist.json", "restarts.jsonl", "goodput.json"
 NO_PROGRESS_LIMIT = 2
-RANK_PROBE_S = 60.0
 
 
 @dataclass
@@ -85,7 +83,7 @@ def check_can_restart(how: Any, max_restarts: int) -> None:
     """UserError before anything starts when `how` (a launcher) cannot restart a job."""
     if max_restarts > 0 and how.cannot_restart:
         raise UserError("--max-restarts", max_restarts, f"--launcher {how.name} {how.cannot_restart}",
-                        "use --launcher pdsh (or no hostfile), or --max-restarts 0")
+                        "use --launcher pdsh (or no hostfile) or slurm, or --max-restarts 0")
 
 
 def run_with_restarts(how: Any, job: Job, run: Any, *, max_restarts: int, cluster_name: str | None) -> int:
@@ -153,7 +151,7 @@ def _next_attempt(how: Any, job: Job, run: Any, state: RestartState, dims: Paral
                   cluster_name: str | None, failed: str | None) -> tuple[Job, ParallelDims, dict[str, str]]:
     """The job to start next: the nodes that pass the pre-flight, at the layout planned for them."""
     left_out = {}
-    for host, why in check_hosts(how.hosts_to_check(job), lambda host: how.probe(host) or rank_probe(host)):
+    for host, why in check_hosts(how.hosts_to_check(job), how.rank_probe):
         if why is not None:
             left_out[host] = why
     if failed in job.active and failed not in left_out and state.failures.get(failed, 0) >= 2:
@@ -173,14 +171,6 @@ def _next_attempt(how: Any, job: Job, run: Any, state: RestartState, dims: Paral
                   master=next(iter(job.active)) if job.master not in job.active else job.master)
     how.prepare(job, starting=True)
     return job, new_dims, left_out
-
-
-def rank_probe(host: str) -> str | None:
-    """None when a rank could start on `host`: this Python imports torch and deepspeed there."""
-    python = shlex.quote(sys.executable)
-    return ssh_reason(host, f"{python} -c 'import torch, deepspeed' >/dev/null 2>&1 || "
-                            f"{{ echo 'cannot import torch and deepspeed with {sys.executable}'; exit 3; }}",
-                      timeout_s=RANK_PROBE_S)
 
 
 def without_blocked(job: Job, state: RestartState) -> Job:

@@ -161,6 +161,73 @@ def watch_job(argv: list[str], *, env: Mapping[str, str], hosts: list[str], worl
             _kill_group(runner)
 
 
+SRUN_NODE = "dsf-node: "  # the first line each srun task prints: `dsf-node: $SLURMD_NODENAME`
+SRUN_TASK_LINE = re.compile(r"^\s*(?P<task>\d+): (?P<text>.*)$")  # srun --label (padded past 9 tasks)
+SRUN_TASK_END = re.compile(r"^srun: error: (?P<host>[^:\s]+): tasks? [\d,-]+: (?P<how>.*)$")
+SRUN_NODE_FAILURE = re.compile(r"^srun: error: Node failure on (?P<host>[^:\s]+)")
+
+
+class SrunLines:
+    """srun's --label output as `host: text` lines for NodeLines: each task first says which node
+    it runs on (SRUN_NODE); srun's own `srun: error: node1: task 1: Exited with exit code 3` (or
+    `Node failure on node1`) says which node ended, in the order they did."""
+
+    def __init__(self, nodes: NodeLines) -> None:
+        self.nodes, self.host_of = nodes, {}
+
+    def add(self, line: str) -> tuple[str, int] | None:
+        ended = SRUN_TASK_END.match(line) or SRUN_NODE_FAILURE.match(line)
+        if ended and ended["host"] in self.nodes.hosts:
+            how = ended.groupdict().get("how") or "node failure"
+            self.nodes.add(f"{ended['host']}: {line}")
+            code = re.search(r"exit code (\d+)", how)
+            return ended["host"], int(code.group(1)) if code else 1
+        labelled = SRUN_TASK_LINE.match(line)
+        if labelled is None:
+            return None
+        task, text = int(labelled["task"]), labelled["text"]
+        if text.startswith(SRUN_NODE):
+            self.host_of[task] = text[len(SRUN_NODE):].strip()
+        elif task in self.host_of:
+            self.nodes.add(f"{self.host_of[task]}: {text}")
+        return None
+
+
+def watch_srun(argv: list[str], *, env: Mapping[str, str], hosts: list[str]) -> Outcome:
+    """Run an `srun --label --kill-on-bad-exit` job step to its end (srun stops the other tasks when
+    one fails), passing its output on; its Outcome names the node that failed first with its most
+    telling line (`dsf launch --launcher slurm --max-restarts`)."""
+    env = {**env, "PYTHONUNBUFFERED": "1"}
+    srun = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
+                            errors="replace", bufsize=1)
+    told: list[int] = []
+
+    def forward(signum: int, frame: object) -> None:  # srun passes them on to every task
+        told.append(signum)
+        srun.send_signal(signum)
+
+    old = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    lines: "queue.Queue[str | None]" = queue.Queue()
+    threading.Thread(target=_pump, args=(srun, lines), daemon=True).start()
+    nodes = NodeLines(hosts)
+    tasks, failed = SrunLines(nodes), {}
+    try:
+        while (line := lines.get()) is not None:
+            ended = tasks.add(line)
+            if ended and ended[0] not in failed:
+                failed[ended[0]] = ended[1]
+        code = srun.wait()
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    code = code if code >= 0 else 128 - code
+    if code == 0 or told or not failed:
+        return Outcome(code, stopped=bool(told))
+    failure = nodes.blame(failed)
+    print(f"dsf: error: {failure.line()}; srun stopped the job step on every node", file=sys.stderr, flush=True)
+    return Outcome(code, failure)
+
+
 def _pump(proc: subprocess.Popen, out: "queue.Queue[str | None]") -> None:
     """Pass every line on to our stdout as it comes, and to the watcher."""
     for line in proc.stdout:

@@ -9,7 +9,9 @@ cause, and no process of the job is left on any node.
 - node1 dies whole under `--max-restarts 1`: the job goes on without it, re-planned, and finishes;
 - `dsf launch --check` passes with both nodes up and names node1 (exit 2) with its sshd down;
 - `scancel --signal=TERM` (what SLURM sends before preemption) during an sbatch training leaves a
-  checkpoint at the step it stopped at; resuming it continues exactly (1e-6).
+  checkpoint at the step it stopped at; resuming it continues exactly (1e-6);
+- under SLURM with `--max-restarts 2`, a rank killed twice on node1: restarted inside the allocation,
+  then without node1, re-planned, and finished.
 """
 from __future__ import annotations
 
@@ -199,10 +201,15 @@ def test_a_node_lost_mid_run_is_left_out_and_the_job_finishes_replanned(pdsh_clu
     assert restart["nodes"] == ["node0"] and "node1" in restart["left_out"], restart
     assert restart["layout"] == "tp 2 x pp 1 x cp 1 x dp 1" and "parallel.pp=1" in restart["overrides"], restart
     assert json.loads((out / "blocklist.json").read_text()).keys() == {"node1"}
+    assert_resumed_as_by_hand(out, restart, overrides, tmp_path / "by-hand", what="restarted on node0")
+
+
+def assert_resumed_as_by_hand(out: Path, restart: dict, overrides: list[str], by_hand: Path, *, what: str) -> None:
+    """Every step 1..RESTART_STEPS logged, and those after `restart` (restarts.jsonl's entry) equal
+    the same checkpoint resumed by hand at the layout the restart chose, on node0's 2 ranks (1e-5)."""
     got = losses(out)
     assert sorted(got) == list(range(1, RESTART_STEPS + 1)), sorted(got)
     resumed_at = int(restart["resumes"].removeprefix("global_step"))
-    by_hand = tmp_path / "by-hand"  # the same checkpoint, resumed at the layout the restart chose
     shutil.copytree(out / "checkpoints", by_hand / "checkpoints", ignore=lambda folder, names: [
         n for n in names if n.startswith("global_step") and n != restart["resumes"]])
     (by_hand / "checkpoints" / "latest").write_text(restart["resumes"])
@@ -210,7 +217,7 @@ def test_a_node_lost_mid_run_is_left_out_and_the_job_finishes_replanned(pdsh_clu
     launch([str(BIN / "dsf"), "train", *args, "--resume"], num_ranks=2, timeout=300)
     want = losses(by_hand)
     assert sorted(want) == list(range(resumed_at + 1, RESTART_STEPS + 1)), sorted(want)
-    assert_close({s: got[s] for s in want}, want, rtol=1e-5, what="restarted on node0 vs resumed by hand")
+    assert_close({s: got[s] for s in want}, want, rtol=1e-5, what=f"{what} vs resumed by hand")
 
 
 def test_check_reports_every_host_then_names_node1_without_sshd(pdsh_cluster, tmp_path):
@@ -263,6 +270,44 @@ def preempted(slurm, tmp_path_factory):
     latest = out / "checkpoints" / "latest"
     return (workdir, job, output, took, max(losses(out)), latest.read_text().strip() if latest.exists() else None,
             int(exit_code.group(1)) if exit_code else None)
+
+
+def test_slurm_restarts_inside_the_allocation_and_leaves_a_twice_failed_node_out(slurm, tmp_path):
+    """`sbatch launch/slurm.sbatch ... --max-restarts 2` on 2 nodes x 2 ranks (dp 4, ZeRO-1): rank
+    3's trainer on node1 is killed past step RESTART_EVERY + 3, and again past 2 x RESTART_EVERY + 3
+    in the restarted attempt. Unattended, inside its allocation, the job restarts on both nodes
+    (node1 passes the srun pre-flight), then, node1 being the site of its second failure, on node0
+    alone, re-planned for 2 ranks, and finishes every step; each failure names node1 and rank 3,
+    and the steps after the last restart equal its checkpoint resumed by hand (1e-5)."""
+    out = tmp_path / "out"
+    overrides = ["parallel.zero_stage=1", f"train.stop_after={RESTART_STEPS}", f"checkpoint.every={RESTART_EVERY}"]
+    job = sbatch(slurm, tmp_path, [*launch_args(out, overrides), "--max-restarts", "2"])
+    log = tmp_path / f"slurm-{job}.out"
+    try:
+        for past in (RESTART_EVERY + 3, 2 * RESTART_EVERY + 3):
+            def reached() -> bool:
+                state = job_state(slurm, job)
+                assert state in ("PENDING", "CONFIGURING", "RUNNING"), f"job {job} {state}:\n" + (
+                    log.read_text()[-3000:] if log.exists() else "")
+                return last_logged_step(out / "metrics.jsonl") >= past and len(trainers(slurm, 1)) == 2
+
+            wait_until(reached, timeout=TIMEOUT, what=f"step {past} on both nodes", every=0.1)
+            os.kill(trainers(slurm, 1)[3], signal.SIGKILL)
+        state = wait_job(slurm, job, timeout=TIMEOUT)
+    finally:
+        if job_state(slurm, job) not in ("COMPLETED", "FAILED", "CANCELLED", "GONE"):
+            slurm.run(0, ["scancel", job], env={**node_env(slurm), **slurm.slurm_env()}, timeout=15)
+    output = log.read_text()
+    assert state == "COMPLETED", f"job {job}: {state}\n{output[-4000:]}"
+    assert not job_processes(slurm), "the job left processes"
+    first, second = [json.loads(line) for line in (out / "restarts.jsonl").read_text().splitlines()]
+    for restart in (first, second):
+        assert "node1" in restart["why"] and "rank 3" in restart["why"], restart
+    assert first["nodes"] == ["node0", "node1"] and first["left_out"] == {} and first["layout"].endswith("dp 4")
+    assert second["nodes"] == ["node0"] and "node1" in second["left_out"], second
+    assert second["layout"] == "tp 1 x pp 1 x cp 1 x dp 2", second
+    assert one_line(output, "restart 2 of 2", "node1 left out"), output[-3000:]
+    assert_resumed_as_by_hand(out, second, overrides, tmp_path / "by-hand", what="restarted in the allocation")
 
 
 def test_slurm_sigterm_checkpoints_the_step(preempted):

@@ -195,7 +195,7 @@ def test_slurm_dry_run_prints_one_srun_line(in_tmp):
     (line,) = out["srun"]
     assert "--node_rank $SLURM_NODEID" in line and "bash -c '" in line  # single quotes: each node expands it
     argv = shlex.split(line)
-    assert argv[:6] == ["srun", "--nodes=2", "--ntasks-per-node=1", "--nodelist=worker-0,worker-1",
+    assert argv[:7] == ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--nodelist=worker-0,worker-1",
                         "--kill-on-bad-exit=1", "bash"]
     for node in ("0", "1"):  # what bash runs on node k
         script = shlex.split(argv[-1].replace("$SLURM_NODEID", node))

@@ -22,13 +22,41 @@ def run_at(*overrides: str):
                                        *overrides])
 
 
-def test_only_pdsh_restarts():
+def test_pdsh_and_slurm_restart():
     check_can_restart(LAUNCHERS["pdsh"](), 3)
+    check_can_restart(LAUNCHERS["slurm"](), 3)
     for name, why in (("openmpi", "does not say which node failed"), ("mvapich", "does not say which node failed"),
-                      ("no_ssh", "starts one node per command"), ("slurm", "does not restart inside an allocation")):
+                      ("no_ssh", "starts one node per command")):
         check_can_restart(LAUNCHERS[name](), 0)
         with pytest.raises(UserError, match=rf"^--max-restarts=2: --launcher {name} {why}.*; use --launcher pdsh"):
             check_can_restart(LAUNCHERS[name](), 2)
+
+
+def test_srun_output_names_the_node_that_failed_first():
+    """srun --label: each task names its node first; srun's own lines say which tasks ended and how.
+    The node whose rank was killed is blamed with its rank watcher's line, not the node srun
+    stopped after it."""
+    from dsframework.launching.watch import NodeLines, SrunLines
+
+    nodes = NodeLines(["node0", "node1"])
+    lines = SrunLines(nodes)
+    ended = [lines.add(line) for line in (
+        "1: dsf-node: node1", " 0: dsf-node: node0", "0: step 5 loss 3.2", "1: [rank 3] step 5",
+        "1: dsf: rank 3 (pid 77) was killed by SIGKILL at step 6", "unlabelled noise",
+        "srun: error: node1: task 1: Exited with exit code 137", "srun: error: node0: task 0: Killed")]
+    assert ended[:6] == [None] * 6 and ended[6:] == [("node1", 137), ("node0", 1)]
+    failure = nodes.blame({"node1": 137, "node0": 1})
+    assert (failure.host, failure.code) == ("node1", 137) and "rank 3 (pid 77) was killed by SIGKILL" in failure.cause
+    assert lines.add("srun: error: Node failure on node0") == ("node0", 1)
+    assert lines.add("srun: error: node7: task 3: Exited with exit code 1") is None  # not a node of this job
+
+
+def test_a_labelled_srun_step_names_each_node_first():
+    from dsframework.launching.launchers import srun_command
+
+    argv = srun_command(["deepspeed", "x"], OrderedDict(node0=[0, 1], node1=[0, 1]), labelled=True)
+    assert "--label" in argv and argv[-1].startswith('echo "dsf-node: $SLURMD_NODENAME"; trap')
+    assert "--label" not in srun_command(["deepspeed", "x"], OrderedDict(node0=[0, 1]))
 
 
 def test_the_same_world_keeps_the_layout():

@@ -83,7 +83,8 @@ def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False,
     with clock.phase("restore"):  # on resume at another layout, rank 0 converts the checkpoint
         load_tag, universal = resume_tag(run, world.dims, manifest, data.config) if resume else (None, False)
     ds_config = build_ds_config(run.train, run.parallel, dp_size=world.dims.dp,
-                                wall_clock_breakdown=run.logging.breakdown, load_universal=universal)
+                                wall_clock_breakdown=run.logging.breakdown, load_universal=universal,
+                                checkpoint_writer=run.checkpoint.writer)
     with clock.phase("model"):
         model = build_model_for_layout(run, source, data.config, world, ds_config, batch)
     with clock.phase("deepspeed.initialize"):
@@ -316,6 +317,8 @@ def build_engine(run: RunConfig, model: Any, ds_config: dict[str, Any], world: W
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config,
         mpu=None if world.dims.pp_enabled else world.grid)
+    if engine.checkpoint_engine.is_decoupled():  # checkpoint.writer=decoupled (checkpoints/checkpoint.py)
+        engine.checkpoint_engine = ckpt.DecoupledWriter(engine.checkpoint_engine)
     if run.train.compile is True:
         compile_engine(engine)
     return engine

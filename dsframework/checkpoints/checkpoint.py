@@ -34,11 +34,13 @@ import os
 import pickle
 import random
 import shutil
+import signal
 import time
 from argparse import Namespace
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from dsframework.errors import UserError, raised_in
 from dsframework.files import written_then_renamed
@@ -178,6 +180,27 @@ class DecoupledWriter:
 
     def __getattr__(self, name: str) -> Any:  # the rest is DeepSpeed's engine unchanged
         return getattr(self.inner, name)
+
+
+@contextmanager
+def writer_spared_by_sigterm(decoupled: bool) -> Iterator[None]:
+    """Start DeepSpeed's decoupled writer (`deepspeed.initialize` spawns it) inside this block: it
+    inherits SIGTERM ignored, as an ignored signal stays across exec. SLURM before a preemption and
+    DeepSpeed's launcher signal every process of a rank's tree, the writer too, and the checkpoint the
+    trainer then saves needs it alive. It ends when the trainer closes it (`close_writer`) or, if the
+    trainer dies first, by the rank's watcher (launching/supervise.py). Nothing changes for the sync writer.
+
+        with writer_spared_by_sigterm(run.checkpoint.writer == "decoupled"):
+            engine, *_ = deepspeed.initialize(...)
+    """
+    if not decoupled:
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def is_decoupled(engine: Any) -> bool:

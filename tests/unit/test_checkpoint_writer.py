@@ -114,3 +114,25 @@ def test_the_writer_loads_deepspeeds_own_files(tmp_path):
 
 class _Opaque:
     """An object of a class torch's weights-only unpickler does not know."""
+
+
+def test_the_writer_is_started_with_sigterm_ignored_and_the_trainers_handler_comes_back():
+    """A spawned process keeps an ignored SIGTERM across exec: the job's SIGTERM (a preemption) then
+    leaves the writer alive for the checkpoint the trainer saves on it. Without it that save fails
+    with "Cannot commit checkpoint: checkpoint process is not running" (seen with a real SIGTERM)."""
+    import signal
+
+    from dsframework.checkpoints.checkpoint import writer_spared_by_sigterm
+
+    def handler(signum, frame):
+        pass
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        with writer_spared_by_sigterm(True):
+            assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) is handler
+        with writer_spared_by_sigterm(False):  # the sync writer: nothing changes
+            assert signal.getsignal(signal.SIGTERM) is handler
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -11,6 +11,8 @@
         run.yaml                 the resolved run config
 
     save(engine, ckpt_dir, step=100, consumed_samples=3200, layout=dims)   # dims: the run's ParallelDims
+    pending = start_save(engine, ckpt_dir, step=100, consumed_samples=3200, layout=dims)  # the same in two
+    commit(engine, pending)              # halves: checkpoint.writer=decoupled commits after the next step
     manifest = verify(ckpt_dir, "global_step100")  # UserError naming a missing or truncated file
     saved_layout(manifest)               # the ParallelDims it was saved at (None: no manifest)
     state = load(engine, ckpt_dir)       # {"step": 100, "consumed_samples": 3200}
@@ -22,7 +24,9 @@ the module non-strictly, after checking the checkpoint holds exactly the paramet
 
 A checkpoint is written under `global_stepN.partial`, its manifest written last, then renamed
 to `global_stepN` and only then named in `latest` (write-to-temp + os.replace): a crash at any
-point leaves `latest` on the previous complete checkpoint. The client state holds the step and
+point leaves `latest` on the previous complete checkpoint. With checkpoint.writer=decoupled,
+DeepSpeed's background process per rank writes the shards (`DecoupledWriter`) while the next step
+runs, and the commit waits until every rank's writer has finished. The client state holds the step and
 the data position; each rank's RNG states sit beside the shards, so a resumed run draws the
 same random numbers as one that never stopped. Checkpoints live on a filesystem every node sees
 (as DeepSpeed's own loading and zero_to_fp32 assume).
@@ -210,7 +214,7 @@ def is_decoupled(engine: Any) -> bool:
 
 def close_writer(engine: Any) -> None:
     """End the decoupled writer's process (after finishing what it was given); nothing for the sync
-    writer. Each rank, when its run ends however it ends: a live writer would keep the process from exiting."""
+    writer. Each rank, when its run ends however it ends: else the writer outlives it, waiting for work."""
     if engine is not None and is_decoupled(engine):
         engine.checkpoint_engine.cleanup()
 

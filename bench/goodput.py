@@ -3,6 +3,7 @@ the same failures handled by hand, on the tests' namespaced nodes (2 nodes x 2 C
 
     .venv/bin/python bench/goodput.py              # checkpoint every 10 and every 40 steps (~6 min, root)
     .venv/bin/python bench/goodput.py --json       # the figures for machines
+    .venv/bin/python bench/goodput.py --stall      # the stall per checkpoint, sync vs decoupled writer (one node, ~3 min)
 
 Each job trains tiny.yaml's model (tests/cluster's run, tp 1 x dp 4, ZeRO-2) for --steps steps with
 `--max-restarts 2` and `faults.hang_timeout=10`, and gets two failures:
@@ -20,6 +21,15 @@ rank: as fast as dsf's own stop, which only names the node; a hang: at the colle
 HANG_BY_HAND_S = 30 min, DeepSpeed's and torch's default), a person reacts (REACTION_S = 5 min),
 and the restart then takes as long as it took here; ETTR = training / that wall time.
 The checkpoint stall is the trainer's seconds per checkpoint (DeepSpeed's own writer, synchronous).
+
+--stall (no namespaced nodes, no failures): the same model size class trained twice on this node
+(`deepspeed --num_gpus 2 dsf train`, STALL_MODEL, a checkpoint every --stall-every steps), with
+checkpoint.writer=sync and =decoupled (DeepSpeed's background writer). The stall per checkpoint is
+what the trainer waited for it (checkpoint_times.jsonl): sync, the whole save; decoupled, handing
+the state to the writer + the wait for it inside the next optimizer step + the commit. Reported:
+the first checkpoint (decoupled: it also waits for the writer process to start), the mid-run ones'
+mean, the last (the run waits for it to be on disk, decoupled too), the steps' median tokens/s
+(the writer's process shares the CPUs), and the ratios sync / decoupled.
 Per failure: what one failure cost, dsf (restarting + steps redone) vs by hand (the same, plus the
 reaction, plus the collective's timeout for the hang), averaged over the job's failures.
 """
@@ -95,13 +105,96 @@ def one_job(cluster, work: Path, *, steps: int, every: int, fail_at: list[int]) 
             "stall_s": goodput["checkpoint_s"] / max(saved, 1)}
 
 
+# About 58M parameters (a checkpoint of ~0.9 GB with Adam's states): large enough that writing it
+# takes seconds on this machine, small enough that a step on 2 CPU ranks takes about one.
+STALL_MODEL = ("{vocab_size: 32000, hidden_size: 512, intermediate_size: 1408, num_hidden_layers: 8, "
+               "num_attention_heads: 8, num_key_value_heads: 8}")
+STALL_TRAIN = ["parallel.zero_stage=1", "train.global_batch=8", "train.micro_batch=4", "data.seq_len=32",
+               "data.num_examples=2000", "train.precision=fp32", "train.warmup_steps=0", "checkpoint.save_final=true",
+               "logging.every=1", "logging.eval_every=0", "logging.progress=false", "train.compile=false"]
+
+
+def stall_run(work: Path, writer: str, *, steps: int, every: int) -> dict:
+    """One `deepspeed --num_gpus 2 dsf train` on this node with checkpoint.writer=`writer`: each
+    checkpoint's stall (step -> seconds, checkpoint_times.jsonl) and each step's tokens/s."""
+    import socket
+    import subprocess
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = work / writer
+    sets = [arg for o in [f"model.overrides={STALL_MODEL}", *STALL_TRAIN, f"train.steps={steps}",
+                          f"checkpoint.every={every}", f"checkpoint.writer={writer}", f"output_dir={out}"]
+            for arg in ("--set", o)]
+    bin_dir = Path(sys.executable).parent
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=str(REPO))  # this checkout's dsframework, in every rank and writer process
+    log = work / f"{writer}.log"
+    with log.open("w") as sink:
+        code = subprocess.run([str(bin_dir / "deepspeed"), "--num_gpus", "2", "--master_port", str(port),
+                               str(bin_dir / "dsf"), "train", str(REPO / "launch/examples/tiny.yaml"), *sets],
+                              stdout=sink, stderr=subprocess.STDOUT, cwd=REPO, env=env).returncode
+    if code != 0:
+        raise SystemExit(f"the {writer} run failed ({code}):\n{log.read_text()[-3000:]}")
+    stalls = {r["step"]: r["seconds"] for r in map(json.loads, (out / "checkpoint_times.jsonl").read_text().splitlines())}
+    rates = [r["tokens_per_s"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+             if "tokens_per_s" in r]
+    return {"writer": writer, "stalls": stalls, "tokens_per_s": rates}
+
+
+def stall_summary(run: dict) -> dict:
+    """A stall_run's figures: the first checkpoint's stall, the mean of the ones between the first and
+    the last, the last's, and the steps' median tokens/s."""
+    import statistics
+
+    ordered = [run["stalls"][step] for step in sorted(run["stalls"])]
+    middle = ordered[1:-1]
+    return {"writer": run["writer"], "checkpoints": len(ordered), "first_s": ordered[0],
+            "mid_s": statistics.mean(middle) if middle else float("nan"), "last_s": ordered[-1],
+            "tokens_per_s": statistics.median(run["tokens_per_s"])}
+
+
+def stall_table(summaries: list[dict]) -> str:
+    """A row per writer, then the ratios of the first row's figures to each other row's."""
+    lines = ["| writer | checkpoints | first stall s | mid-run stall s (mean) | last stall s | tokens/s (median step) |",
+             "|---|" + "---:|" * 5]
+    for r in summaries:
+        lines.append(f"| {r['writer']} | {r['checkpoints']} | {r['first_s']:.3f} | {r['mid_s']:.3f} "
+                     f"| {r['last_s']:.3f} | {r['tokens_per_s']:.0f} |")
+    base = summaries[0]
+    for r in summaries[1:]:
+        ratio = {key: base[key] / r[key] if r[key] else float("inf")
+                 for key in ("first_s", "mid_s", "last_s", "tokens_per_s")}
+        lines.append(f"| {base['writer']} / {r['writer']} | | {ratio['first_s']:.1f}x | {ratio['mid_s']:.1f}x "
+                     f"| {ratio['last_s']:.1f}x | {ratio['tokens_per_s']:.2f}x |")
+    return "\n".join(lines)
+
+
+def stall_main(args: argparse.Namespace) -> None:
+    """--stall: sync, then decoupled, on this node (module docstring)."""
+    work = Path(tempfile.mkdtemp(prefix="dsf-stall-"))
+    runs = []
+    for writer in ("sync", "decoupled"):
+        started = time.monotonic()
+        runs.append(stall_run(work, writer, steps=args.stall_steps, every=args.stall_every))
+        print(f"checkpoint.writer={writer}: {time.monotonic() - started:.0f} s ({work / writer})", file=sys.stderr)
+    print(json.dumps(runs, indent=1) if args.json else stall_table([stall_summary(r) for r in runs]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--fail-at", type=int, nargs=2, default=[35, 75], help="the steps past which each fails")
     parser.add_argument("--every", type=int, nargs="+", default=[10, 40], help="checkpoint intervals to compare")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--stall", action="store_true", help="the stall per checkpoint, sync vs decoupled writer, "
+                        "on this node (no namespaced nodes)")
+    parser.add_argument("--stall-steps", type=int, default=12)
+    parser.add_argument("--stall-every", type=int, default=2)
     args = parser.parse_args()
+    if args.stall:
+        return stall_main(args)
     from tests.cluster.nodes import Cluster, missing
 
     if why := missing("pdsh"):

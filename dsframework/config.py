@@ -244,6 +244,10 @@ class CheckpointSpec(_Spec):
 
     every: int = Field(100, ge=0, description="save every N steps; 0: only at the end")
     save_final: bool = True
+    writer: Literal["sync", "decoupled"] = Field(
+        "sync", description="sync: the training loop waits while the checkpoint is written; decoupled: "
+        "DeepSpeed's background writer (checkpoint.writer.decoupled) writes it while the next step runs, the "
+        "loop waits only to hand the state over and, at that step's optimizer step, for what is left to write")
 
 
 def _directory_field(field: str, value: str | None, *, package: str | None, example: str) -> str | None:

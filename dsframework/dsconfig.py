@@ -133,10 +133,15 @@ def _zero_section(parallel: ParallelSpec) -> dict[str, Any]:
 
 
 def build_ds_config(train: TrainSpec, parallel: ParallelSpec, *, dp_size: int, wall_clock_breakdown: bool = False,
-                    load_universal: bool = False) -> dict[str, Any]:
+                    load_universal: bool = False, checkpoint_writer: str = "sync") -> dict[str, Any]:
     """The DeepSpeed JSON (as a dict) for a train/parallel spec at a data-parallel size, whole:
-    `dsf train` adds DeepSpeed's per-step timers (logging.breakdown) and, to resume at another
-    layout, `load_universal` (the checkpoint it loads is a universal one)."""
+    `dsf train` adds DeepSpeed's per-step timers (logging.breakdown), to resume at another
+    layout, `load_universal` (the checkpoint it loads is a universal one), and the checkpoint
+    writer (run.checkpoint.writer: `decoupled` writes DeepSpeed's `checkpoint.writer` section).
+
+        build_ds_config(run.train, run.parallel, dp_size=2, checkpoint_writer="decoupled")["checkpoint"]
+        # {"writer": {"type": "python", "decoupled": True, "data_parallel": "machine"}}
+    """
     batch = resolve_batch(train.micro_batch, train.grad_accum, train.global_batch, dp_size=dp_size)
     ds: dict[str, Any] = {
         "train_batch_size": batch.global_batch,
@@ -173,7 +178,18 @@ def build_ds_config(train: TrainSpec, parallel: ParallelSpec, *, dp_size: int, w
                       "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}
     if load_universal:
         ds["checkpoint"] = {"load_universal": True}
+    if checkpoint_writer == "decoupled":
+        ds.setdefault("checkpoint", {})["writer"] = dict(DECOUPLED_WRITER)
     return ds
+
+
+# DeepSpeed's decoupled writer (a background process per writing rank) with the plain file writer:
+# its `fast` type needs DeepNVMe (libaio and pinned memory: on a CPU host it stops at pin_memory with
+# "Cannot access accelerator device when none is available"). `data_parallel` is named because
+# DeepSpeed 0.19.8 fails without it when no mpu is given (a data-parallel-only run):
+# "AttributeError: 'UniversalParallelInfo' object has no attribute 'dp_rank'". With `machine` each
+# rank with ZeRO >= 1 writes its own shards, and at stage 0 data-parallel rank 0 writes the model.
+DECOUPLED_WRITER = {"type": "python", "decoupled": True, "data_parallel": "machine"}
 
 
 def dumps(ds: dict[str, Any]) -> str:

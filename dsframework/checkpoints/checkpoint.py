@@ -11,6 +11,8 @@
         run.yaml                 the resolved run config
 
     save(engine, ckpt_dir, step=100, consumed_samples=3200, layout=dims)   # dims: the run's ParallelDims
+    pending = start_save(engine, ckpt_dir, step=100, consumed_samples=3200, layout=dims)  # the same in two
+    commit(engine, pending)              # halves: checkpoint.writer=decoupled commits after the next step
     manifest = verify(ckpt_dir, "global_step100")  # UserError naming a missing or truncated file
     saved_layout(manifest)               # the ParallelDims it was saved at (None: no manifest)
     state = load(engine, ckpt_dir)       # {"step": 100, "consumed_samples": 3200}
@@ -22,7 +24,9 @@ the module non-strictly, after checking the checkpoint holds exactly the paramet
 
 A checkpoint is written under `global_stepN.partial`, its manifest written last, then renamed
 to `global_stepN` and only then named in `latest` (write-to-temp + os.replace): a crash at any
-point leaves `latest` on the previous complete checkpoint. The client state holds the step and
+point leaves `latest` on the previous complete checkpoint. With checkpoint.writer=decoupled,
+DeepSpeed's background process per rank writes the shards (`DecoupledWriter`) while the next step
+runs, and the commit waits until every rank's writer has finished. The client state holds the step and
 the data position; each rank's RNG states sit beside the shards, so a resumed run draws the
 same random numbers as one that never stopped. Checkpoints live on a filesystem every node sees
 (as DeepSpeed's own loading and zero_to_fp32 assume).
@@ -34,9 +38,13 @@ import os
 import pickle
 import random
 import shutil
+import signal
+import time
 from argparse import Namespace
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from dsframework.errors import UserError, raised_in
 from dsframework.files import written_then_renamed
@@ -129,14 +137,117 @@ def write_shards(engine: Any, partial: Path, *, client_state: dict[str, Any], ex
     torch.save(_rng_states(), partial / f"rng_rank{engine.global_rank}.pt")
 
 
+class DecoupledWriter:
+    """DeepSpeed's decoupled checkpoint engine (`checkpoint.writer.decoupled`: a background process
+    per rank writes the shards; DeepSpeed commits them at the next optimizer step), as dsf uses it.
+
+        engine.checkpoint_engine = DecoupledWriter(engine.checkpoint_engine)  # after deepspeed.initialize
+        engine.checkpoint_engine.waited_s   # seconds the trainer waited for the writer since last asked
+
+    Everything is DeepSpeed's but three things. `save` hands the process tensors cut off the autograd
+    graph: ZeRO-1/2's state_dict slices the fp32 partitions without `detach()`, and torch refuses to
+    send a non-leaf tensor that requires grad to another process ("Cowardly refusing to serialize
+    non-leaf tensor which requires_grad"; DeepSpeed 0.19.8, CPU and CUDA alike). `detach()` copies
+    nothing: the writer still reads the live storage, which DeepSpeed keeps unchanged until the commit
+    at the next optimizer step. `load` reads as DeepSpeed's sync engine does (`weights_only=False`):
+    the decoupled engine's plain `torch.load` refuses DeepSpeed's own files under torch >= 2.6
+    ("UnpicklingError: Weights only load failed"). And `commit` counts the seconds the trainer waits
+    in it: the part of a checkpoint's stall that happens inside `engine.step()`.
+    """
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.waited_s = 0.0
+
+    def save(self, state_dict: Any, path: str) -> None:
+        import torch
+        from torch.utils._pytree import tree_map
+
+        self.inner.save(tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, state_dict), path)
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        import torch
+
+        return torch.load(path, map_location=map_location, weights_only=False)  # the run's own files
+
+    def commit(self, info: Any) -> bool:
+        started = time.perf_counter()
+        try:
+            return self.inner.commit(info)
+        finally:
+            self.waited_s += time.perf_counter() - started
+
+    def take_waited(self) -> float:
+        """The seconds waited in `commit` since the last call."""
+        waited, self.waited_s = self.waited_s, 0.0
+        return waited
+
+    def __getattr__(self, name: str) -> Any:  # the rest is DeepSpeed's engine unchanged
+        return getattr(self.inner, name)
+
+
+@contextmanager
+def writer_spared_by_sigterm(decoupled: bool) -> Iterator[None]:
+    """Start DeepSpeed's decoupled writer (`deepspeed.initialize` spawns it) inside this block: it
+    inherits SIGTERM ignored, as an ignored signal stays across exec. SLURM before a preemption and
+    DeepSpeed's launcher signal every process of a rank's tree, the writer too, and the checkpoint the
+    trainer then saves needs it alive. It ends when the trainer closes it (`close_writer`) or, if the
+    trainer dies first, by the rank's watcher (launching/supervise.py). Nothing changes for the sync writer.
+
+        with writer_spared_by_sigterm(run.checkpoint.writer == "decoupled"):
+            engine, *_ = deepspeed.initialize(...)
+    """
+    if not decoupled:
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def is_decoupled(engine: Any) -> bool:
+    """Whether `engine` writes checkpoints in the background (checkpoint.writer=decoupled)."""
+    return bool(engine.checkpoint_engine.is_decoupled())
+
+
+def close_writer(engine: Any) -> None:
+    """End the decoupled writer's process (after finishing what it was given); nothing for the sync
+    writer. Each rank, when its run ends however it ends: else the writer outlives it, waiting for work."""
+    if engine is not None and is_decoupled(engine):
+        engine.checkpoint_engine.cleanup()
+
+
+@dataclass
+class Pending:
+    """A checkpoint whose shards are in `<tag>.partial` (or on their way there, from DeepSpeed's
+    decoupled writer), not yet committed: `commit` makes it the `latest`."""
+
+    ckpt_dir: Path
+    tag: str
+    step: int
+    layout: ParallelDims
+    trainable: dict[str, list[int]] | None  # the names that train, with frozen parameters left out
+    seconds: float  # the trainer's seconds spent on it so far
+
+
 def save(engine: Any, ckpt_dir: Path, *, step: int, consumed_samples: int, layout: ParallelDims) -> str:
-    """Save a checkpoint of every rank at `step` (all ranks call it); returns its tag. Frozen parameters
-    are left out (the manifest's `trainable` names what is in)."""
+    """Save a checkpoint of every rank at `step` (all ranks call it) and commit it; returns its tag.
+    Frozen parameters are left out (the manifest's `trainable` names what is in)."""
+    return commit(engine, start_save(engine, ckpt_dir, step=step, consumed_samples=consumed_samples, layout=layout))
+
+
+def start_save(engine: Any, ckpt_dir: Path, *, step: int, consumed_samples: int, layout: ParallelDims) -> Pending:
+    """Write (sync writer) or queue (decoupled writer) every rank's shards of `step` into `<tag>.partial`;
+    `commit` finishes it. Between the two the model and optimizer must not step unless DeepSpeed commits
+    its writer first (its engine.step() does; the pipeline engine's train_batch does not)."""
     import torch.distributed as dist
 
+    started = time.perf_counter()
     ckpt_dir = Path(ckpt_dir)
     tag = tag_for(step)
-    partial, final = ckpt_dir / (tag + PARTIAL), ckpt_dir / tag
+    partial = ckpt_dir / (tag + PARTIAL)
     if dist.get_rank() == 0 and partial.exists():  # left by a crash during an earlier save
         shutil.rmtree(partial)
     dist.barrier()
@@ -155,19 +266,43 @@ def save(engine: Any, ckpt_dir: Path, *, step: int, consumed_samples: int, layou
     client_state = {"dsf": {"step": step, "consumed_samples": consumed_samples}}
     frozen, trainable = _frozen_and_trainable(engine)
     write_shards(engine, partial, client_state=client_state, exclude_frozen=frozen)
+    return Pending(ckpt_dir, tag, step, layout, trainable if frozen else None, time.perf_counter() - started)
+
+
+def commit(engine: Any, pending: Pending) -> str:
+    """Make `pending` the latest checkpoint (all ranks call it); returns its tag. With the decoupled
+    writer it first waits until DeepSpeed's writer has finished this rank's files (at once if DeepSpeed
+    committed them at an optimizer step since). Then, once every rank's files are on disk, rank 0 writes
+    the manifest, renames `<tag>.partial` to `<tag>` and names it in `latest`."""
+    import torch.distributed as dist
+
+    started = time.perf_counter()
+    if is_decoupled(engine):
+        info = engine.checkpoint_engine.get_commit_info()
+        if info is not None:  # not yet committed by an optimizer step
+            engine.checkpoint_engine.commit(info)
     dist.barrier()  # every rank's files are on disk
     if dist.get_rank() == 0:
-        files = {str(p.relative_to(partial)): p.stat().st_size for p in sorted(partial.rglob("*")) if p.is_file()}
-        manifest = {"step": step, "layout": layout.as_dict(), "files": files, **({"trainable": trainable} if frozen else {})}
-        _write_atomically(partial / MANIFEST, json.dumps(manifest, indent=1))
-        if final.exists():  # a later checkpoint of an abandoned branch of this run (latest is older)
-            shutil.rmtree(final)
-        for stale in ckpt_dir.glob(tag + UNIVERSAL + "*"):  # conversions of what it replaces
-            shutil.rmtree(stale)
-        os.replace(partial, final)
-        set_latest(ckpt_dir, tag)
+        _publish(pending)
     dist.barrier()
-    return tag
+    pending.seconds += time.perf_counter() - started
+    return pending.tag
+
+
+def _publish(pending: Pending) -> None:
+    """Rank 0's part of a commit: the manifest last into `<tag>.partial`, the rename, then `latest`."""
+    ckpt_dir, tag = pending.ckpt_dir, pending.tag
+    partial, final = ckpt_dir / (tag + PARTIAL), ckpt_dir / tag
+    files = {str(p.relative_to(partial)): p.stat().st_size for p in sorted(partial.rglob("*")) if p.is_file()}
+    manifest = {"step": pending.step, "layout": pending.layout.as_dict(), "files": files,
+                **({"trainable": pending.trainable} if pending.trainable is not None else {})}
+    _write_atomically(partial / MANIFEST, json.dumps(manifest, indent=1))
+    if final.exists():  # a later checkpoint of an abandoned branch of this run (latest is older)
+        shutil.rmtree(final)
+    for stale in ckpt_dir.glob(tag + UNIVERSAL + "*"):  # conversions of what it replaces
+        shutil.rmtree(stale)
+    os.replace(partial, final)
+    set_latest(ckpt_dir, tag)
 
 
 def read_manifest(ckpt_dir: Path, tag: str) -> dict[str, Any] | None:

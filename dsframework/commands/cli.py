@@ -116,7 +116,7 @@ def config_cmd(world_size: int | None, output: Path | None, force: bool, auto_kn
             notes = _auto_knobs(sections, run, dims, model_name=model_name, cluster_name=cluster_name,
                                 seq_len=seq_len, gpus_per_node=gpus_per_node)
             run = build_run_config(sections)
-        ds = build_ds_config(run.train, run.parallel, dp_size=dims.dp)
+        ds = build_ds_config(run.train, run.parallel, dp_size=dims.dp, checkpoint_writer=run.checkpoint.writer)
     except UserError as err:  # name the flag the user typed, not the config field behind it
         raise UserError(_flag_for(err.field), err.value, err.rule, err.fix) from None
     if world_size is None:

@@ -9,7 +9,8 @@ but a rank killed by a signal (the kernel's OOM killer, `kill -9`, a segfault) p
 and the launcher's own message shows the command of the last rank it started, not the one that
 failed. The watcher imports nothing heavy, waits for its trainer, and when the trainer dies by a
 signal it prints which rank, host and pid died and how, then exits 128 + signal so the launcher
-tears the job down. The trainer gets SIGKILL if the watcher itself is killed (no orphans), and
+tears the job down. The trainer gets SIGKILL if the watcher itself is killed (no orphans), what
+the trainer leaves behind when it dies (a checkpoint writer process) is ended with it, and
 SIGTERM/SIGINT reach the trainer, which checkpoints on SIGTERM.
 
 The watcher also reads the trainer's heartbeat (launching/heartbeat.py, faults.hang_timeout): a
@@ -50,10 +51,35 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def _adopt_orphans() -> None:
+    """Make this watcher the subreaper of its trainer's descendants: what the trainer started and left
+    behind when it died (DeepSpeed's decoupled checkpoint writer, which would wait for work forever)
+    becomes the watcher's child, for `_end_orphans`."""
+    PR_SET_CHILD_SUBREAPER = 36
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+
+def _end_orphans() -> None:
+    """SIGKILL and reap the watcher's children still alive once its trainer has exited."""
+    me = os.getpid()
+    for entry in os.listdir("/proc"):
+        try:
+            stat = open(f"/proc/{entry}/stat").read() if entry.isdigit() else ""
+        except OSError:  # gone meanwhile
+            continue
+        if stat and int(stat[stat.rindex(")") + 2:].split()[1]) == me:
+            try:
+                os.kill(int(entry), signal.SIGKILL)
+                os.waitpid(int(entry), 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
+
+
 def run_rank(argv: list[str]) -> int:
     """Run `dsf ARGV` as this rank's trainer; its exit code, or 128 + the signal that killed it."""
     if sys.platform == "linux":  # a launcher killed in a teardown (dsf launch's sweep) takes its ranks along
         _die_with_parent()
+        _adopt_orphans()
     pulse = Pulse.create()
     try:
         child = subprocess.Popen([sys.executable, "-m", "dsframework.commands.cli", *argv],
@@ -70,6 +96,8 @@ def run_rank(argv: list[str]) -> int:
         code = _wait_watching(child, pulse)
     finally:
         pulse.close()
+        if sys.platform == "linux":
+            _end_orphans()
     if code is None:
         return HUNG_EXIT
     if code >= 0:

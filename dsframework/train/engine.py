@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dsframework.checkpoints.checkpoint import close_writer
 from dsframework.config import RunConfig
 from dsframework.train.loop import Preempted, run_steps
 from dsframework.train.metrics import open_sinks
@@ -35,3 +36,4 @@ def train(run: RunConfig, *, resume: bool = False, overwrite: bool = False) -> d
         return run_steps(run, session, sinks, resume=resume)
     finally:
         sinks.close()
+        close_writer(session.engine)  # checkpoint.writer=decoupled: its process, done with what it was given

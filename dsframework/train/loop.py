@@ -5,8 +5,9 @@
 
 Each step, as nanoGPT's loop reads: train one step (train/step.py) -> (train.compile=auto: time
 the first steps, then compile or not) -> at the end of a logging window, its metrics and the
-evaluation -> a checkpoint when one is due -> stop at the last step, at train.stop_after, or on
-SIGTERM (`Preempted`, after a checkpoint). DeepSpeed does gradient accumulation, clipping, the lr
+evaluation -> a checkpoint when one is due (checkpoint.writer=decoupled: written in the background
+during the next step, committed after it) -> stop at the last step, at train.stop_after, or on
+SIGTERM (`Preempted`, after a checkpoint, committed). DeepSpeed does gradient accumulation, clipping, the lr
 schedule and ZeRO; the loop feeds it the right blocks and records what happened.
 """
 from __future__ import annotations
@@ -62,14 +63,13 @@ def run_steps(run: RunConfig, session: Session, sinks: Any, *, resume: bool) -> 
         sinks.log(last, step=0)
     bar = tqdm(total=run.train.steps, initial=step, disable=session.rank != 0 or not run.logging.progress,
                dynamic_ncols=True, desc="train")
-    window = Window(session, meter, watch)
-    stop = min(run.train.steps, run.train.stop_after or run.train.steps)
-    probe = CompileProbe(run, session, watch)
-    stop_request = StopRequest()
+    window, stop = Window(session, meter, watch), min(run.train.steps, run.train.stop_after or run.train.steps)
+    probe, stop_request = CompileProbe(run, session, watch), StopRequest()
     nonfinite = NonFiniteWatch(enabled=run.train.precision != "fp16", device=engine.device)
+    pending = None  # a checkpoint the decoupled writer still writes, committed with the next step
     while step < stop:
-        step_loss = train_watched(session, sampler, consumed, watch, step=step + 1)
-        step, consumed = step + 1, consumed + batch.global_batch
+        step_loss = train_committing(session, sampler, consumed, watch, step=step + 1, pending=pending, window=window)
+        step, consumed, pending = step + 1, consumed + batch.global_batch, None
         window.add_step()
         probe.after_step(steps_left=stop - step)
         nonfinite.update(step, step_loss)
@@ -84,7 +84,8 @@ def run_steps(run: RunConfig, session: Session, sinks: Any, *, resume: bool) -> 
         preempted = stop_request.agreed()
         if checkpoint_due(run, step, done=done, preempted=preempted):
             check_finite(run, nonfinite)  # a diverged model is never saved over the last good one
-            save_checkpoint(run, session, step=step, consumed=consumed, window=window, watch=watch)
+            pending = save_checkpoint(run, session, step=step, consumed=consumed, window=window, watch=watch,
+                                      wait=done or preempted)
         if logged:  # the next window starts after this step's evaluation and checkpoint
             window.restart()
         if preempted and not done:  # (on the last step the run is simply finished)
@@ -104,25 +105,59 @@ def run_steps(run: RunConfig, session: Session, sinks: Any, *, resume: bool) -> 
 
 
 def save_checkpoint(run: RunConfig, session: Session, *, step: int, consumed: int, window: Window,
-                    watch: HangWatch) -> None:
-    """The checkpoint of `step` (checkpoints/checkpoint.py), its seconds counted in the window."""
+                    watch: HangWatch, wait: bool) -> ckpt.Pending | None:
+    """The checkpoint of `step` (checkpoints/checkpoint.py). With checkpoint.writer=decoupled it is
+    left to DeepSpeed's background writer and returned pending (commit it after the next step), unless
+    `wait` (the run's last checkpoint, or SIGTERM's): then, as with the sync writer, committed now."""
     watch.enter("checkpoint")
-    saving = time.perf_counter()
-    ckpt.save(session.engine, run.checkpoint_dir, step=step, consumed_samples=consumed, layout=session.dims)
-    seconds = time.perf_counter() - saving
+    pending = ckpt.start_save(session.engine, run.checkpoint_dir, step=step, consumed_samples=consumed,
+                              layout=session.dims)
+    if wait or not ckpt.is_decoupled(session.engine):
+        return commit_checkpoint(run, session, pending, window=window, watch=watch)
+    return pending
+
+
+def commit_checkpoint(run: RunConfig, session: Session, pending: ckpt.Pending, *, window: Window,
+                      watch: HangWatch) -> None:
+    """Commit `pending` (it becomes `latest`) and count what it cost the trainer in the window and in
+    checkpoint_times.jsonl: with the decoupled writer, queuing the shards, the wait for DeepSpeed's
+    writer inside the next optimizer step, and the commit; with the sync writer, the whole save."""
+    watch.enter("checkpoint")
+    ckpt.commit(session.engine, pending)
+    engine = session.engine
+    seconds = pending.seconds + (engine.checkpoint_engine.take_waited() if ckpt.is_decoupled(engine) else 0.0)
     window.checkpoint_s += seconds
     if session.rank == 0:  # what dsf launch's goodput count charges to checkpointing (a resume keeps it)
-        record_checkpoint_time(run.output_dir, step=step, seconds=seconds)
+        record_checkpoint_time(run.output_dir, step=pending.step, seconds=seconds)
 
 
-def train_watched(session: Session, sampler: BlockSampler, consumed: int, watch: HangWatch, *, step: int) -> Any:
+def train_committing(session: Session, sampler: BlockSampler, consumed: int, watch: HangWatch, *, step: int,
+                     pending: ckpt.Pending | None, window: Window) -> Any:
+    """Train step `step` (train_watched); its loss. A checkpoint DeepSpeed's decoupled writer still
+    writes (`pending`) is committed after it: DeepSpeed's engine.step() waits for the writer before the
+    optimizer changes the weights. The pipeline engine's step does not, so there it is committed first."""
+    if pending is not None and session.dims.pp_enabled:
+        pending = commit_checkpoint(session.run, session, pending, window=window, watch=watch)
+    step_loss = train_watched(session, sampler, consumed, watch, step=step, committing=pending is not None)
+    if pending is not None:
+        commit_checkpoint(session.run, session, pending, window=window, watch=watch)
+    return step_loss
+
+
+def train_watched(session: Session, sampler: BlockSampler, consumed: int, watch: HangWatch, *, step: int,
+                  committing: bool = False) -> Any:
     """Train step `step` (train/step.py), each phase told to the rank's heartbeat; its loss. On the
     session's third step a fixed faults.hang_timeout is checked against the step time all ranks
-    measured (one all-reduce)."""
+    measured (one all-reduce). `committing`: a checkpoint's background write is still running, and the
+    optimizer step waits for it (a checkpoint's time limit, not a step's)."""
     watch.enter("data", step=step)
     batches = one_step.step_batches(session.train_blocks, sampler, consumed)
     started = time.perf_counter()
-    step_loss = one_step.train_step(session.engine, batches, pipeline=session.dims.pp_enabled, enter=watch.enter,
+
+    def enter(phase: str) -> None:
+        watch.enter("checkpoint" if committing and phase == "optimizer step" else phase)
+
+    step_loss = one_step.train_step(session.engine, batches, pipeline=session.dims.pp_enabled, enter=enter,
                                     **session.loss_kw)
     watch.step_done(seconds=time.perf_counter() - started)
     if len(watch.recent) == 2 and watch.setting not in ("auto", 0):

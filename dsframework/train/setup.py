@@ -84,7 +84,8 @@ def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False,
     with clock.phase("restore"):  # on resume at another layout, rank 0 converts the checkpoint
         load_tag, universal = resume_tag(run, world.dims, manifest, data.config) if resume else (None, False)
     ds_config = build_ds_config(run.train, run.parallel, dp_size=world.dims.dp,
-                                wall_clock_breakdown=run.logging.breakdown, load_universal=universal)
+                                wall_clock_breakdown=run.logging.breakdown, load_universal=universal,
+                                checkpoint_writer=run.checkpoint.writer)
     with clock.phase("model"):
         model = build_model_for_layout(run, source, data.config, world, ds_config, batch)
     with clock.phase("deepspeed.initialize"):
@@ -94,7 +95,7 @@ def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False,
                       grid=world.grid, loss_chunk_tokens=model.chunk_tokens,
                       expert_load=None if world.dims.pp_enabled else ExpertLoad.attach(engine.module, data.config))
     if resume:
-        with clock.phase("restore"):
+        with clock.phase("restore"), closing_writer_on_error(engine):
             restore(session, load_tag)
     if world.rank == 0:
         print(clock.line(), flush=True)
@@ -314,12 +315,26 @@ def build_engine(run: RunConfig, model: Any, ds_config: dict[str, Any], world: W
     if world.dims.autoep_blocks:
         bridge_output_capture_registry()  # DeepSpeed 0.19.8's AutoEP on transformers 5.24
     # A PipelineModule brings its own grid (DeepSpeed refuses an mpu beside it).
-    engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config,
-        mpu=None if world.dims.pp_enabled else world.grid)
+    with ckpt.writer_spared_by_sigterm(run.checkpoint.writer == "decoupled"):  # it may spawn the writer
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config,
+            mpu=None if world.dims.pp_enabled else world.grid)
+    if engine.checkpoint_engine.is_decoupled():  # checkpoint.writer=decoupled (checkpoints/checkpoint.py)
+        engine.checkpoint_engine = ckpt.DecoupledWriter(engine.checkpoint_engine)
     if run.train.compile is True:
         compile_engine(engine)
     return engine
+
+
+@contextmanager
+def closing_writer_on_error(engine: Any) -> Iterator[None]:
+    """End checkpoint.writer=decoupled's process if the block raises (a checkpoint that will not load):
+    the run ends before train()'s own close, and the writer would otherwise outlive it, waiting for work."""
+    try:
+        yield
+    except BaseException:
+        ckpt.close_writer(engine)
+        raise
 
 
 def restore(session: Session, tag: str) -> None:

@@ -4,7 +4,8 @@
 - SIGTERM to the whole job (what SLURM sends before preemption): a checkpoint at the current step,
   an exit, and `--resume` continues exactly;
 - a crash while a checkpoint is written (rank 0 dies after DeepSpeed wrote the shards, before the
-  commit): `latest` still names the previous checkpoint, which resumes exactly;
+  commit): `latest` still names the previous checkpoint, which resumes exactly; the same while
+  DeepSpeed's decoupled writer (checkpoint.writer=decoupled) writes them in the background;
 - a truncated or missing checkpoint file: exit 2 naming the file and the previous checkpoint,
   nothing deleted;
 - a NaN loss (fp32): training stops naming the step, the last good checkpoint stays `latest` and
@@ -19,6 +20,7 @@ made to die at a named point of a checkpoint save (`--fault checkpoint@STEP`) or
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -29,6 +31,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+
+from dsframework.checkpoints.checkpoint import verify
 
 from tests.distributed.launcher import (BIN, REPO, TINY_YAML, Prefixed, assert_close, free_port, losses, rank_env,
                                         read_metrics, run_overrides, train_run)
@@ -174,6 +178,32 @@ def test_crash_during_checkpoint_keeps_latest(tmp_path, straight):
     assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
     assert_close(resumed, straight[1], rtol=1e-6, what="resumed from global_step2 after the crash")
     assert not (ckpts / "global_step4.partial").exists(), "the next save cleans the leftover"
+
+
+def test_crash_during_decoupled_write_keeps_latest_and_its_checkpoints_resume_exactly(tmp_path, straight):
+    """checkpoint.writer=decoupled: DeepSpeed's background process writes each checkpoint while the next
+    step runs. Rank 0 and its writer die while the step-4 shards are being written (queued, not
+    committed): `latest` names global_step2, itself written in the background and committed after
+    step 3, and resuming from it gives the straight run's losses; the resumed run's last checkpoint is
+    committed before it exits."""
+    out, decoupled = tmp_path / "crashed", [*COMMON, "checkpoint.writer=decoupled"]
+    proc = dsf_train_with_fault(out, decoupled, fault="checkpoint@4")
+    assert proc.returncode != 0 and "fault checkpoint@4" in proc.stdout + proc.stderr, proc.stdout[-3000:]
+    ckpts = out / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "global_step2"
+    assert not (ckpts / "global_step4").exists() and not (ckpts / "global_step4.partial" / "dsf_manifest.json").exists()
+
+    resumed = train_run(out, decoupled, flags=("--resume",))
+    assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
+    assert_close(resumed, straight[1], rtol=1e-6, what="resumed from a decoupled-written global_step2")
+    assert (ckpts / "latest").read_text().strip() == "global_step6"
+    assert not list(ckpts.glob("*.partial"))
+    for tag in ("global_step4", "global_step6"):  # every file of every rank, as the manifest lists them
+        assert verify(ckpts, tag)["files"].keys() >= {"zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                                                      "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+                                                      "mp_rank_00_model_states.pt", "rng_rank1.pt"}
+    stalls = [json.loads(line)["step"] for line in (out / "checkpoint_times.jsonl").read_text().splitlines()]
+    assert stalls == [2, 4, 6], "each checkpoint's stall is recorded once, when it is committed"
 
 
 @pytest.mark.parametrize("damage", ["truncate", "delete"])

@@ -30,3 +30,18 @@ def test_the_table_has_a_row_per_interval():
     lines = goodput.table(rows).splitlines()
     assert len(lines) == 4 and all(line.count("|") == 14 for line in lines)
     assert lines[2] == "| 10 | 120 | 2 | 200 | 130 | 20 | 30 | 15 | 5.0 | 0.50 | 22 / 1218 | 0.650 | 0.050 |"
+
+
+def test_the_stall_summary_splits_the_first_the_mid_run_and_the_last_checkpoint():
+    run = {"writer": "decoupled", "stalls": {6: 0.9, 2: 3.0, 4: 0.1}, "tokens_per_s": [100.0, 300.0, 200.0]}
+    assert goodput.stall_summary(run) == {"writer": "decoupled", "checkpoints": 3, "first_s": 3.0, "mid_s": 0.1,
+                                          "last_s": 0.9, "tokens_per_s": 200.0}
+
+
+def test_the_stall_table_has_a_row_per_writer_and_their_ratios():
+    sync = {"writer": "sync", "checkpoints": 6, "first_s": 2.0, "mid_s": 2.0, "last_s": 2.0, "tokens_per_s": 900.0}
+    decoupled = {**sync, "writer": "decoupled", "first_s": 4.0, "mid_s": 0.25, "last_s": 2.0, "tokens_per_s": 1000.0}
+    lines = goodput.stall_table([sync, decoupled]).splitlines()
+    assert len(lines) == 5 and all(line.count("|") == 7 for line in lines)
+    assert lines[3] == "| decoupled | 6 | 4.000 | 0.250 | 2.000 | 1000 |"
+    assert lines[4] == "| sync / decoupled | | 0.5x | 8.0x | 1.0x | 0.90x |"

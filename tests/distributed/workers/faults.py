@@ -23,6 +23,7 @@ bypassed, as in fp16_on_cpu.py, so the wrappers hold in the process that trains)
 """
 import os
 import re
+import signal
 import sys
 
 from dsframework.checkpoints import checkpoint
@@ -44,8 +45,13 @@ def take_fault(argv: list[str]) -> tuple[str, int]:
     return match.group(1), int(match.group(2))
 
 
-def die(point: str, step: int) -> None:
+def die(point: str, step: int, ds_engine=None) -> None:
+    """Rank 0 exits now; with checkpoint.writer=decoupled its writer process dies with it (SIGKILL,
+    mid-write or not: a node lost), which also leaves no orphan holding the test's output pipe."""
     print(f"dsf: fault {point}@{step} (tests/distributed/workers/faults.py): rank 0 dies here", flush=True)
+    writer = getattr(getattr(ds_engine, "checkpoint_engine", None), "ckpt_process", None)
+    if writer is not None and writer.pid is not None:
+        os.kill(writer.pid, signal.SIGKILL)
     os._exit(EXIT_CODE)
 
 
@@ -80,8 +86,8 @@ def die_in_save_at(point: str, fault_step: int) -> None:
 
         def write_shards_then_die(ds_engine, partial, **kwargs):
             write_shards(ds_engine, partial, **kwargs)
-            if partial.name == tag + checkpoint.PARTIAL:
-                die(point, fault_step)
+            if partial.name == tag + checkpoint.PARTIAL:  # (decoupled writer: while it writes in the background)
+                die(point, fault_step, ds_engine)
 
         checkpoint.write_shards = write_shards_then_die
     else:
@@ -95,19 +101,22 @@ def die_in_save_at(point: str, fault_step: int) -> None:
         checkpoint.set_latest = die_before_set_latest
 
 
-point, step = take_fault(sys.argv)
-os.environ[CHILD_MARK] = "1"
-if "--fp16-on-cpu" in sys.argv:
-    sys.argv.remove("--fp16-on-cpu")
-    from fp16_on_cpu import lift_fp16_refusal  # the sibling worker (this script's folder is on sys.path)
+# The guard: DeepSpeed's decoupled writer starts its process with multiprocessing's spawn, which
+# imports this script again in it (as __mp_main__); it must not train there.
+if __name__ == "__main__":
+    point, step = take_fault(sys.argv)
+    os.environ[CHILD_MARK] = "1"
+    if "--fp16-on-cpu" in sys.argv:
+        sys.argv.remove("--fp16-on-cpu")
+        from fp16_on_cpu import lift_fp16_refusal  # the sibling worker (this script's folder is on sys.path)
 
-    lift_fp16_refusal()
-if os.environ.get("RANK", "0") == "0":
-    if point == "nan":
-        poison_loss_at(step)
-    else:
-        die_in_save_at(point, step)
+        lift_fp16_refusal()
+    if os.environ.get("RANK", "0") == "0":
+        if point == "nan":
+            poison_loss_at(step)
+        else:
+            die_in_save_at(point, step)
 
-from dsframework.commands.cli import main  # noqa: E402  (after the patches, as dsf would import it)
+    from dsframework.commands.cli import main  # (after the patches, as dsf would import it)
 
-main()
+    main()

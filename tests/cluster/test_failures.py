@@ -272,15 +272,17 @@ def preempted(slurm, tmp_path_factory):
             int(exit_code.group(1)) if exit_code else None)
 
 
-def test_slurm_restarts_inside_the_allocation_and_leaves_a_twice_failed_node_out(slurm, tmp_path):
-    """`sbatch launch/slurm.sbatch ... --max-restarts 2` on 2 nodes x 2 ranks (dp 4, ZeRO-1): rank
-    3's trainer on node1 is killed past step RESTART_EVERY + 3, and again past 2 x RESTART_EVERY + 3
-    in the restarted attempt. Unattended, inside its allocation, the job restarts on both nodes
-    (node1 passes the srun pre-flight), then, node1 being the site of its second failure, on node0
-    alone, re-planned for 2 ranks, and finishes every step; each failure names node1 and rank 3,
-    and the steps after the last restart equal its checkpoint resumed by hand (1e-5)."""
+def test_slurm_restarts_inside_the_allocation_and_leaves_a_twice_failed_node_out(slurm, reference, tmp_path):
+    """`sbatch launch/slurm.sbatch ... --max-restarts 2` on 2 nodes x 2 ranks (dp 4, tiny.yaml's
+    ZeRO-2): rank 3's trainer on node1 is killed past step RESTART_EVERY + 3, and again past
+    2 x RESTART_EVERY + 3 in the restarted attempt. Unattended, inside its allocation, the job restarts
+    on both nodes (node1 passes the srun pre-flight), then, node1 being the site of its second
+    failure, on node0 alone, re-planned for 2 ranks (dp 2: the checkpoint converted by DeepSpeed's
+    ds_to_universal), and finishes every step; each failure names node1 and rank 3. Its first
+    REFERENCE_STEPS steps, from all three attempts, equal the single-node reference: those of the
+    dp 4 attempts within 1e-5, those trained at dp 2 within 1e-4 (another order of summation)."""
     out = tmp_path / "out"
-    overrides = ["parallel.zero_stage=1", f"train.stop_after={RESTART_STEPS}", f"checkpoint.every={RESTART_EVERY}"]
+    overrides = [f"train.stop_after={RESTART_STEPS}", f"checkpoint.every={RESTART_EVERY}"]
     job = sbatch(slurm, tmp_path, [*launch_args(out, overrides), "--max-restarts", "2"])
     log = tmp_path / f"slurm-{job}.out"
     try:
@@ -307,7 +309,14 @@ def test_slurm_restarts_inside_the_allocation_and_leaves_a_twice_failed_node_out
     assert second["nodes"] == ["node0"] and "node1" in second["left_out"], second
     assert second["layout"] == "tp 1 x pp 1 x cp 1 x dp 2", second
     assert one_line(output, "restart 2 of 2", "node1 left out"), output[-3000:]
-    assert_resumed_as_by_hand(out, second, overrides, tmp_path / "by-hand", what="restarted in the allocation")
+    got = losses(out)
+    assert sorted(got) == list(range(1, RESTART_STEPS + 1)), sorted(got)
+    at_dp2 = int(second["resumes"].removeprefix("global_step"))
+    assert at_dp2 < REFERENCE_STEPS, second  # some dp 2 steps are compared
+    assert_matches({s: got[s] for s in range(1, at_dp2 + 1)}, reference, rtol=1e-5, what="dp 4 attempts")
+    later = range(at_dp2 + 1, REFERENCE_STEPS + 1)
+    assert_close({s: got[s] for s in later}, {s: reference[s] for s in later}, rtol=1e-4,
+                 what="the attempt re-planned for node0 (dp 2)")
 
 
 def test_slurm_sigterm_checkpoints_the_step(preempted):

@@ -3,7 +3,7 @@ the same failures handled by hand, on the tests' namespaced nodes (2 nodes x 2 C
 
     .venv/bin/python bench/goodput.py              # checkpoint every 10 and every 40 steps (~6 min, root)
     .venv/bin/python bench/goodput.py --json       # the figures for machines
-    .venv/bin/python bench/goodput.py --stall      # the stall per checkpoint, sync vs decoupled writer (one node, ~3 min)
+    .venv/bin/python bench/goodput.py --stall      # the stall per checkpoint, sync vs decoupled (one node, ~3 min)
 
 Each job trains tiny.yaml's model (tests/cluster's run, tp 1 x dp 4, ZeRO-2) for --steps steps with
 `--max-restarts 2` and `faults.hang_timeout=10`, and gets two failures:
@@ -117,12 +117,11 @@ STALL_TRAIN = ["parallel.zero_stage=1", "train.global_batch=8", "train.micro_bat
 def stall_run(work: Path, writer: str, *, steps: int, every: int) -> dict:
     """One `deepspeed --num_gpus 2 dsf train` on this node with checkpoint.writer=`writer`: each
     checkpoint's stall (step -> seconds, checkpoint_times.jsonl) and each step's tokens/s."""
-    import socket
     import subprocess
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    from dsframework.ports import free_port
+
+    port = free_port()
     out = work / writer
     sets = [arg for o in [f"model.overrides={STALL_MODEL}", *STALL_TRAIN, f"train.steps={steps}",
                           f"checkpoint.every={every}", f"checkpoint.writer={writer}", f"output_dir={out}"]
@@ -137,7 +136,8 @@ def stall_run(work: Path, writer: str, *, steps: int, every: int) -> dict:
                               stdout=sink, stderr=subprocess.STDOUT, cwd=REPO, env=env).returncode
     if code != 0:
         raise SystemExit(f"the {writer} run failed ({code}):\n{log.read_text()[-3000:]}")
-    stalls = {r["step"]: r["seconds"] for r in map(json.loads, (out / "checkpoint_times.jsonl").read_text().splitlines())}
+    times = (out / "checkpoint_times.jsonl").read_text().splitlines()
+    stalls = {r["step"]: r["seconds"] for r in map(json.loads, times)}
     rates = [r["tokens_per_s"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
              if "tokens_per_s" in r]
     return {"writer": writer, "stalls": stalls, "tokens_per_s": rates}
@@ -157,7 +157,8 @@ def stall_summary(run: dict) -> dict:
 
 def stall_table(summaries: list[dict]) -> str:
     """A row per writer, then the ratios of the first row's figures to each other row's."""
-    lines = ["| writer | checkpoints | first stall s | mid-run stall s (mean) | last stall s | tokens/s (median step) |",
+    lines = ["| writer | checkpoints | first stall s | mid-run stall s (mean) | last stall s "
+             "| tokens/s (median step) |",
              "|---|" + "---:|" * 5]
     for r in summaries:
         lines.append(f"| {r['writer']} | {r['checkpoints']} | {r['first_s']:.3f} | {r['mid_s']:.3f} "

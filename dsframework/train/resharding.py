@@ -43,8 +43,7 @@ def reshard_in_shares(ckpt_dir: Path, tag: str, config: Any, *, saved: ParallelD
         if first == "failed":
             raise SystemExit(1)  # that rank's traceback is the report
         raise UserError(*first)
-    dist.barrier()  # every share is on disk
-    if rank == 0:
+    if rank == 0:  # (the all-gather above returned on every rank once every share was on disk)
         job.commit()
     dist.barrier()  # whole and renamed before any rank loads it
     return job.name

@@ -81,7 +81,7 @@ def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False,
         world = form_world(run, source)
     batch = resolve_batch(run.train.micro_batch, run.train.grad_accum, run.train.global_batch, dp_size=world.dims.dp)
     data = load_data(run, source, world, clock, resume=resume, overwrite=overwrite)
-    with clock.phase("restore"):  # on resume at another layout, rank 0 converts the checkpoint
+    with clock.phase("restore"):  # on resume at another layout, the ranks convert the checkpoint
         load_tag, universal = resume_tag(run, world.dims, manifest, data.config) if resume else (None, False)
     ds_config = build_ds_config(run.train, run.parallel, dp_size=world.dims.dp,
                                 wall_clock_breakdown=run.logging.breakdown, load_universal=universal,

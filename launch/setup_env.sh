@@ -47,10 +47,28 @@ fi
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/python -m pip install -q "$TORCH_SPEC"
 fi
-# Reinstall dsframework only when setup.py changed since the last install.
+# dsframework and the tested stack: every version from launch/constraints.txt (DSF_CONSTRAINTS to
+# try another file; bench/newest_stack.py tries the newest releases in a venv of its own).
+# Installed again only when setup.py or the constraints changed since the last install, or an
+# installed version differs from its pin.
+constraints=${DSF_CONSTRAINTS:-launch/constraints.txt}
 stamp=.venv/.dsframework-installed
-if [ ! -f "$stamp" ] || [ setup.py -nt "$stamp" ] || ! .venv/bin/python -c "import dsframework, pytest, deepspeed" 2>/dev/null; then
-  .venv/bin/python -m pip install -q -e ".[dev]"
+stack_matches() {
+  .venv/bin/python - "$constraints" <<'PY' 2>/dev/null
+import importlib.metadata as md, sys
+import dsframework, pytest, deepspeed  # noqa: F401 - installed and importable
+for line in open(sys.argv[1]):
+    name, _, version = line.split("#")[0].strip().partition("==")
+    try:
+        installed = md.version(name) if version else version
+    except md.PackageNotFoundError:  # not needed on this platform: pip leaves it out too
+        continue
+    if installed != version:
+        sys.exit(f"{name} {installed} is not the pinned {version}")
+PY
+}
+if [ ! -f "$stamp" ] || [ setup.py -nt "$stamp" ] || [ "$constraints" -nt "$stamp" ] || ! stack_matches; then
+  .venv/bin/python -m pip install -q -c "$constraints" -e ".[dev]"
   touch "$stamp"
 fi
 # DeepSpeed's CPU ops (shm all-reduce, Adam), built once here as DS_BUILD_OPS builds them at install,

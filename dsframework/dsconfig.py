@@ -70,10 +70,14 @@ def resolve_batch(micro_batch: int | None, grad_accum: int | None, global_batch:
     return Batch(other, fixed, global_batch, dp_size)
 
 
-def _optimizer_section(train: TrainSpec) -> dict[str, Any]:
-    return {"type": {"adamw": "AdamW", "adam": "Adam"}[train.optimizer],
-            "params": {"lr": train.lr, "betas": list(train.betas), "eps": train.eps,
-                       "weight_decay": train.weight_decay}}
+def _optimizer_section(train: TrainSpec, *, torch_adam: bool = False) -> dict[str, Any]:
+    """DeepSpeed's Adam, or with `torch_adam` torch's fused AdamW (jit.adam_choice: on a GPU whose
+    DeepSpeed did not build FusedAdam at install, whose JIT build needs nvcc)."""
+    params: dict[str, Any] = {"lr": train.lr, "betas": list(train.betas), "eps": train.eps,
+                              "weight_decay": train.weight_decay}
+    if torch_adam:
+        params.update(torch_adam=True, fused=True)
+    return {"type": {"adamw": "AdamW", "adam": "Adam"}[train.optimizer], "params": params}
 
 
 def _scheduler_section(train: TrainSpec) -> dict[str, Any]:
@@ -133,11 +137,13 @@ def _zero_section(parallel: ParallelSpec) -> dict[str, Any]:
 
 
 def build_ds_config(train: TrainSpec, parallel: ParallelSpec, *, dp_size: int, wall_clock_breakdown: bool = False,
-                    load_universal: bool = False, checkpoint_writer: str = "sync") -> dict[str, Any]:
+                    load_universal: bool = False, checkpoint_writer: str = "sync",
+                    torch_adam: bool = False) -> dict[str, Any]:
     """The DeepSpeed JSON (as a dict) for a train/parallel spec at a data-parallel size, whole:
     `dsf train` adds DeepSpeed's per-step timers (logging.breakdown), to resume at another
     layout, `load_universal` (the checkpoint it loads is a universal one), and the checkpoint
-    writer (run.checkpoint.writer: `decoupled` writes DeepSpeed's `checkpoint.writer` section).
+    writer (run.checkpoint.writer: `decoupled` writes DeepSpeed's `checkpoint.writer` section), and
+    `torch_adam` where jit.adam_choice picks torch's fused AdamW (a GPU without a prebuilt FusedAdam).
 
         build_ds_config(run.train, run.parallel, dp_size=2, checkpoint_writer="decoupled")["checkpoint"]
         # {"writer": {"type": "python", "decoupled": True, "data_parallel": "machine"}}
@@ -147,7 +153,7 @@ def build_ds_config(train: TrainSpec, parallel: ParallelSpec, *, dp_size: int, w
         "train_batch_size": batch.global_batch,
         "train_micro_batch_size_per_gpu": batch.micro_batch,
         "gradient_accumulation_steps": batch.grad_accum,
-        "optimizer": _optimizer_section(train),
+        "optimizer": _optimizer_section(train, torch_adam=torch_adam),
         "scheduler": _scheduler_section(train),
         "zero_optimization": _zero_section(parallel),
         "steps_per_print": _STEPS_PER_PRINT,

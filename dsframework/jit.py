@@ -20,8 +20,10 @@ import json
 import os
 import platform
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
+from dsframework.errors import UserError
 from dsframework.files import written_then_renamed
 
 
@@ -105,6 +107,60 @@ def release_shm_buffers() -> None:
 
 
 CPU_OPS = ("ShareMemCommBuilder", "FusedAdamBuilder", "CPUAdamBuilder")  # what dsf's CPU runs load
+
+
+@dataclass(frozen=True)
+class AdamChoice:
+    """The Adam a run's DeepSpeed JSON asks for: `torch_adam` (torch's fused AdamW: nothing to
+    build) or DeepSpeed's own, whose op (`op`, an op builder's class name) must load."""
+
+    name: str
+    torch_adam: bool = False
+    op: str | None = None
+
+
+def adam_choice(device: str, *, offload: bool, installed: dict[str, bool] | None = None) -> AdamChoice:
+    """Which Adam a run on `device` uses, so that its first step builds nothing it cannot build.
+
+        adam_choice("cuda", offload=False)   # AdamChoice('torch AdamW (fused)', torch_adam=True)
+
+    - optimizer offload: DeepSpeed's CPU Adam (ZeRO-Offload refuses any other), a host C++ op;
+    - CUDA: DeepSpeed's FusedAdam where the install built it (DS_BUILD_FUSED_ADAM=1, `installed`:
+      deepspeed.git_version_info.installed_ops), else torch's fused AdamW: FusedAdam's JIT build
+      needs nvcc and CUDA_HOME, which a pip-installed torch does not bring;
+    - the CPU: DeepSpeed's FusedAdam, built by launch/setup_env.sh (python -m dsframework.jit): the
+      losses the suite's references were taken with.
+    """
+    if offload:
+        return AdamChoice("DeepSpeed CPU Adam (cpu_adam op, built for the host)", op="CPUAdamBuilder")
+    if device == "cuda":
+        if (installed if installed is not None else _installed_ops()).get("fused_adam"):
+            return AdamChoice("DeepSpeed FusedAdam (built at install)", op="FusedAdamBuilder")
+        return AdamChoice("torch AdamW (fused)", torch_adam=True)
+    return AdamChoice(f"DeepSpeed FusedAdam ({device} op)", op="FusedAdamBuilder")
+
+
+def _installed_ops() -> dict[str, bool]:
+    from deepspeed.git_version_info import installed_ops
+
+    return dict(installed_ops)
+
+
+def load_adam_op(choice: AdamChoice, *, field: str, value: object) -> None:
+    """Load (building if need be) the op `choice` needs, before any rank waits at the rendezvous;
+    UserError in one line when it can be neither built nor loaded here."""
+    if choice.op is None:
+        return
+    pin_build_tools()
+    from deepspeed.accelerator import get_accelerator
+
+    try:
+        get_accelerator().create_op_builder(choice.op).load(verbose=False)
+    except Exception as err:  # noqa: BLE001 - a compiler, a header or a library missing: all the same to the user
+        why = (str(err).strip().splitlines() or [type(err).__name__])[-1][:200]
+        raise UserError(field, value, f"needs {choice.name}, which could not be built or loaded here ({why})",
+                        "install a C++ compiler and ninja (apt-get install g++), or DeepSpeed with its ops "
+                        "built (DS_BUILD_CPU_ADAM=1 DS_BUILD_FUSED_ADAM=1 pip install deepspeed)") from None
 
 
 def build_ops(builders: tuple[str, ...] = CPU_OPS) -> list[str]:

@@ -144,12 +144,16 @@ class DecoupledWriter:
         engine.checkpoint_engine = DecoupledWriter(engine.checkpoint_engine)  # after deepspeed.initialize
         engine.checkpoint_engine.waited_s   # seconds the trainer waited for the writer since last asked
 
-    Everything is DeepSpeed's but three things. `save` hands the process tensors cut off the autograd
-    graph: ZeRO-1/2's state_dict slices the fp32 partitions without `detach()`, and torch refuses to
-    send a non-leaf tensor that requires grad to another process ("Cowardly refusing to serialize
-    non-leaf tensor which requires_grad"; DeepSpeed 0.19.8, CPU and CUDA alike). `detach()` copies
-    nothing: the writer still reads the live storage, which DeepSpeed keeps unchanged until the commit
-    at the next optimizer step. `load` reads as DeepSpeed's sync engine does (`weights_only=False`):
+    Everything is DeepSpeed's but three things. `save` hands the process host tensors cut off the
+    autograd graph: ZeRO-1/2's state_dict slices the fp32 partitions without `detach()`, and torch
+    refuses to send a non-leaf tensor that requires grad to another process ("Cowardly refusing to
+    serialize non-leaf tensor which requires_grad"; DeepSpeed 0.19.8, CPU and CUDA alike). A CUDA
+    tensor is copied to the host first (the snapshot): sent as it is, torch would share it through
+    CUDA IPC, the writer would open a CUDA context of its own on the trainer's GPU, and the trainer
+    would have to keep every shared block alive. A host tensor is not copied (`detach()` copies
+    nothing): the writer reads it through shared memory (/dev/shm, `check_shm_for_snapshot`), and
+    DeepSpeed keeps it unchanged until the commit at the next optimizer step. `load` reads as
+    DeepSpeed's sync engine does (`weights_only=False`):
     the decoupled engine's plain `torch.load` refuses DeepSpeed's own files under torch >= 2.6
     ("UnpicklingError: Weights only load failed"). And `commit` counts the seconds the trainer waits
     in it: the part of a checkpoint's stall that happens inside `engine.step()`.
@@ -163,7 +167,7 @@ class DecoupledWriter:
         import torch
         from torch.utils._pytree import tree_map
 
-        self.inner.save(tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, state_dict), path)
+        self.inner.save(tree_map(lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t, state_dict), path)
 
     def load(self, path: str, map_location: Any = None) -> Any:
         import torch
@@ -184,6 +188,32 @@ class DecoupledWriter:
 
     def __getattr__(self, name: str) -> Any:  # the rest is DeepSpeed's engine unchanged
         return getattr(self.inner, name)
+
+
+SHM = Path("/dev/shm")
+
+
+def snapshot_bytes(module: Any, *, zero_ranks: int) -> int:
+    """About what one rank hands its decoupled writer per save: the module's parameters (every rank
+    saves its model states) and its share of Adam's fp32 master weights and two moments."""
+    params = [p for p in module.parameters()]
+    weights = sum(p.numel() * p.element_size() for p in params)
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    return weights + 12 * trainable // max(zero_ranks, 1)
+
+
+def check_shm_for_snapshot(snapshot: int, *, ranks_per_node: int, shm: Path = SHM) -> None:
+    """UserError before the first save when /dev/shm cannot hold a decoupled save's snapshots of
+    every rank on this node (the writer receives host tensors through shared memory; a container's
+    default /dev/shm is 64 MB, and a full one kills the writer with a bus error mid-save)."""
+    stat = os.statvfs(shm)
+    free, needed = stat.f_bavail * stat.f_frsize, snapshot * ranks_per_node
+    if needed > free:
+        raise UserError("checkpoint.writer", "decoupled", f"needs about {needed / 2**30:.2f} GiB of {shm} per save "
+                        f"({ranks_per_node} ranks x {snapshot / 2**30:.2f} GiB), and it has "
+                        f"{free / 2**30:.2f} GiB free",
+                        f"use checkpoint.writer=sync, or give {shm} more room (docker run --shm-size="
+                        f"{max(1, -(-needed * 5 // 4 // 2**30))}g, or mount -o remount,size=... {shm})")
 
 
 @contextmanager

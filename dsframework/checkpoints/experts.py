@@ -82,7 +82,7 @@ class _Joined:
         self.parts, self.dim, self.transpose, self.shape = parts, dim, transpose, shape
 
     def contiguous(self) -> torch.Tensor:
-        joined, start = torch.empty(self.shape), 0
+        joined, start = torch.empty(self.shape), 0  # host: export assembles on the CPU
         for part in self.parts:
             tensor = part.contiguous()
             tensor = tensor.transpose(1, 2) if self.transpose else tensor

@@ -1,4 +1,5 @@
-"""`dsf env`: what a bug report needs (versions, the accelerator, ranks per node, JIT ops built).
+"""`dsf env`: what a bug report needs (versions, the accelerator, ranks per node, JIT ops built,
+which Adam `dsf train` will use: jit.adam_choice).
 
     dsf env          # paste the whole output into the issue
 
@@ -23,7 +24,7 @@ from pathlib import Path
 import click
 
 import dsframework
-from dsframework.jit import pin_build_tools
+from dsframework.jit import adam_choice, pin_build_tools
 
 Section = tuple[str, list[tuple[str, str]]]
 LAUNCH_TOOLS = ("pdsh", "mpirun", "srun", "ssh")  # deepspeed's pdsh/mpirun runners, SLURM, dsf launch --check
@@ -114,6 +115,10 @@ def _jit_ops() -> Section:
         elif compatible:
             state.append("not built yet (built on first use)")
         rows.append((name, ", ".join(state)))
+    device = get_accelerator().device_name()
+    for offload, what in ((False, "optimizer"), (True, "optimizer with offload")):
+        choice = adam_choice(device, offload=offload, installed=installed_ops if prebuilt else {})
+        rows.append((what, f"{choice.name}" + ("" if choice.op is None else f" (op {choice.op})")))
     return "JIT ops (DeepSpeed's op builders for this accelerator)", rows
 
 

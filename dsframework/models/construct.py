@@ -125,7 +125,7 @@ def _cut(read: Callable[[int, int, int], torch.Tensor], param: nn.Parameter, den
         if pad:
             shape = list(param.shape)
             shape[dim] = stop - start
-            parts.append(torch.zeros(shape, dtype=param.dtype))
+            parts.append(torch.zeros(shape, dtype=param.dtype))  # host: padding beside the slices read from disk
         else:
             piece = read(stored_dim, start, stop)
             parts.append(piece.t() if transposed else piece)

@@ -151,7 +151,7 @@ def _probe(lm: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
     post = ThroughForward(lm)
     vocab = max(getattr(lm.config, "vocab_size", 0) or 0, 2)
     # a generator of its own: the probe leaves the global random state (weight init, dropout) alone
-    logits = 10 * torch.randn(1, 4, vocab, generator=torch.Generator().manual_seed(0))
+    logits = 10 * torch.randn(1, 4, vocab, generator=torch.Generator().manual_seed(0))  # host: a probe, no model
     try:
         whole = post(logits)
     except Exception as err:  # the forward needs more of its decoder than the stubs give

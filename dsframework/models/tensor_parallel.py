@@ -81,7 +81,8 @@ def _vocab_embedding(module: nn.Module, *, group: Any) -> VocabParallelEmbedding
     sharded = VocabParallelEmbedding.from_dense(module, group=group)
     scale = getattr(module, "embed_scale", None)
     if scale is not None:
-        sharded.register_buffer("embed_scale", torch.as_tensor(scale).detach().clone(), persistent=False)
+        sharded.register_buffer("embed_scale", torch.as_tensor(scale, device=sharded.weight.device).detach().clone(),
+                                persistent=False)
     return sharded
 
 
@@ -252,7 +253,7 @@ def merge_tensor_parallel_tensor(name: str, parts: Sequence[torch.Tensor],
     shape = list(first.shape)
     shape[dim] = size
     dense = first.new_empty(shape)
-    filled = torch.zeros(size, dtype=torch.bool)
+    filled = torch.zeros(size, dtype=torch.bool)  # host: export merges host tensors
     for layout, part in zip(layouts, parts):
         index = layout[name][1]
         kept = (index >= 0).nonzero().flatten()

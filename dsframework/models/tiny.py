@@ -91,6 +91,11 @@ TYPE_OVERRIDES: dict[str, dict[str, Any]] = {
     # Its indexed-attention layers need the query-sparse indexer, whose sizes default to None.
     "qwen4_exp_text": {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": HEAD_DIM,
                        "indexer_budget": WINDOW, "indexer_compress_ratio": 2},
+    # Its first indexed-attention layer must be an indexer (index_layers), each layer reads its own
+    # keys and values (kv_source_layers is per layer, not a list of indices), the indexer's heads fit
+    # one key head's queries, and its pool is a multiple of its compression: one indexer per half.
+    "kolibri1_1": {"index_layers": [1, 3], "kv_source_layers": [0, 1, 2, 3], "index_num_heads": HEADS // KV_HEADS,
+                   "index_pool_size": 64, "index_num_local_tokens": 4, "index_num_sink_tokens": 2},
 }
 # Types whose tiny model is not checked (tests/unit/test_tiny_models.py), and why.
 SKIP: dict[str, str] = {

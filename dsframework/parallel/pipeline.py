@@ -430,7 +430,7 @@ def check_stages_reproduce_forward(config: Any) -> None:
     with torch.random.fork_rng():
         torch.manual_seed(0)
         model = causal_lm_class(twin)(twin).float().eval()
-        input_ids = torch.randint(0, twin.vocab_size, (2, 16))
+        input_ids = torch.randint(0, twin.vocab_size, (2, 16))  # host: the check runs a tiny twin on the CPU
     with torch.no_grad():
         want, got = model(input_ids=input_ids).logits, input_ids
         for spec in pipeline_layer_specs(model):

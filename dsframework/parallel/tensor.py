@@ -234,18 +234,18 @@ def shard_index(sections: Sequence[int], *, rank: int, tp: int, unit: int = 1,
     index, offset = [], 0
     for size in sections:
         part = divide(size, tp, what=what) * unit
-        index.append(torch.arange(offset + rank * part, offset + (rank + 1) * part))
+        index.append(torch.arange(offset + rank * part, offset + (rank + 1) * part))  # host: dense_index
         offset += size * unit
-    return torch.cat(index) if index else torch.empty(0, dtype=torch.long)
+    return torch.cat(index) if index else torch.empty(0, dtype=torch.long)  # host: dense_index
 
 
 def _contiguous_index(size: int, *, rank: int, tp: int, what: str) -> torch.Tensor:
     part = divide(size, tp, what=what)
-    return torch.arange(rank * part, (rank + 1) * part)
+    return torch.arange(rank * part, (rank + 1) * part)  # host: dense_index (layout metadata, kept on the CPU)
 
 
 def _check_index(index: torch.Tensor, *, size: int, part: int, what: str) -> torch.Tensor:
-    index = torch.as_tensor(index, dtype=torch.long).flatten()
+    index = torch.as_tensor(index, dtype=torch.long).flatten()  # host: dense_index
     if index.numel() != part:
         raise ValueError(f"{what} has {index.numel()} entries; this rank owns {part} rows")
     if index.numel() and (int(index.min()) < 0 or int(index.max()) >= size):
@@ -267,7 +267,7 @@ def _mark_tensor_parallel(param: nn.Parameter, *, partition_dim: int,
 
 def _vocab_index(start: int, end: int, num_embeddings: int) -> torch.Tensor:
     """Dense rows [start, end) of a padded vocabulary; rows past `num_embeddings` are -1."""
-    index = torch.arange(start, end)
+    index = torch.arange(start, end)  # host: dense_index
     return index.masked_fill(index >= num_embeddings, -1)
 
 

@@ -64,6 +64,11 @@ class ModelDesc:
     top_k: int = 0  # experts each token goes to
     routed_params: int = 0  # the routed experts' parameters, all layers (what expert parallelism splits)
     expert_matrix: int = 0  # one layer's down projections of all experts (experts x hidden x ffn elements)
+    # The decoder layers' matrices tensor parallelism leaves whole on every tensor rank (experts a
+    # plan does not shard: transformers 5.25's MoE plans shard attention only), all layers; and
+    # whether the routed experts are among them (then each tensor rank runs every routed expert).
+    matrices_unsplit: int = 0
+    experts_unsplit: bool = False
     autoep: bool = False  # DeepSpeed's AutoEP has a preset for its model type (parallel.ep > 1 can run)
     counts: ModelCounts | None = field(default=None, compare=False, repr=False)  # per tp and stage
 
@@ -112,9 +117,15 @@ class ModelDesc:
         [s x s] products, QK^T and AV: 2 x 2 x seq_len x hidden per layer per token (counted in
         full, as Megatron's and PaLM's MFU formulas do, though causal kernels skip half).
         """
-        matmul = self.layers * self.layer_sharded + self.vocab * self.hidden - self.idle_expert_params
+        matmul = (self.layers * self.layer_sharded + self.matrices_unsplit + self.vocab * self.hidden
+                  - self.idle_expert_params)
         attention = 4 * self.layers * seq_len * self.hidden
         return 3.0 * (2.0 * matmul + attention)
+
+    def unsplit_flops_per_token(self) -> float:
+        """Of `flops_per_token`, the matmuls each tensor rank runs whole (`matrices_unsplit`, the
+        experts a token passes through when they are among them): tensor parallelism divides the rest."""
+        return 6.0 * (self.matrices_unsplit - (self.idle_expert_params if self.experts_unsplit else 0))
 
 
 def _features(config: Any, layer: Any, *, q: int, kv: int, ffn: int) -> dict[str, Any]:
@@ -169,6 +180,22 @@ def _tp1_layer_tensors(counts: ModelCounts, layer: Any) -> tuple[tuple[int, bool
     return tuple((n, half < n) for (n, _), half in zip(whole, halves))
 
 
+def _unsplit_matrices(counts: ModelCounts, layers: Any) -> dict[str, Any]:
+    """The decoder layers' matrices a rank of tp = 2 holds whole (none where tp cannot split the
+    model: the planner then counts every matrix as split, as for a dense model)."""
+    if counts.tp_problem(2) is not None:
+        return dict(matrices_unsplit=0, experts_unsplit=False)
+    first = next(i for i, (_, kind) in enumerate(counts.specs_paths) if kind == "layer")
+    whole, experts = 0, False
+    for index, layer in enumerate(layers):
+        halves = counts.shares(2).items[first + index][0]
+        for (name, param), half in zip(layer.named_parameters(), halves):
+            if param.dim() > 1 and half == param.numel():
+                whole += half
+                experts = experts or ".experts." in f".{name}"
+    return dict(matrices_unsplit=whole, experts_unsplit=experts)
+
+
 def describe_model(config: Any, *, name: str | None = None) -> ModelDesc:
     """The ModelDesc of a transformers config (see the module docstring)."""
     name = name or getattr(config, "name_or_path", None) or config.model_type
@@ -196,5 +223,5 @@ def describe_model(config: Any, *, name: str | None = None) -> ModelDesc:
         sliding_window=sliding_window(config), eager_attention=model.config._attn_implementation == "eager",
         attn_softcapping=bool(getattr(config, "attn_logit_softcapping", None)),
         logit_softcapping=bool(getattr(config, "final_logit_softcapping", None)),
-        cp_problem=context_parallel_problem(config), **_experts(config, model),
+        cp_problem=context_parallel_problem(config), **_experts(config, model), **_unsplit_matrices(counts, layers),
         **_features(config, layers[0], q=heads * head_dim, kv=kv_heads * head_dim, ffn=ffn), counts=counts)

@@ -100,8 +100,14 @@ def expert_parallel_reason(plan: Plan, best: Candidate) -> str:
     line += (f"; the experts dense (ep 1) at best: {dense.layout.dims}, {dense.tokens_per_s:,.0f} tokens/s "
              f"({dense.tokens_per_s / best.tokens_per_s:.0%})" if dense
              else "; with the experts dense (ep 1) nothing fits")
-    tp_refused = next((why for family, why in plan.dropped_families.items() if family.startswith("tp=")), None)
-    return line + ("; tensor parallelism: refused (see dropped)" if tp_refused else "")
+    if plan.desc.tp_problem(2):
+        return line + "; tensor parallelism: refused (see dropped)"
+    if not plan.desc.experts_unsplit:
+        return line
+    split = next((c for c in plan.fitting if c.layout.dims.tp > 1), None)
+    return line + (f"; tensor parallelism keeps all {experts} experts whole on each tensor rank" +
+                   (f" (at best {split.layout.dims}, {split.tokens_per_s / best.tokens_per_s:.0%})" if split else
+                    ": no such layout fits"))
 
 
 def knobs_lines(candidate: Candidate) -> list[str]:

@@ -136,11 +136,14 @@ def step_time(desc: ModelDesc, layout: Layout, job: Job, cluster: Cluster) -> St
 def _compute(desc: ModelDesc, layout: Layout, job: Job, cluster: Cluster) -> float:
     """The model's flops on each rank's share of the tokens, at the cluster's matmul efficiency."""
     tokens_per_rank = job.global_batch * job.seq_len / (layout.dims.dp * layout.dims.cp)  # each rank's share
-    flops = desc.flops_per_token(job.seq_len) * tokens_per_rank / (layout.dims.tp * layout.dims.pp)
-    if layout.activation_checkpointing == "full":
-        flops *= RECOMPUTE_FACTOR
+    per_token = desc.flops_per_token(job.seq_len)
+    unsplit = desc.unsplit_flops_per_token() if layout.dims.tp > 1 else 0.0  # matrices each tensor rank runs whole
+    flops = (per_token - unsplit) * tokens_per_rank / (layout.dims.tp * layout.dims.pp)
     if layout.dims.tp > 1:  # the part every tensor rank repeats in full
         flops *= (1 - REPLICATED_FRACTION) + REPLICATED_FRACTION * layout.dims.tp
+    flops += unsplit * tokens_per_rank / layout.dims.pp
+    if layout.activation_checkpointing == "full":
+        flops *= RECOMPUTE_FACTOR
     return flops / (cluster.flops(job.precision) * cluster.matmul_efficiency)
 
 

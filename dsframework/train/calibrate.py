@@ -71,6 +71,7 @@ def copy_bandwidth(nbytes: int = 256 * 2 ** 20) -> float:
     """Bytes/s of a host -> device copy (a host memory copy on CPU)."""
     import torch
 
+    # host: the copy's source, pinned where a GPU reads it (as offload's buffers are)
     src = torch.empty(nbytes, dtype=torch.uint8).pin_memory() if torch.cuda.is_available() else torch.empty(
         nbytes, dtype=torch.uint8)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -133,9 +134,11 @@ def layer_flops(*, hidden: int = 256, seq_len: int = 128, micro_batch: int = 4) 
     config = LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 8 // 3, num_attention_heads=hidden // 64,
                          num_key_value_heads=hidden // 128, num_hidden_layers=1, vocab_size=8)
     config._attn_implementation = "sdpa"
-    layer, rotary = LlamaDecoderLayer(config, layer_idx=0), LlamaRotaryEmbedding(config=config)
-    x = torch.randn(micro_batch, seq_len, hidden, requires_grad=True)
-    positions = torch.arange(seq_len).unsqueeze(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # where matmul_flops measured the peak
+    layer = LlamaDecoderLayer(config, layer_idx=0).to(device)
+    rotary = LlamaRotaryEmbedding(config=config).to(device)
+    x = torch.randn(micro_batch, seq_len, hidden, requires_grad=True, device=device)
+    positions = torch.arange(seq_len, device=device).unsqueeze(0)
     cos_sin = rotary(x, positions)
 
     def run():
@@ -143,6 +146,8 @@ def layer_flops(*, hidden: int = 256, seq_len: int = 128, micro_batch: int = 4) 
             out = layer(x, attention_mask=None, position_ids=positions, position_embeddings=cos_sin)
             out = out[0] if isinstance(out, tuple) else out
             out.sum().backward()
+        if device == "cuda":
+            torch.cuda.synchronize()  # the device's time, not the host's queueing
 
     desc = describe_model(config)
     per_token = 3 * (2 * desc.layer_sharded + 4 * seq_len * hidden)  # one layer, as flops_per_token counts

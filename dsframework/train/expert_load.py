@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from dsframework.models.experts import expert_layout
+from dsframework.train.world import all_reduce_host
 
 
 class ExpertLoad:
@@ -59,12 +60,14 @@ class ExpertLoad:
         import torch
         import torch.distributed as dist
 
-        counts = self.counts if self.counts is not None else torch.zeros(1, self.experts, dtype=torch.long)
-        aux_sum = torch.as_tensor(self.aux_sum, dtype=torch.float64).reshape(1).cpu()
-        totals = torch.cat([aux_sum, torch.tensor([float(self.forwards)], dtype=torch.float64),
-                            counts.flatten().double().cpu()])
+        # host: read back once per window, summed on the host group (a gloo group beside NCCL)
+        counts = (self.counts.cpu() if self.counts is not None
+                  else torch.zeros(1, self.experts, dtype=torch.long))  # host: no forward, nothing counted
+        aux_sum = torch.as_tensor(self.aux_sum, dtype=torch.float64).reshape(1).cpu()  # host: read back
+        forwards = torch.tensor([float(self.forwards)], dtype=torch.float64)  # host: a Python count
+        totals = torch.cat([aux_sum, forwards, counts.flatten().double()])
         if dist.is_initialized():
-            dist.all_reduce(totals)
+            all_reduce_host(totals)
         aux_sum, forwards, counts = totals[0].item(), totals[1].item(), totals[2:].view(-1, self.experts)
         self._reset()
         out: dict[str, float] = {}

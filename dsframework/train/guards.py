@@ -14,6 +14,8 @@ from __future__ import annotations
 import signal
 from typing import Any
 
+from dsframework.train.world import all_reduce_host
+
 
 class StopRequest:
     """SIGTERM (what SLURM sends before preemption, and what the launcher passes on to its ranks)
@@ -30,10 +32,7 @@ class StopRequest:
     """
 
     def __init__(self) -> None:
-        import torch.distributed as dist
-
         self.received: int | None = None
-        self._group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         self._pending: tuple[Any, Any] | None = None
         signal.signal(signal.SIGTERM, self._on_signal)
 
@@ -54,8 +53,8 @@ class StopRequest:
         import torch.distributed as dist
 
         stop = self._collect()
-        flag = torch.tensor([int(self.received is not None)], dtype=torch.int32)
-        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True), flag)
+        flag = torch.tensor([int(self.received is not None)], dtype=torch.int32)  # host: a signal's flag
+        self._pending = (all_reduce_host(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
         return stop
 
     def close(self) -> None:
@@ -83,7 +82,7 @@ class NonFiniteWatch:
         import torch
 
         if self.enabled:
-            fresh = ~torch.isfinite(loss.to(self._first.device)) & (self._first == self.NONE)
+            fresh = torch.isfinite(loss.to(self._first.device)).logical_not() & (self._first == self.NONE)
             self._first = torch.where(fresh, torch.full_like(self._first, step), self._first)
 
     def first_step(self) -> int | None:

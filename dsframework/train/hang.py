@@ -1,7 +1,7 @@
 """faults.hang_timeout on the trainer's side: what each phase may take before this rank's watcher
 (launching/supervise.py) calls it hung, written into its heartbeat as each phase starts.
 
-    watch = HangWatch.for_run(run)            # reads DSF_HEARTBEAT; a no-op without a watcher
+    watch = HangWatch.for_run(run, device=engine.device)   # reads DSF_HEARTBEAT; a no-op without a watcher
     watch.enter("data", step=6)               # then "forward", "backward", "optimizer step", ...
     watch.step_done(seconds=0.41)             # the step time `auto` scales with
     watch.compiled()                          # the next step compiles: it gets the long limit
@@ -13,12 +13,18 @@ time). The first step of a session, the step after compiling (before either, no 
 known and kernels are being built), checkpoints and evaluation get max(LONG_MIN_S, 10 x the
 training limit). Before the first step (building the model, deepspeed.initialize) and after the
 last nothing is watched: those end in the launcher's or the collective's own timeouts.
+
+Step times are the device's: on a GPU the host only queues a step's kernels and runs ahead until
+something waits for them, so its clock would time the queueing. `StepTimer` records a CUDA event at
+each step's start and end and reads a step's time once its end event has completed (`query()`: no
+host synchronisation); on CPU ranks the host's clock is the device's.
 """
 from __future__ import annotations
 
 import statistics
+import time
 from collections import deque
-from typing import Any
+from typing import Any, Callable
 
 from dsframework.errors import UserError
 from dsframework.launching.heartbeat import Beat
@@ -29,6 +35,46 @@ LONG_PHASES = ("checkpoint", "eval")
 RECENT_STEPS = 20  # the median of this many recent step times
 
 
+class StepTimer:
+    """Step times as the device ran them (module docstring).
+
+        timer = StepTimer.for_device(engine.device)
+        timer.start(); ...one step...; finished = timer.stop()   # seconds of the steps the device finished
+    """
+
+    def __init__(self, event: Callable[[], Any] | None = None) -> None:
+        self.event = event  # makes a recorded timing event (torch.cuda.Event); None: the host's clock
+        self.started: Any = None
+        self.pending: deque[tuple[Any, Any]] = deque()
+
+    @classmethod
+    def for_device(cls, device: Any) -> "StepTimer":
+        import torch
+
+        if torch.device(device).type != "cuda":
+            return cls()
+
+        def recorded() -> Any:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return cls(recorded)
+
+    def start(self) -> None:
+        self.started = self.event() if self.event else time.perf_counter()
+
+    def stop(self) -> list[float]:
+        """The seconds of every step whose end the device has reached, oldest first (none yet: [])."""
+        if self.event is None:
+            return [time.perf_counter() - self.started]
+        self.pending.append((self.started, self.event()))
+        done = []
+        while self.pending and self.pending[0][1].query():
+            start, end = self.pending.popleft()
+            done.append(start.elapsed_time(end) / 1000.0)  # milliseconds
+        return done
+
+
 class HangWatch:
     """This rank's phases and their limits, beaten into the heartbeat its watcher reads."""
 
@@ -37,10 +83,14 @@ class HangWatch:
         self.beat = beat if beat is not None else Beat.from_env()
         self.recent: deque[float] = deque(maxlen=RECENT_STEPS)
         self.warm = False  # a step has finished since the session started or last compiled
+        self.timer = StepTimer()  # the device's step times (for_run: CUDA events on a GPU)
+        self.trained = 0  # steps this session has trained (the device may not have timed them all yet)
 
     @classmethod
-    def for_run(cls, run: Any) -> "HangWatch":
-        return cls(run.faults.hang_timeout)
+    def for_run(cls, run: Any, *, device: Any = "cpu") -> "HangWatch":
+        watch = cls(run.faults.hang_timeout)
+        watch.timer = StepTimer.for_device(device)  # the device's step times (CUDA events on a GPU)
+        return watch
 
     def training_limit(self) -> float | None:
         """Seconds a training phase may take; None while `auto` has no step time yet."""
@@ -76,7 +126,7 @@ class HangWatch:
     def check_setting(self, step_seconds: float) -> None:
         """UserError when a fixed faults.hang_timeout is below the step time all ranks measured
         (`step_seconds`, the same on every rank, so that every rank stops together)."""
-        if self.setting not in ("auto", 0) and float(self.setting) < step_seconds:
+        if self.setting not in ("auto", 0) and 0 < step_seconds and float(self.setting) < step_seconds:
             raise UserError("faults.hang_timeout", self.setting, f"is below the measured step time of "
                             f"{step_seconds:.3g} s: every step would count as a hang",
                             f"set it to at least {max(AUTO_MIN_S, AUTO_STEPS * step_seconds):.0f} or to auto")

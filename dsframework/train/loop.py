@@ -34,7 +34,8 @@ from dsframework.train.compiling import (
 from dsframework.train.guards import NonFiniteWatch, StopRequest
 from dsframework.train.hang import HangWatch
 from dsframework.train.setup import Session
-from dsframework.train.step import StepBreakdown, mean_over_ranks
+from dsframework.train.step import StepBreakdown
+from dsframework.train.world import mean_over_ranks
 from dsframework.train.throughput import FlopsMeter
 
 
@@ -56,7 +57,7 @@ def run_steps(run: RunConfig, session: Session, sinks: Any, *, resume: bool) -> 
         clear_preempted(run.output_dir)
         print_summary(run, session, meter)
     last: dict[str, Any] = {}
-    watch = HangWatch.for_run(run)
+    watch = HangWatch.for_run(run, device=engine.device)
     if not resume and run.logging.eval_every:
         watch.enter("eval", step=step)
         last = {"step": 0, "eval_loss": evaluate(session)}  # the baseline the run is judged against
@@ -152,16 +153,18 @@ def train_watched(session: Session, sampler: BlockSampler, consumed: int, watch:
     optimizer step waits for it (a checkpoint's time limit, not a step's)."""
     watch.enter("data", step=step)
     batches = one_step.step_batches(session.train_blocks, sampler, consumed)
-    started = time.perf_counter()
+    watch.timer.start()
 
     def enter(phase: str) -> None:
         watch.enter("checkpoint" if committing and phase == "optimizer step" else phase)
 
     step_loss = one_step.train_step(session.engine, batches, pipeline=session.dims.pp_enabled, enter=enter,
                                     **session.loss_kw)
-    watch.step_done(seconds=time.perf_counter() - started)
-    if len(watch.recent) == 2 and watch.setting not in ("auto", 0):
-        watch.check_setting(mean_over_ranks(watch.median_step()))
+    for seconds in watch.timer.stop():  # the device's time of the steps it has finished (hang.StepTimer)
+        watch.step_done(seconds=seconds)
+    watch.trained += 1
+    if watch.trained == 3 and watch.setting not in ("auto", 0):  # the same step on every rank: a collective
+        watch.check_setting(mean_over_ranks(watch.median_step() or 0.0))
     return step_loss
 
 
@@ -236,6 +239,15 @@ class Window:
         return last
 
 
+def device_clock() -> float:
+    """The host's clock once the device has caught up (a host synchronisation: for the two readings
+    of the compile probe, not for every step; on a GPU the host otherwise times its own queueing)."""
+    from deepspeed.accelerator import get_accelerator
+
+    get_accelerator().synchronize()
+    return time.perf_counter()
+
+
 class CompileProbe:
     """train.compile=auto: time this session's eager steps 2..AUTO_PROBE_STEPS, then compile the
     engine or not (train/compiling.py's auto_compile); with train.compile=true, it compiled at
@@ -249,10 +261,10 @@ class CompileProbe:
     def after_step(self, *, steps_left: int) -> None:
         self.steps += 1
         if self.auto and self.steps == 1:
-            self.start = time.perf_counter()
+            self.start = device_clock()
         elif self.auto and self.steps == AUTO_PROBE_STEPS:
             self.auto = False
-            step_seconds = mean_over_ranks((time.perf_counter() - self.start) / (AUTO_PROBE_STEPS - 1))
+            step_seconds = mean_over_ranks((device_clock() - self.start) / (AUTO_PROBE_STEPS - 1))
             verdict, why = auto_compile(step_seconds=step_seconds, steps_left=steps_left)
             if self.rank == 0:
                 print(f"dsf: train.compile=auto: {why}", flush=True)

@@ -33,7 +33,7 @@ def reshard_in_shares(ckpt_dir: Path, tag: str, config: Any, *, saved: ParallelD
         return universal_tag(tag, target)
     failure, error = _try_share(job, rank=rank, world=world)
     outcomes: list[Any] = [None] * world
-    dist.all_gather_object(outcomes, failure)
+    dist.all_gather_object(outcomes, failure, group=host_group())  # pickled: host-side
     if any(outcomes):
         if rank == 0:
             job.clear()  # nothing half-written is left

@@ -44,6 +44,7 @@ from dsframework.data import (
 from dsframework.data.examples import use_chat_template
 from dsframework.dsconfig import Batch, build_ds_config, resolve_batch
 from dsframework.errors import UserError
+from dsframework.jit import AdamChoice, adam_choice, load_adam_op
 from dsframework.layout import ParallelDims, check_model_layout
 from dsframework.models.autoep_compat import bridge_output_capture_registry
 from dsframework.models.build import build_model, resolve_model
@@ -77,6 +78,7 @@ def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False,
     with clock.phase("checks"):
         manifest, source = preflight(run, resume=resume, overwrite=overwrite)
         run = keep_expert_blocks(run, manifest) if resume else run
+        adam = checked_adam(run)
     with clock.phase("rendezvous"):
         world = form_world(run, source)
     batch = resolve_batch(run.train.micro_batch, run.train.grad_accum, run.train.global_batch, dp_size=world.dims.dp)
@@ -85,7 +87,7 @@ def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False,
         load_tag, universal = resume_tag(run, world.dims, manifest, data.config) if resume else (None, False)
     ds_config = build_ds_config(run.train, run.parallel, dp_size=world.dims.dp,
                                 wall_clock_breakdown=run.logging.breakdown, load_universal=universal,
-                                checkpoint_writer=run.checkpoint.writer)
+                                checkpoint_writer=run.checkpoint.writer, torch_adam=adam.torch_adam)
     with clock.phase("model"):
         model = build_model_for_layout(run, source, data.config, world, ds_config, batch)
     with clock.phase("deepspeed.initialize"):
@@ -176,6 +178,19 @@ def preflight(run: RunConfig, *, resume: bool, overwrite: bool) -> tuple[dict[st
     if source.pretrained_dir is not None and (dims.tp_enabled or dims.pp_enabled):
         check_pretrained_files(source.pretrained_dir, source.config, sliced=True)
     return manifest, source
+
+
+def checked_adam(run: RunConfig) -> AdamChoice:
+    """The Adam this run's JSON asks for (jit.adam_choice), its op loaded or built now: a GPU run
+    whose optimizer cannot be built stops here in one line, before the rendezvous."""
+    from deepspeed.accelerator import get_accelerator
+
+    offload = run.parallel.offload_optimizer != "none"
+    choice = adam_choice(get_accelerator().device_name(), offload=offload)
+    field, value = ("parallel.offload_optimizer", run.parallel.offload_optimizer) if offload else \
+        ("train.optimizer", run.train.optimizer)
+    load_adam_op(choice, field=field, value=value)
+    return choice
 
 
 @dataclass
@@ -321,6 +336,9 @@ def build_engine(run: RunConfig, model: Any, ds_config: dict[str, Any], world: W
             mpu=None if world.dims.pp_enabled else world.grid)
     if engine.checkpoint_engine.is_decoupled():  # checkpoint.writer=decoupled (checkpoints/checkpoint.py)
         engine.checkpoint_engine = ckpt.DecoupledWriter(engine.checkpoint_engine)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
+        sharded_over = world.dims.zero_ranks if world.dims.zero_stage else 1
+        ckpt.check_shm_for_snapshot(ckpt.snapshot_bytes(engine.module, zero_ranks=sharded_over), ranks_per_node=local)
     if run.train.compile is True:
         compile_engine(engine)
     return engine

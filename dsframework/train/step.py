@@ -17,15 +17,6 @@ from dsframework.data import BlockSampler, eval_shard
 from dsframework.parallel.context import SequenceShard, sequence_shard_loss
 
 
-def mean_over_ranks(value: float) -> float:
-    import torch
-    import torch.distributed as dist
-
-    tensor = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(tensor)
-    return tensor.item() / dist.get_world_size()
-
-
 def step_batches(blocks: Any, sampler: BlockSampler, consumed: int) -> list:
     """This rank's micro-batches of one step: rows copied out of the token store (data/store.py).
 
@@ -66,9 +57,10 @@ def micro_batch_loss(engine: Any, input_ids: Any, *, grid: Any = None, context: 
 
 
 def train_step(engine: Any, micro_batches: list, *, pipeline: bool, enter: Any = None, **loss_kw: Any) -> Any:
-    """One optimizer step over this rank's micro-batches; their mean loss (a float64 tensor).
-    `loss_kw` go to `micro_batch_loss` (looked up in this module at each call: the fault tests'
-    worker wraps it). `enter(phase)` is told each phase as it starts (train/hang.py's heartbeat)."""
+    """One optimizer step over this rank's micro-batches; their mean loss (a float64 tensor on the
+    engine's device: nothing here waits for the device). `loss_kw` go to `micro_batch_loss` (looked
+    up in this module at each call: the fault tests' worker wraps it). `enter(phase)` is told each
+    phase as it starts (train/hang.py's heartbeat)."""
     import torch
 
     enter = enter or _no_phase
@@ -76,7 +68,7 @@ def train_step(engine: Any, micro_batches: list, *, pipeline: bool, enter: Any =
         enter("pipeline schedule")
         data = iter([(ids, ids) for ids in micro_batches])
         return engine.train_batch(data_iter=data).detach().double()
-    total = torch.zeros((), dtype=torch.float64)
+    total = torch.zeros((), dtype=torch.float64, device=engine.device)  # the losses add up where they are
     for input_ids in micro_batches:
         enter("forward")
         loss, value = micro_batch_loss(engine, input_ids, **loss_kw)
@@ -101,26 +93,31 @@ def evaluate(engine: Any, eval_blocks: Any, *, micro_batch: int, dp_size: int, d
     import torch.distributed as dist
 
     shard = eval_shard(len(eval_blocks), micro_batch=micro_batch, dp_size=dp_size, dp_rank=dp_rank)
-    if eval_blocks.supervised:
-        engine.eval()
-        with torch.no_grad():
-            sums = torch.zeros(2, dtype=torch.float64)  # (summed loss, trained tokens) of this rank's rows
-            for indices in shard:
-                sums[0] += micro_batch_loss(engine, eval_blocks.micro_batch(indices, weight=1.0), **loss_kw)[1].item()
-                sums[1] += eval_blocks.trained_tokens(indices)
-        engine.train()
-        dist.all_reduce(sums)  # (tensor ranks hold the same rows: both sums count them alike)
-        return (sums[0] / sums[1].clamp(min=1)).item()
-    batches = [eval_blocks[indices] for indices in shard]
+    # (summed loss, trained tokens) or (summed mean loss, micro-batches) of this rank's rows, kept on
+    # the device (one read back at the end, not one per micro-batch) and summed over every rank there
+    total = torch.zeros((), dtype=torch.float64, device=engine.device)
+    count = torch.zeros((), dtype=torch.float64, device=engine.device)
     engine.eval()
     with torch.no_grad():
-        if pipeline:
-            mean = engine.eval_batch(iter([(ids, ids) for ids in batches]),
-                                     num_micro_batches=len(batches)).item()
+        if eval_blocks.supervised:
+            for indices in shard:
+                total += micro_batch_loss(engine, eval_blocks.micro_batch(indices, weight=1.0), **loss_kw)[1].double()
+                count += eval_blocks.trained_tokens(indices)
+        elif pipeline:
+            batches = [eval_blocks[indices] for indices in shard]
+            total += engine.eval_batch(iter([(ids, ids) for ids in batches]), num_micro_batches=len(batches)).double()
+            count += 1.0
         else:
-            mean = sum(micro_batch_loss(engine, ids, **loss_kw)[1].item() for ids in batches) / max(len(batches), 1)
+            for indices in shard:
+                total += micro_batch_loss(engine, eval_blocks[indices], **loss_kw)[1].double()
+                count += 1.0
     engine.train()
-    return mean_over_ranks(mean)
+    if not eval_blocks.supervised:  # the mean over ranks of each rank's mean (every rank runs as many)
+        total, count = total / count.clamp(min=1), torch.ones_like(count)
+    sums = torch.stack([total, count])
+    dist.all_reduce(sums)  # a device tensor on the default group (tensor ranks hold the same rows: alike)
+    total, count = sums.unbind()
+    return (total / count.clamp(min=1)).item()
 
 
 class StepBreakdown:

@@ -18,21 +18,18 @@ from typing import Any
 from dsframework.planner.cluster import cluster_preset, load_cluster, local_gpu_preset
 from dsframework.planner.model import describe_model
 from dsframework.train.calibrate import matmul_flops
+from dsframework.train.world import mean_over_ranks
 
 PEAK_MATMUL_SIZE = 512
 
 
 def _measured_peak(precision: str) -> float:
     """The matmul FLOP/s of this rank while every rank measures too (their mean)."""
-    import torch
     import torch.distributed as dist
 
     value = matmul_flops(precision, size=PEAK_MATMUL_SIZE)
     if dist.is_initialized():
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        total = torch.tensor([value], dtype=torch.float64, device=device)
-        dist.all_reduce(total)
-        value = total.item() / dist.get_world_size()
+        value = mean_over_ranks(value)
     return value
 
 

@@ -3,8 +3,17 @@
     rank, world = init_distributed()       # under a launcher, or a world of one
     with rank_zero_first():                 # rank 0 writes a cache, the others then read it
         ...
+    mean = mean_over_ranks(0.25)            # a host-side figure, reduced on the host group
     shutdown_distributed()                  # every rank leaves together
     supervise.exit_process(0)               # and the process ends without the interpreter's teardown
+
+Host and device kept apart: the default group is the accelerator's (NCCL on a GPU), which takes
+device tensors only ("No backend type associated with device type cpu"). Every host tensor a rank
+reduces (eval sums, counters, the compile decision, the stop flag, hang and restart bookkeeping,
+pickled objects) goes through `host_group()`: a gloo group over every rank beside NCCL, made once
+here, or the default group itself where that is gloo (CPU ranks). Tensors that meet the model's
+are made on the engine's device and reduced on the default group. tests/device_discipline.py checks
+both rules on this CPU build (fake CUDA tensors, the default group standing for NCCL).
 """
 from __future__ import annotations
 
@@ -16,6 +25,9 @@ from typing import Iterator
 from dsframework.errors import UserError
 from dsframework.jit import pin_build_tools, release_shm_buffers
 from dsframework.ports import free_port
+
+
+_HOST_GROUP: list = [None]  # host_group()'s group; None: the default group (gloo) serves host tensors
 
 
 def init_distributed() -> tuple[int, int]:
@@ -33,11 +45,68 @@ def init_distributed() -> tuple[int, int]:
         # N CPU ranks on one host would each take every core; share them out instead.
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
-    deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name(), verbose=False)
-    release_shm_buffers()
     if accelerator.device_name() != "cpu":
-        accelerator.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        # Before the first collective: NCCL binds each rank's communicator to the current device,
+        # which would otherwise be device 0 for every rank of the node.
+        accelerator.set_device(local_device(accelerator.device_count()))
+        debug_host_syncs()
+    deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name(), verbose=False)
+    make_host_group(separate=torch.distributed.get_backend() != "gloo")
+    release_shm_buffers()
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+def local_device(visible: int) -> int:
+    """This rank's device index (LOCAL_RANK); UserError when the launcher counted more devices on
+    this node than CUDA_VISIBLE_DEVICES leaves visible to the rank."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if local_rank >= visible:
+        shown = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise UserError("LOCAL_RANK", local_rank, f"names a device this rank cannot see: {visible} visible"
+                        + (f" (CUDA_VISIBLE_DEVICES={shown})" if shown is not None else ""),
+                        "start as many ranks per node as visible devices (deepspeed --num_gpus / --include, "
+                        "or unset CUDA_VISIBLE_DEVICES and let the launcher set it)")
+    return local_rank
+
+
+def debug_host_syncs() -> None:
+    """DSF_CUDA_SYNC_DEBUG=warn|error: torch reports each host synchronisation (bench/gpu_smoke.sh)."""
+    import torch
+
+    mode = os.environ.get("DSF_CUDA_SYNC_DEBUG")
+    if mode and torch.cuda.is_available():
+        torch.cuda.set_sync_debug_mode(mode)
+
+
+def make_host_group(*, separate: bool) -> None:
+    """Make host_group(): a gloo group over every rank (`separate`), else the default group. Every
+    rank calls it at the same point (new_group is a collective)."""
+    import torch.distributed as dist
+
+    _HOST_GROUP[0] = dist.new_group(backend="gloo") if separate else None
+
+
+def host_group() -> object | None:
+    """The process group for host (CPU) tensors: collectives take it as `group=` (None: the default)."""
+    return _HOST_GROUP[0]
+
+
+def all_reduce_host(tensor: object, *, op: object = None, async_op: bool = False) -> object:
+    """All-reduce a host tensor over every rank on host_group() (SUM unless `op`); the work when async."""
+    import torch.distributed as dist
+
+    assert tensor.device.type == "cpu", f"a {tensor.device} tensor on the host group"  # internal invariant
+    return dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM, group=host_group(), async_op=async_op)
+
+
+def mean_over_ranks(value: float) -> float:
+    """The mean of a host-side number over every rank (a collective: every rank calls it)."""
+    import torch
+    import torch.distributed as dist
+
+    tensor = torch.tensor([value], dtype=torch.float64)  # host: a Python number, reduced on the host group
+    all_reduce_host(tensor)
+    return tensor.item() / dist.get_world_size()
 
 
 def shutdown_distributed(*, wait_s: float | None = None) -> None:
@@ -54,9 +123,10 @@ def shutdown_distributed(*, wait_s: float | None = None) -> None:
         return
     if wait_s is None:
         dist.barrier()
-    else:
+    else:  # monitored_barrier exists for gloo only: the host group's (a default NCCL group raises)
         with contextlib.suppress(Exception):
-            dist.monitored_barrier(timeout=datetime.timedelta(seconds=wait_s))
+            dist.monitored_barrier(group=host_group(), timeout=datetime.timedelta(seconds=wait_s))
+    _HOST_GROUP[0] = None
     dist.destroy_process_group()
 
 
@@ -71,7 +141,7 @@ def rank_zero_first() -> Iterator[None]:
 
     if dist.get_rank() != 0:
         outcome: list = [None]
-        dist.broadcast_object_list(outcome, src=0)
+        dist.broadcast_object_list(outcome, src=0, group=host_group())
         if outcome[0] == "failed":
             raise SystemExit(1)
         if outcome[0] is not None:
@@ -81,10 +151,10 @@ def rank_zero_first() -> Iterator[None]:
     try:
         yield
     except UserError as err:
-        dist.broadcast_object_list([(err.field, err.value, err.rule, err.fix)], src=0)
+        dist.broadcast_object_list([(err.field, err.value, err.rule, err.fix)], src=0, group=host_group())
         raise
     except BaseException:
         with contextlib.suppress(Exception):
-            dist.broadcast_object_list(["failed"], src=0)
+            dist.broadcast_object_list(["failed"], src=0, group=host_group())
         raise
-    dist.broadcast_object_list([None], src=0)
+    dist.broadcast_object_list([None], src=0, group=host_group())

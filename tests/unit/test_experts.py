@@ -190,9 +190,10 @@ def test_the_planner_counts_qwen3_30b_a3b_as_published():
 def test_dsf_plan_ranks_expert_parallel_layouts(nodes):
     """On 1 x 8 and 4 x 8 H100: ep layouts are ranked with the rest (their all-to-alls priced);
     splitting the experts beats training them as dense weights under ZeRO (what the planner did
-    before ep), and the report says why in one line; tensor parallelism is refused in one line
-    (transformers' plan shards experts with moe_* styles dsf does not implement), and so are the
-    pipeline and context parallelism (the router's balancing loss spans the whole micro-batch)."""
+    before ep), and the report says why in one line; tensor parallelism splits attention only
+    (transformers 5.25's plan leaves the experts out), so its layouts hold every expert whole on each
+    tensor rank and run all of them; the pipeline and context parallelism are refused (the router's
+    balancing loss spans the whole micro-batch)."""
     from dsframework.config import ModelSpec
     from dsframework.models.build import resolve_model
     from dsframework.planner.cluster import cluster_preset
@@ -210,10 +211,16 @@ def test_dsf_plan_ranks_expert_parallel_layouts(nodes):
     assert plan.best.layout.dims.ep > 1, plan.best.layout
     dense = search(desc, cluster, job, ep=1)
     assert dense.best is None or dense.best.tokens_per_s < plan.best.tokens_per_s
-    assert not any(c.layout.dims.tp > 1 or c.layout.dims.pp > 1 or c.layout.dims.cp > 1 for c in plan.candidates)
-    assert "moe_tp_experts" in plan.dropped_families["tp=2"] and "\n" not in plan.dropped_families["tp=2"]
+    assert not any(c.layout.dims.pp > 1 or c.layout.dims.cp > 1 for c in plan.candidates)
+    assert desc.experts_unsplit and desc.tp_problem(2) is None and "tp=2" not in plan.dropped_families
+    split = [c for c in plan.candidates if c.layout.dims.tp > 1 and c.layout.dims.zero_stage < 3]
+    assert split and all(c.layout.dims.ep == 1 for c in split)  # AutoEP composes with dp only
+    for c in split:  # every routed expert on each tensor rank (bf16 weights unpartitioned below ZeRO-3)
+        assert c.memory.params >= 2 * desc.routed_params, (c.layout.dims, c.memory.params)
+        assert c.time.compute > plan.best.time.compute / c.layout.dims.tp  # and each rank runs them all
     for split in ("pp > 1", "cp > 1"):  # its loss adds the router's balancing loss over the whole micro-batch
         assert "load-balancing loss" in plan.dropped_families[split], plan.dropped_families
     why = f"  why ep {plan.best.layout.dims.ep}:"
     reason = [line for line in plan_table(plan).splitlines() if line.startswith(why)]
-    assert len(reason) == 1 and "of the 128 experts" in reason[0] and "tensor parallelism: refused" in reason[0]
+    assert len(reason) == 1 and "of the 128 experts" in reason[0]
+    assert "tensor parallelism keeps all 128 experts whole on each tensor rank" in reason[0], reason[0]

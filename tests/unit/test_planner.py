@@ -53,6 +53,32 @@ def test_flops_per_token_is_six_n_plus_attention():
     assert 6 * 6.5e9 < desc.flops_per_token(2048) < 6 * 8e9
 
 
+def test_experts_a_plan_leaves_whole_count_once_and_run_on_every_tensor_rank():
+    """transformers 5.25's MoE plans shard attention only (Mixtral's experts and router stay whole on
+    each tensor rank). The model's FLOPs count each matrix once, whatever the plan splits, and leave
+    the idle experts out; at tp 2 each rank runs the whole experts and half of the rest."""
+    from dsframework.models.tiny import tiny_config
+    from dsframework.planner.speed import step_time
+
+    config = tiny_config("mixtral", num_local_experts=8, vocab_size=1000)
+    desc = describe_model(config, name="mixtral")
+    with torch.device("meta"):
+        model = causal_lm_class(config)(config)
+    layers = [p for p in model.model.layers.parameters() if p.dim() > 1]
+    experts = [p for name, p in model.model.layers.named_parameters() if ".experts." in name]
+    idle = sum(p.numel() for p in experts) * (8 - config.num_experts_per_tok) // 8
+    assert desc.flops_per_token(64) == 6 * (sum(p.numel() for p in layers) + desc.vocab * desc.hidden - idle) + (
+        12 * desc.layers * 64 * desc.hidden)
+    assert desc.tp_problem(2) is None and desc.experts_unsplit
+    routers = sum(p.numel() for name, p in model.model.layers.named_parameters() if name.endswith("gate.weight"))
+    assert desc.matrices_unsplit == sum(p.numel() for p in experts) + routers
+    assert desc.unsplit_flops_per_token() == 6 * (desc.matrices_unsplit - idle)
+    cluster, job = cluster_preset("h100-80gb", nodes=1, gpus_per_node=2), Job(seq_len=64, global_batch=8)
+    one, two = (step_time(desc, Layout(ParallelDims(world=2, tp=tp, zero_stage=1)), job, cluster).compute
+                for tp in (1, 2))
+    assert two > 2 * one * desc.unsplit_flops_per_token() / desc.flops_per_token(64)  # tp 2 runs twice the tokens
+
+
 def _saved_bytes(model, input_ids) -> int:
     """Bytes autograd keeps for backward: every distinct storage packed, parameters excluded."""
     return saved_bytes(model, lambda: model(input_ids=input_ids, labels=input_ids))[0]

@@ -42,7 +42,8 @@ def test_older_style_names_map_to_the_same_layers():
 
 
 @pytest.mark.parametrize("model_type, tp, pp, fragment", [
-    ("mixtral", 2, 1, "parallel.tp=2: cannot shard 'mixtral': it uses the tensor-parallel style moe_tp_experts"),
+    ("llama4_text", 2, 1,
+     "parallel.tp=2: cannot shard 'llama4_text': it uses the tensor-parallel style moe_tp_experts"),
     ("minicpm3", 2, 1, "style mla_kv_a_proj, which dsframework does not implement"),
     ("granite_swa", 2, 1, "style local_params"),
     ("llama", 4, 1, "parallel.tp=4: does not divide llama's num_key_value_heads=2"),
@@ -121,14 +122,14 @@ def test_a_token_mixer_outside_attention_needs_the_whole_sequence():
 
 
 def test_dsf_launch_refuses_before_anything_starts(tmp_path, capsys):
-    """`dsf launch --dry-run` of a Mixtral at tp 2: exit 2, one line naming the model type, the style
+    """`dsf launch --dry-run` of a Llama 4 at tp 2: exit 2, one line naming the model type, the style
     and what works; nothing printed of what would start."""
-    tiny_config("mixtral").to_json_file(tmp_path / "mixtral.json")
-    model = f"model.name={tmp_path / 'mixtral.json'}"
+    tiny_config("llama4_text").to_json_file(tmp_path / "llama4_text.json")
+    model = f"model.name={tmp_path / 'llama4_text.json'}"
     with pytest.raises(SystemExit) as stop:
         _run_command(["launch", TINY, "--num-gpus", "2", "--dry-run", "--set", model,
                       "--set", "parallel.tp=2", "--set", "parallel.zero_stage=1"])
     out = capsys.readouterr()
     assert stop.value.code == 2 and "Traceback" not in out.err and out.out == ""
     (line,) = out.err.splitlines()
-    assert line.startswith("dsf: error: parallel.tp=2: cannot shard 'mixtral'") and "moe_tp_experts" in line
+    assert line.startswith("dsf: error: parallel.tp=2: cannot shard 'llama4_text'") and "moe_tp_experts" in line

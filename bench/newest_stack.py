@@ -15,10 +15,12 @@ What it prints, each against the pinned stack:
             the pinned list: a type new to it is reported by the tests, not failed)
   plans     per type, each plan entry whose style changed, was added or dropped; tp / pp newly
             refused or accepted (models/plans.check_architecture's reason); tiny builds that broke
-  table     bench/architectures.py cells that differ (the pinned table is cached per constraints
-            file and commit under runs/newest_stack/)
-and last one line: `clean` (the pin can move: --pin writes the newest venv's versions to
-launch/constraints.txt and its type list to tests/pinned_model_types.json) or the count of changes.
+  table     bench/architectures.py cells whose outcome changed: `table` a cell that passed and no
+            longer does (a regression), `cell` any other (refused -> pass: a plan new in a version);
+            the pinned table is cached per constraints file and commit under runs/newest_stack/
+and last one line: `clean` (no failing test, no lost table cell: --pin writes the newest venv's
+versions to launch/constraints.txt and its type list to tests/pinned_model_types.json) or the count
+of regressions.
 
 The newest venv is .venv-newest (--venv), made once and upgraded on each run; torch is the pinned
 venv's own build (TORCH_SPEC to change it), never upgraded here.
@@ -102,7 +104,10 @@ def make_newest(venv: Path, pinned_python: Path, extra: list[str]) -> Path:
     run([str(python), "-m", "pip", "install", "-q", torch])
     wanted = WORK / "with.txt"
     wanted.parent.mkdir(parents=True, exist_ok=True)
-    wanted.write_text("".join(f"{spec}\n" for spec in extra))
+    # torch stays the pinned venv's build: `--upgrade-strategy eager` would otherwise replace it (and
+    # bring CUDA wheels) because dsframework requires it, and the comparison would be two torches.
+    pinned_torch = torch if "==" in torch else None
+    wanted.write_text("".join(f"{spec}\n" for spec in [*extra, *([pinned_torch] if pinned_torch else [])]))
     run([str(python), "-m", "pip", "install", "-q", "--upgrade", "--upgrade-strategy", "eager", "-c", str(wanted),
          "-e", ".[dev]"], log=WORK / "pip-newest.log")
     return python
@@ -188,13 +193,21 @@ def plan_changes(old: dict, new: dict) -> list[str]:
 
 
 def table_changes(pinned: dict[str, dict], newest: dict[str, dict]) -> list[str]:
+    """One line per table cell that changed its outcome (pass / refused / FAIL; the words of a
+    refusal may change freely): `table` for a cell that passed and no longer does, `cell` otherwise."""
     lines = []
     for model_type in sorted(set(pinned) | set(newest)):
         old, new = pinned.get(model_type, {}), newest.get(model_type, {})
         for column in [c for c in {**old, **new} if c != "type"]:
-            if old.get(column) != new.get(column):
-                lines.append(f"table    {model_type} {column}: {old.get(column, '-')} -> {new.get(column, '-')}")
+            before, after = _outcome(old.get(column)), _outcome(new.get(column))
+            if before != after:
+                kind = "table   " if before == "pass" else "cell    "
+                lines.append(f"{kind} {model_type} {column}: {old.get(column, '-')} -> {new.get(column, '-')}")
     return lines
+
+
+def _outcome(cell: str | None) -> str:
+    return "-" if cell is None else cell.split()[0].rstrip(":")
 
 
 def pin(python: Path, newest: dict) -> None:
@@ -255,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         lines += table_changes(pinned_table(args.pinned_python, args.types), table(newest_python, "newest", args.types))
     print(*lines, sep="\n")
     print(f"fast tier: pinned {last_pinned}; newest {last_newest}")
-    regressions = [line for line in lines if not line.startswith(("package", "type     ", "plan"))]
+    regressions = [line for line in lines if line.startswith(("test", "table"))]
     verdict = "clean" if not regressions else f"{len(regressions)} regressions (tests, table)"
     print(f"newest_stack: {len(lines)} changes, {verdict}; {time.perf_counter() - start:.0f} s; work: {WORK}")
     if args.pin and not regressions:

@@ -20,6 +20,7 @@ import json
 import os
 import platform
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +37,32 @@ def pin_build_tools() -> None:
     if (Path(bin_dir) / "ninja").exists() and path[:1] != [bin_dir]:
         os.environ["PATH"] = os.pathsep.join([bin_dir, *[p for p in path if p != bin_dir]])
     cache_cpu_info(Path(os.environ["TORCH_EXTENSIONS_DIR"]))
+    clear_stale_build_locks(Path(os.environ["TORCH_EXTENSIONS_DIR"]))
+
+
+# A build of one op takes about a minute here (two on a loaded machine); a lock older than this was
+# left by a build that was killed (a timeout, Ctrl-C, a node lost), not one still running.
+STALE_LOCK_S = 20 * 60
+
+
+def clear_stale_build_locks(folder: Path, *, now: float | None = None) -> list[Path]:
+    """Remove the build locks in `folder` (an op's `lock`, torch's FileBaton) older than STALE_LOCK_S;
+    returns them. torch waits for a lock to go away and the file names no process: a build killed
+    while it held one makes every later run that loads the op wait forever, silently (seen: every
+    tp 2 x pp 2 run of bench/architectures.py timing out after a killed run)."""
+    now = time.time() if now is None else now
+    removed = []
+    for lock in folder.glob("*/lock"):
+        try:
+            if now - lock.stat().st_mtime > STALE_LOCK_S:
+                lock.unlink()
+                removed.append(lock)
+        except OSError:  # another rank removed it first
+            continue
+    for lock in removed:
+        print(f"dsf: removed {lock}, a JIT build lock left {STALE_LOCK_S // 60}+ minutes ago by a build that "
+              "did not finish; the op is built again", file=sys.stderr, flush=True)
+    return removed
 
 
 def _cpu_signature() -> str:
@@ -186,8 +213,6 @@ def build_ops(builders: tuple[str, ...] = CPU_OPS) -> list[str]:
 
 
 if __name__ == "__main__":
-    import time
-
     started = time.perf_counter()
     ops = build_ops()
     print(f"jit: {', '.join(ops) or 'no CPU ops'} ready in {os.environ['TORCH_EXTENSIONS_DIR']} "

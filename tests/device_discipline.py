@@ -10,7 +10,7 @@ host synchronisation inside a training step.
 How: PyTorch's FakeTensorMode makes tensors on `cuda:0` (no data, no kernels) and refuses an op
 that writes a host tensor with a CUDA one (FakeTensorDeviceMismatchError), as CUDA does. Above it,
 `DeviceRules` (a TorchDispatchMode) sees every collective (c10d ops go through the dispatcher) and
-fails one that sends a CPU tensor on a group other than dsf's host group (train/world.host_group, a
+fails one that sends a CPU tensor on a group other than dsf's host group (parallel/host.host_group, a
 gloo group beside NCCL on a GPU: made separate here), or a CUDA tensor on the host group; it
 completes them at once (a world of one), and records each read back to the host (`.item()`, a copy
 to the CPU) as a synchronisation. A real HF model cannot run there (some kernels need a CUDA build),
@@ -74,7 +74,7 @@ class DeviceRules(TorchDispatchMode):
         for tensor in _tensors([a for a in args if isinstance(a, (list, torch.Tensor))]):
             if tensor.device.type == "cpu" and not on_host:
                 raise DeviceRuleBroken(f"{name}: a host tensor {tuple(tensor.shape)} on a device group "
-                                       "(NCCL has no CPU backend: use train/world.host_group())")
+                                       "(NCCL has no CPU backend: use parallel/host.host_group())")
             if tensor.device.type == "cuda" and on_host:
                 raise DeviceRuleBroken(f"{name}: a cuda tensor {tuple(tensor.shape)} on the host (gloo) group")
         self.collectives.append((name, "host" if on_host else "device"))
@@ -161,18 +161,18 @@ def simulated_gpu_rank() -> Iterator[SimulatedRank]:
     """A process group of one (gloo standing for NCCL), dsf's host group beside it, and the two
     modes above (see the module docstring)."""
     from dsframework.ports import free_port
-    from dsframework.train import world
+    from dsframework.parallel import host
 
     started = not dist.is_initialized()
     if started:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ["MASTER_PORT"] = str(free_port())
         dist.init_process_group("gloo", rank=0, world_size=1)
-    world.make_host_group(separate=True)
+    host.make_host_group(separate=True)
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True) as fake, DeviceRules(world.host_group()) as rules:
+        with FakeTensorMode(allow_non_fake_inputs=True) as fake, DeviceRules(host.host_group()) as rules:
             yield SimulatedRank(fake, rules)
     finally:
-        world.make_host_group(separate=False)
+        host.make_host_group(separate=False)
         if started:
             dist.destroy_process_group()

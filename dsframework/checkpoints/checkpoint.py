@@ -50,6 +50,7 @@ from dsframework.errors import UserError, raised_in
 from dsframework.files import written_then_renamed
 from dsframework.layout import ParallelDims
 from dsframework.models.lora import has_frozen_parameters
+from dsframework.parallel.host import host_group
 
 TOKENIZER_DIR = "tokenizer"
 HF_CONFIG_DIR = "hf_config"
@@ -120,11 +121,19 @@ def set_latest(ckpt_dir: Path, tag: str) -> None:
 
 
 def _frozen_and_trainable(engine: Any) -> tuple[bool, dict[str, list[int]]]:
-    """(whether some of the module's parameters are frozen, {name: shape} of those that train; a ZeRO-3
-    partitioned parameter's whole shape)."""
+    """(whether some of the model's parameters are frozen, {name: shape} of those that train; a ZeRO-3
+    partitioned parameter's whole shape), over every rank: a pipeline stage holds its own layers, and
+    a stage without a frozen parameter still saves and loads as the others do (a collective)."""
+    import torch.distributed as dist
+
     trainable = {name: list(getattr(param, "ds_shape", param.shape))
                  for name, param in engine.module.named_parameters() if param.requires_grad}
-    return has_frozen_parameters(engine.module), trainable
+    frozen = has_frozen_parameters(engine.module)
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return frozen, trainable
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (frozen, trainable), group=host_group())  # pickled: host-side
+    return any(f for f, _ in everyone), {name: shape for _, names in everyone for name, shape in names.items()}
 
 
 def write_shards(engine: Any, partial: Path, *, client_state: dict[str, Any], exclude_frozen: bool) -> None:

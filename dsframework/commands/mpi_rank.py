@@ -37,7 +37,9 @@ def mpi_rank_env(environ: Mapping[str, str], *, master: str) -> dict[str, str]:
                             "start this entry point through dsf launch --launcher openmpi or mvapich")
         out[name] = value
     addr, _, port = master.rpartition(":")
-    return {**out, "LOCAL_SIZE": out["LOCAL_WORLD_SIZE"], "MASTER_ADDR": addr, "MASTER_PORT": port}
+    per_node = max(int(out["LOCAL_WORLD_SIZE"]), 1)  # the node's index and count, as deepspeed's launcher sets
+    cross = {"CROSS_RANK": str(int(out["RANK"]) // per_node), "CROSS_SIZE": str(int(out["WORLD_SIZE"]) // per_node)}
+    return {**out, **cross, "LOCAL_SIZE": out["LOCAL_WORLD_SIZE"], "MASTER_ADDR": addr, "MASTER_PORT": port}
 
 
 def main(argv: list[str] | None = None) -> None:

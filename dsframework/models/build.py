@@ -3,17 +3,27 @@
     source = resolve_model(run.model)                 # preset, config.json, or pretrained dir
     config = source.config_for(tokenizer)             # vocab and special tokens follow the tokenizer
     model = build_model(source, config, seed=42, zero3_ds_config=None)
+    device, dtype = rank_placement("bf16")            # a rank's engine device, its training dtype
+    model = build_model(source, config, seed=42, device=device, dtype=dtype)   # never whole on the host
 
 Random initialisation is deterministic per module name and seed, whatever the ZeRO stage: each
 module is (gathered and) re-initialised with transformers' own `_init_weights` under a seed derived
 from its name, so stage 0..3 and a plain PyTorch reference start from the same weights, and under
 ZeRO-3 no rank ever holds more than one module's parameters in full.
+
+With a `device` (`dsf train` at ZeRO 0-2, tp = pp = 1), the model is built on the meta device and
+each module's parameters are made on that device in their training dtype as they get their values
+(models/construct.py: the same seeded init, or the pretrained safetensors read tensor by tensor): a
+rank's host holds one module's fp32 values at a time, not the fp32 model (8 ranks of an 8B model
+held 8 x 32 GB at start-up). A directory sliced loading cannot read loads with from_pretrained
+straight to the device.
 """
 from __future__ import annotations
 
 import contextlib
 import inspect
 import json
+import os
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +31,8 @@ from typing import Any
 
 from dsframework.config import ModelSpec
 from dsframework.errors import UserError, did_you_mean
-from dsframework.models.construct import check_pretrained_files
+from dsframework.models.construct import (ConstructorValueUnknown, build_for_layout, check_pretrained_files,
+                                          reads_every_tensor)
 from dsframework.models.experts import train_router_loss
 from dsframework.models.hf import causal_lm_class, check_causal_lm, skip_transformers_init
 from dsframework.models.lora import check_lora_targets
@@ -197,13 +208,27 @@ def init_weights_deterministically(model: Any, seed: int) -> None:
             model._init_weights(module)
 
 
-def build_model(source: ModelSource, config: Any, *, seed: int,
-                zero3_ds_config: dict[str, Any] | None = None) -> Any:
-    """The causal LM, random-init or pretrained; partitioned at construction under ZeRO-3."""
-    import torch
+def build_model(source: ModelSource, config: Any, *, seed: int, zero3_ds_config: dict[str, Any] | None = None,
+                device: Any = None, dtype: Any = None) -> Any:
+    """The causal LM, random-init or pretrained; partitioned at construction under ZeRO-3. With
+    `device` (and no ZeRO-3), built on the meta device and materialised on `device` in `dtype`
+    (`build_on_device`); without, or for the few types a weightless build cannot initialise, built
+    whole in fp32 on the host (`build_on_host`), where DeepSpeed's initialize casts and moves it."""
     from transformers import set_seed
 
     set_seed(seed)
+    if device is not None and zero3_ds_config is None:
+        try:
+            return build_on_device(source, config, seed=seed, device=device, dtype=dtype)
+        except ConstructorValueUnknown:  # e.g. Qwen3-Next's router weight: only its constructor sets it
+            set_seed(seed)
+    return build_on_host(source, config, seed=seed, zero3_ds_config=zero3_ds_config)
+
+
+def build_on_host(source: ModelSource, config: Any, *, seed: int, zero3_ds_config: dict[str, Any] | None = None) -> Any:
+    """The causal LM whole in fp32 on the host (under ZeRO-3: partitioned as it is built)."""
+    import torch
+
     cls = causal_lm_class(config)
     if source.pretrained_dir is not None:
         keep_alive = None
@@ -225,3 +250,63 @@ def build_model(source: ModelSource, config: Any, *, seed: int,
         model = cls._from_config(config, dtype=torch.float32)
     init_weights_deterministically(model, seed)
     return model
+
+
+def build_on_device(source: ModelSource, config: Any, *, seed: int, device: Any, dtype: Any = None) -> Any:
+    """The model `build_model` makes, its parameters made on `device` in `dtype` module by module:
+    the seeded init (the same values, bit for bit, as the host build then DeepSpeed's cast) or the
+    pretrained safetensors read tensor by tensor. A directory `PretrainedSlices` cannot read whole
+    (pytorch_model.bin, or tensors transformers merges at load) loads with from_pretrained straight
+    to `device` in fp32, then its parameters are cast as DeepSpeed would."""
+    import torch
+
+    pretrained = source.pretrained_dir
+    if pretrained is not None and not reads_every_tensor(pretrained, config):
+        model = causal_lm_class(config).from_pretrained(pretrained, config=config, local_files_only=True,
+                                                        dtype=torch.float32, device_map={"": device})
+        cast_parameters(model, dtype)
+        return model
+    model = build_for_layout(source, config, seed=seed, device=device, dtype=dtype).model
+    if pretrained is not None:
+        model.eval()  # the mode from_pretrained returns, which the host build hands to DeepSpeed
+    return model
+
+
+def cast_parameters(model: Any, dtype: Any) -> None:
+    """Every floating parameter of `model` in `dtype` (None: as they are), in place, as DeepSpeed's
+    engine casts them for bf16/fp16 at initialize; buffers keep their dtype there too."""
+    for param in model.parameters():
+        if dtype is not None and param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
+
+
+PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def rank_placement(precision: str) -> tuple[Any, Any]:
+    """(device, dtype) a rank trains its parameters on: DeepSpeed's engine device (the accelerator's
+    device of LOCAL_RANK, as the engine picks it; the CPU on CPU ranks) and train.precision's dtype
+    (with bf16/fp16 DeepSpeed trains the module's parameters in it, its optimizer holding fp32
+    master copies made from them).
+
+        rank_placement("bf16")      # (device(type='cuda', index=3), torch.bfloat16) on local rank 3
+    """
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    device = torch.device(get_accelerator().device_name(int(os.environ.get("LOCAL_RANK", "0"))))
+    return device, getattr(torch, PRECISION_DTYPES[precision])
+
+
+def built_line(model: Any, peak: Any) -> str:
+    """The start-up line on where `model`'s parameters were made and the host memory it took
+    (`peak`: construct.host_peak's measure of the build).
+
+        dsf: model built: parameters on cuda:0 in bfloat16; host peak RSS 2.10 GiB while building (+0.12 GiB)
+    """
+    places = sorted({f"{p.device} in {str(p.dtype).removeprefix('torch.')}" for p in model.parameters()
+                     if p.device.type != "meta"})
+    gib = 2**30
+    peak_words = f"host peak RSS {peak.peak / gib:.2f} GiB " + (
+        f"while building (+{max(0, peak.peak - peak.before) / gib:.2f} GiB)" if peak.reset else "so far")
+    return f"dsf: model built: parameters on {', '.join(places) or 'no device'}; {peak_words}"

@@ -8,7 +8,9 @@ rank materialises only the parameters it owns.
     report = materialize(model, templates, SeededInit(model, seed=42), owned=owned)
     report.bytes_read                                    # pretrained: what this rank read from disk
 
-`build_for_layout` does those steps for `dsf train` (and ZeRO-3 partitioning at construction).
+`build_for_layout` does those steps for `dsf train` (and ZeRO-3 partitioning at construction);
+with `device` and `dtype` each module's parameters are made on the rank's device in its training
+dtype as they get their values (at tp = pp = 1 that is `build_model`'s path: models/build.py).
 
 Where the values come from:
 - `SeededInit`: the same numbers as the dense build (`build_model`): every module is initialised
@@ -132,14 +134,20 @@ def _cut(read: Callable[[int, int, int], torch.Tensor], param: nn.Parameter, den
     return torch.cat(parts, dim=dim) if len(parts) > 1 else parts[0].contiguous()
 
 
+class ConstructorValueUnknown(UserError):
+    """A large parameter that only its module's constructor sets (transformers' init leaves it alone:
+    Qwen3-Next's router weight), whose value a weightless build does not keep."""
+
+
 def _constructor_value(template: nn.Module, path: str, name: str) -> torch.Tensor:
     """The value a parameter transformers' `_init_weights` does not set got from its module's
-    constructor (kept for small ones by `parameters_on_meta`); UserError for a large one."""
+    constructor (kept for small ones by `parameters_on_meta`); ConstructorValueUnknown for a large one
+    (`build_model` then builds on the host; tp/pp name it in one line)."""
     value = getattr(template._parameters[name], "constructor_value", None)
     if value is None:
-        raise UserError("model.name", f"{path}.{name}", "is set by its module's constructor, not by transformers' "
-                        "init, and is too large to keep while the model is built weightless",
-                        "use parallel.tp=1 and parallel.pp=1 (the dense build), or a pretrained directory")
+        raise ConstructorValueUnknown("model.name", f"{path}.{name}", "is set by its module's constructor, not by "
+                                      "transformers' init, and is too large to keep while the model is built weightless",
+                                      "use parallel.tp=1 and parallel.pp=1 (the dense build), or a pretrained directory")
     return value
 
 
@@ -174,9 +182,17 @@ class SeededInit:
             if param is None:
                 continue
             dense = twin._parameters[name].detach()
-            # clone: a shard must not be a view that keeps the whole dense tensor alive
-            out[name] = _cut(lambda dim, a, b: dense.narrow(dim, a, b - a).clone(), param, dense.shape)
+            out[name] = _cut(lambda dim, a, b, dense=dense: _part(dense, dim, a, b), param, dense.shape)
         return out
+
+
+def _part(dense: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tensor:
+    """Rows/columns [start, stop) of a dense twin's tensor: the tensor itself when that is all of it
+    (a replicated or unsharded parameter: no second copy), else a clone (a shard must not be a view
+    that keeps the whole dense tensor alive)."""
+    if (start, stop) == (0, dense.shape[dim]):
+        return dense
+    return dense.narrow(dim, start, stop - start).clone()
 
 
 class PretrainedSlices:
@@ -335,6 +351,22 @@ def check_pretrained_files(directory: Path, config: Any, *, sliced: bool = False
         reader.close()
 
 
+def reads_every_tensor(directory: Path, config: Any) -> bool:
+    """Whether `PretrainedSlices` reads `config`'s whole model from `directory`: safetensors holding
+    every parameter under the model's own names (or names transformers only renames). False for a
+    pytorch_model.bin directory and for a type whose stored tensors transformers merges at load
+    (Qwen3-MoE's per-expert weights): those load with from_pretrained. Reads the headers only."""
+    directory = Path(directory)
+    if not any((directory / name).is_file() for name in (SAFETENSORS_FILE, SAFETENSORS_INDEX)):
+        return False
+    model = empty_model(config)
+    reader = PretrainedSlices.for_model(directory, model)
+    try:
+        return all(reader._stored_name(name) is not None for name, _ in model.named_parameters())
+    finally:
+        reader.close()
+
+
 def tied_aliases(model: nn.Module) -> dict[str, list[str]]:
     """{parameter name: its other names} for parameters reachable under several names."""
     names: dict[int, list[str]] = {}
@@ -363,6 +395,70 @@ later blocks from the heap's free space and keeps what lies between live blocks 
 without a trim a rank's resident memory grows by more than it keeps (measured: ZeRO-3 x tp2 kept
 333 MB and its peak grew by 820 MB)."""
 
+
+def host_memory() -> dict[str, int]:
+    """{"VmRSS": bytes, "VmHWM": bytes}: this process's resident memory now and at its peak
+    (/proc/self/status; {} where there is none)."""
+    try:
+        lines = Path("/proc/self/status").read_text().splitlines()
+    except OSError:
+        return {}
+    return {key: int(rest.split()[0]) * 1024 for key, _, rest in (line.partition(":") for line in lines)
+            if key in ("VmRSS", "VmHWM")}
+
+
+@dataclass
+class HostPeak:
+    """The host memory of a block (`host_peak`), in bytes."""
+
+    before: int = 0      # resident when the block began
+    peak: int = 0        # the highest resident during the block (VmHWM)
+    reset: bool = False  # False: the peak could not be reset, so it is the process's own so far
+
+
+@contextlib.contextmanager
+def host_peak() -> Any:
+    """Measure the host's peak resident memory over the block: VmHWM, reset as the block begins
+    (writing 5 to /proc/self/clear_refs, Linux 4.0+) so that it is the block's own peak.
+
+        with host_peak() as peak:
+            model = build_model(...)
+        peak.peak - peak.before          # what building added at its highest
+    """
+    out = HostPeak()
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        out.reset = True
+    except OSError:
+        pass
+    out.before = host_memory().get("VmRSS", 0)
+    yield out
+    out.peak = host_memory().get("VmHWM", 0)
+
+
+def placed(value: torch.Tensor, device: Any = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`value` on `device` in `dtype`, the way DeepSpeed's engine casts a module's parameters for
+    bf16/fp16 (a floating tensor only) and moves it (`module.to(device)`); `value` itself when it is
+    there already. The cast is a plain rounding of the fp32 value, so a parameter made in bf16 here
+    equals one DeepSpeed casts from fp32 at initialize (its optimizers keep fp32 master copies made
+    from the bf16 parameters either way). Not blocking: from pageable host memory the copy has taken
+    the values by the time it returns (CUDA stages them), so `value` may go at once, and a build
+    under DSF_CUDA_SYNC_DEBUG does not report one synchronisation per parameter."""
+    if dtype is not None and not value.is_floating_point():
+        dtype = None
+    return value.to(device=device if device is not None else value.device, dtype=dtype or value.dtype,
+                    non_blocking=True)
+
+
+def move_buffers(model: nn.Module, device: Any) -> None:
+    """Every buffer of `model` (rotary frequencies, masks: computed on the CPU as the meta model was
+    built) moved to `device`, as DeepSpeed's `module.to(device)` would; their dtypes are kept."""
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = buffer.to(device, non_blocking=True)  # as `placed`
+
+
 @dataclass
 class Materialized:
     """What `materialize` did on this rank."""
@@ -379,12 +475,14 @@ def _owned(path: str, owned: Iterable[str] | None) -> bool:
 
 
 def materialize(model: nn.Module, templates: dict[str, nn.Module], source: Any, *,
-                owned: Iterable[str] | None = None, zero3: Any = None) -> Materialized:
+                owned: Iterable[str] | None = None, zero3: Any = None, device: Any = None,
+                dtype: torch.dtype | None = None) -> Materialized:
     """Give the meta parameters of the modules under `owned` (all when None) their values from
     `source` (SeededInit or PretrainedSlices), one module at a time, in place: every module that
     holds a parameter (tied ones included) gets the same new tensor, which keeps the shard's
     attributes (tensor_model_parallel, partition_dim, dense_index). `zero3`: a deepspeed.zero.Init
-    whose partitioning each module's new parameters go through at once (ZeRO-3 with tp)."""
+    whose partitioning each module's new parameters go through at once (ZeRO-3 with tp). `device`,
+    `dtype`: where each value goes as it is made (`placed`; None: where the source made it, fp32)."""
     owned = None if owned is None else list(owned)
     modules = [(path, module) for path, module in model.named_modules()
                if module._parameters and _owned(path, owned)]
@@ -404,7 +502,7 @@ def materialize(model: nn.Module, templates: dict[str, nn.Module], source: Any, 
         new_params = []
         for name in todo:
             old = module._parameters[name]
-            new = nn.Parameter(values[name].contiguous(), requires_grad=old.requires_grad)
+            new = nn.Parameter(placed(values[name], device, dtype).contiguous(), requires_grad=old.requires_grad)
             new.__dict__.update({k: v for k, v in old.__dict__.items() if k != "_is_hf_initialized"})
             module._parameters[name] = new
             replaced[id(old)] = (old, new)
@@ -449,12 +547,15 @@ def zero_group(mpu: Any) -> Any:
 
 def build_for_layout(source: Any, config: Any, *, seed: int, tp_group: Any = None,
                      pipeline: tuple[int, int] | None = None, partition_method: str = "parameters",
-                     zero3_ds_config: dict[str, Any] | None = None, mpu: Any = None) -> Built:
+                     zero3_ds_config: dict[str, Any] | None = None, mpu: Any = None, device: Any = None,
+                     dtype: torch.dtype | None = None) -> Built:
     """Meta model -> tensor-parallel shards (tp_group) -> this pipeline stage's modules
     (pipeline=(num_stages, stage)) materialised from `source`'s pretrained directory or the seeded
     init; with `zero3_ds_config`, each module's shards are partitioned over the data-parallel group of
     `mpu` (the grid deepspeed.initialize gets; None: the world) as they are
-    made (zero.Init), so a rank never holds more than one module's tensor shard in full."""
+    made (zero.Init), so a rank never holds more than one module's tensor shard in full. With
+    `device`, each module's parameters go there in `dtype` as they are made, and the buffers after
+    (`build_model`'s path at tp = pp = 1: the host holds one module's dense twin at a time)."""
     model = empty_model(config)
     num_parameters = count_parameters(model)
     templates = dense_templates(model)
@@ -475,8 +576,10 @@ def build_for_layout(source: Any, config: Any, *, seed: int, tp_group: Any = Non
         zero3 = deepspeed.zero.Init(config_dict_or_path=zero3_ds_config, mpu=mpu,
                                     data_parallel_group=zero_group(mpu))
     try:
-        report = materialize(model, templates, values, owned=owned, zero3=zero3)
+        report = materialize(model, templates, values, owned=owned, zero3=zero3, device=device, dtype=dtype)
     finally:
         if isinstance(values, PretrainedSlices):
             values.close()
+    if device is not None:
+        move_buffers(model, device)
     return Built(model, num_parameters, report)

@@ -81,8 +81,8 @@ def _vocab_embedding(module: nn.Module, *, group: Any) -> VocabParallelEmbedding
     sharded = VocabParallelEmbedding.from_dense(module, group=group)
     scale = getattr(module, "embed_scale", None)
     if scale is not None:
-        sharded.register_buffer("embed_scale", torch.as_tensor(scale, device=sharded.weight.device).detach().clone(),
-                                persistent=False)
+        # host: a float becomes a host buffer, which moves with the module; a tensor keeps its device
+        sharded.register_buffer("embed_scale", torch.as_tensor(scale).detach().clone(), persistent=False)
     return sharded
 
 

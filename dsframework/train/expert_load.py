@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from dsframework.models.experts import expert_layout
-from dsframework.train.world import all_reduce_host
+from dsframework.parallel.host import all_reduce_host
 
 
 class ExpertLoad:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import signal
 from typing import Any
 
-from dsframework.train.world import all_reduce_host
+from dsframework.parallel.host import all_reduce_host
 
 
 class StopRequest:

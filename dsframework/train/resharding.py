@@ -17,6 +17,7 @@ from typing import Any
 from dsframework.checkpoints.reshard import Resharding, universal_tag
 from dsframework.errors import UserError
 from dsframework.layout import ParallelDims
+from dsframework.parallel.host import host_group
 from dsframework.train.world import rank_zero_first
 
 

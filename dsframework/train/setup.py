@@ -47,8 +47,8 @@ from dsframework.errors import UserError
 from dsframework.jit import AdamChoice, adam_choice, load_adam_op
 from dsframework.layout import ParallelDims, check_model_layout
 from dsframework.models.autoep_compat import bridge_output_capture_registry
-from dsframework.models.build import build_model, resolve_model
-from dsframework.models.construct import build_for_layout, check_pretrained_files
+from dsframework.models.build import build_model, built_line, rank_placement, resolve_model
+from dsframework.models.construct import build_for_layout, check_pretrained_files, host_peak
 from dsframework.models.hf import count_parameters
 from dsframework.models.lora import apply_lora
 from dsframework.models.loss import check_chunked_loss_layout, use_chunked_loss
@@ -273,7 +273,10 @@ class Model:
 def build_model_for_layout(run: RunConfig, source: Any, config: Any, world: World, ds_config: dict[str, Any],
                            batch: Batch) -> Model:
     """The model as this rank trains it: its shards, wrapped for its layout and loss."""
-    model = materialise(run, source, config, world, ds_config)
+    with host_peak() as peak:  # the host's peak resident memory while this rank builds
+        model = materialise(run, source, config, world, ds_config)
+    if world.rank == 0:
+        print(built_line(model.module, peak), flush=True)
     model.module = wrap_for_layout(run, model.module, world, batch)
     model.chunk_tokens = loss_chunking(run, config, world.dims, batch.micro_batch)
     if model.chunk_tokens:
@@ -295,7 +298,9 @@ def materialise(run: RunConfig, source: Any, config: Any, world: World, ds_confi
             partition_method=run.parallel.partition_method, zero3_ds_config=zero3,
             mpu=world.grid)
         return Model(built.model, built.num_parameters, construction=built.report)
-    model = build_model(source, config, seed=run.train.seed, zero3_ds_config=zero3)
+    # ZeRO 0-2: made on the engine's device in the training dtype, module by module (never whole on the host)
+    device, dtype = (None, None) if zero3 else rank_placement(run.train.precision)
+    model = build_model(source, config, seed=run.train.seed, zero3_ds_config=zero3, device=device, dtype=dtype)
     if run.model.lora is not None:  # peft adapters on the frozen base: only they train and are saved
         model = apply_lora(model, run.model.lora, seed=run.train.seed)
     return Model(model, count_parameters(model))

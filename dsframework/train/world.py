@@ -10,8 +10,8 @@
 Host and device kept apart: the default group is the accelerator's (NCCL on a GPU), which takes
 device tensors only ("No backend type associated with device type cpu"). Every host tensor a rank
 reduces (eval sums, counters, the compile decision, the stop flag, hang and restart bookkeeping,
-pickled objects) goes through `host_group()`: a gloo group over every rank beside NCCL, made once
-here, or the default group itself where that is gloo (CPU ranks). Tensors that meet the model's
+pickled objects) goes through `host_group()` (parallel/host.py): a gloo group over every rank beside
+NCCL, made once here, or the default group itself where that is gloo (CPU ranks). Tensors that meet the model's
 are made on the engine's device and reduced on the default group. tests/device_discipline.py checks
 both rules on this CPU build (fake CUDA tensors, the default group standing for NCCL).
 """
@@ -24,10 +24,8 @@ from typing import Iterator
 
 from dsframework.errors import UserError
 from dsframework.jit import pin_build_tools, release_shm_buffers
+from dsframework.parallel.host import all_reduce_host, host_group, make_host_group
 from dsframework.ports import free_port
-
-
-_HOST_GROUP: list = [None]  # host_group()'s group; None: the default group (gloo) serves host tensors
 
 
 def init_distributed() -> tuple[int, int]:
@@ -38,8 +36,10 @@ def init_distributed() -> tuple[int, int]:
 
     pin_build_tools()
     if "RANK" not in os.environ:  # not under a launcher: a world of one on a free local port
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        # (CROSS_*: the node's index and count, as deepspeed's launcher sets them; its decoupled
+        # checkpoint writer reads CROSS_SIZE)
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", CROSS_RANK="0",
+                          CROSS_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     accelerator = get_accelerator()
     if accelerator.device_name() == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # N CPU ranks on one host would each take every core; share them out instead.
@@ -78,27 +78,6 @@ def debug_host_syncs() -> None:
         torch.cuda.set_sync_debug_mode(mode)
 
 
-def make_host_group(*, separate: bool) -> None:
-    """Make host_group(): a gloo group over every rank (`separate`), else the default group. Every
-    rank calls it at the same point (new_group is a collective)."""
-    import torch.distributed as dist
-
-    _HOST_GROUP[0] = dist.new_group(backend="gloo") if separate else None
-
-
-def host_group() -> object | None:
-    """The process group for host (CPU) tensors: collectives take it as `group=` (None: the default)."""
-    return _HOST_GROUP[0]
-
-
-def all_reduce_host(tensor: object, *, op: object = None, async_op: bool = False) -> object:
-    """All-reduce a host tensor over every rank on host_group() (SUM unless `op`); the work when async."""
-    import torch.distributed as dist
-
-    assert tensor.device.type == "cpu", f"a {tensor.device} tensor on the host group"  # internal invariant
-    return dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM, group=host_group(), async_op=async_op)
-
-
 def mean_over_ranks(value: float) -> float:
     """The mean of a host-side number over every rank (a collective: every rank calls it)."""
     import torch
@@ -126,7 +105,7 @@ def shutdown_distributed(*, wait_s: float | None = None) -> None:
     else:  # monitored_barrier exists for gloo only: the host group's (a default NCCL group raises)
         with contextlib.suppress(Exception):
             dist.monitored_barrier(group=host_group(), timeout=datetime.timedelta(seconds=wait_s))
-    _HOST_GROUP[0] = None
+    make_host_group(separate=False)
     dist.destroy_process_group()
 
 

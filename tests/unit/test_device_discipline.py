@@ -36,7 +36,7 @@ def test_the_simulated_rank_refuses_what_a_gpu_refuses():
         with pytest.raises(DeviceRuleBroken, match="a host tensor .* on a device group"):
             dist.all_reduce(torch.tensor([1.0]))
         with pytest.raises(DeviceRuleBroken, match="a cuda tensor .* on the host"):
-            from dsframework.train.world import host_group
+            from dsframework.parallel.host import host_group
             dist.all_reduce(loss.reshape(1), group=host_group())
         loss.item()
         loss.cpu()

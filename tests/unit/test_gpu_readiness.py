@@ -16,7 +16,7 @@ from dsframework.checkpoints.checkpoint import DecoupledWriter, check_shm_for_sn
 from dsframework.config import build_run_config
 from dsframework.dsconfig import build_ds_config, validate_ds_config
 from dsframework.errors import UserError
-from dsframework.jit import adam_choice
+from dsframework.jit import STALE_LOCK_S, adam_choice, clear_stale_build_locks
 from dsframework.train.hang import StepTimer
 from dsframework.train.world import local_device
 from tests.device_discipline import CUDA, simulated_gpu_rank
@@ -67,6 +67,21 @@ def test_an_optimizer_op_that_cannot_be_built_is_one_line(tmp_path):
     assert proc.returncode == 1 and "UserError" in last, proc.stderr[-2000:]
     assert "parallel.offload_optimizer='cpu': needs DeepSpeed CPU Adam" in last and "could not be built" in last
     assert "apt-get install g++" in last and "DS_BUILD_CPU_ADAM=1" in last
+
+
+def test_a_build_lock_a_killed_build_left_is_removed_and_a_fresh_one_kept(tmp_path, capsys):
+    """torch waits for an op's `lock` to go away; one a killed build left (older than any build
+    takes) would make every later run wait forever: it goes, with a line; a fresh one stays."""
+    stale, fresh = tmp_path / "fused_adam" / "lock", tmp_path / "cpu_adam" / "lock"
+    for lock in (stale, fresh):
+        lock.parent.mkdir()
+        lock.touch()
+    now = fresh.stat().st_mtime
+    os.utime(stale, (now - STALE_LOCK_S - 1, now - STALE_LOCK_S - 1))
+    assert clear_stale_build_locks(tmp_path, now=now) == [stale]
+    assert not stale.exists() and fresh.exists()
+    assert f"dsf: removed {stale}" in capsys.readouterr().err
+    assert clear_stale_build_locks(tmp_path, now=now) == []
 
 
 # --- the rank's device ----------------------------------------------------------------------------

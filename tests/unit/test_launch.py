@@ -219,6 +219,7 @@ def test_mpi_ranks_get_the_variables_torch_reads():
            "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
     assert mpi_rank_env(env, master="worker-0:29555") == {
         "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "LOCAL_SIZE": "2",
+        "CROSS_RANK": "1", "CROSS_SIZE": "2",  # node 1 of 2 (DeepSpeed's decoupled writer reads CROSS_SIZE)
         "MASTER_ADDR": "worker-0", "MASTER_PORT": "29555"}
     with pytest.raises(UserError, match="OMPI_COMM_WORLD_RANK"):
         mpi_rank_env({}, master="worker-0:29555")

@@ -53,9 +53,10 @@ def test_the_types_are_transformers_plans():
 
 def test_skip_list_is_small_and_reasoned():
     assert len(SKIP) <= 5
-    assert set(SKIP) <= set(TYPES)
+    pinned = set(PINNED["causal_lm_types_with_tp_plan"])  # an override may serve a type another release lacks
+    assert set(SKIP) <= pinned
     assert all(len(reason.split()) >= 5 for reason in SKIP.values()), SKIP
-    assert set(TYPE_OVERRIDES) <= set(TYPES)
+    assert set(TYPE_OVERRIDES) <= pinned
 
 
 def test_unbuildable_types_are_named_with_why():

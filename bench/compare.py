@@ -72,12 +72,13 @@ import argparse
 import json
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from dsframework.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -180,11 +181,6 @@ def planned_run_yaml(plan_yaml: Path, job_overrides: list[str], path: Path) -> d
 
 
 # --- launching ----------------------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def launch(script_and_args: list[str], log: Path, *, world: int = WORLD) -> tuple[int, float]:

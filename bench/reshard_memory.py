@@ -23,7 +23,6 @@ import importlib.util
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from dsframework.ports import free_port  # noqa: E402 (after the path)
 
 LLAMA_374M = ("{vocab_size: 32000, hidden_size: 1024, intermediate_size: 2816, num_hidden_layers: 24, "
               "num_attention_heads: 16, num_key_value_heads: 16}")
@@ -163,9 +164,7 @@ def compare(new: Path, old: Path) -> tuple[int, list[str]]:
 
 def train(work: Path) -> Path:
     """The 374M Llama trained 2 steps at tp 2 x pp 2 on 4 CPU ranks, saved: its checkpoint dir."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     sets = [arg for o in [f"model.overrides={LLAMA_374M}", *TRAIN, f"output_dir={work / 'run'}"]
             for arg in ("--set", o)]
     env = dict(os.environ, OMP_NUM_THREADS="1", NUM_GPUS="4", MASTER_PORT=str(port))

@@ -44,11 +44,12 @@ import json
 import math
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from dsframework.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -156,11 +157,6 @@ def meminfo(key: str) -> int:
 
 
 # --- launching ----------------------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_overrides(config_json: Path, output_dir: Path) -> list[str]:

@@ -29,13 +29,14 @@ import argparse
 import json
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from dsframework.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -67,11 +68,6 @@ def save_tokenizer(directory: Path) -> None:
 
 
 # --- launching ----------------------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def launch(script_and_args: list[str]) -> subprocess.CompletedProcess:

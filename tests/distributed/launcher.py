@@ -9,7 +9,6 @@ import contextlib
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,6 +16,8 @@ import time
 from pathlib import Path
 
 import psutil
+
+from dsframework.ports import free_port
 
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parents[2]
@@ -33,12 +34,6 @@ BASE_OVERRIDES = [
     # (train.compile=auto); compiled training is test_compile.py's.
     "train.compile=false",
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def rank_env() -> dict[str, str]:

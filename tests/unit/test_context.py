@@ -15,6 +15,7 @@ from dsframework.data import BlockSampler
 from dsframework.parallel.context import SequenceShard, zero_gradient_scale
 from dsframework.layout import ParallelDims
 from dsframework.parallel.topology import build_topology
+from dsframework.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -113,7 +114,7 @@ def _ulysses_scope_worker() -> None:
     from dsframework.parallel.context import use_ulysses_attention
 
     pin_build_tools()  # DeepSpeed's comm loads its shm op from dsf's prebuilt cache
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     tdist.init_process_group("gloo", rank=0, world_size=1)
     comm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
 
@@ -143,14 +144,6 @@ def _ulysses_scope_worker() -> None:
                       "calls_a": used_by_a, "calls_b": len(calls) - used_by_a,
                       "b_equals_fresh": bool(torch.equal(logits_b, before)),
                       "a_close_to_fresh": bool(torch.allclose(logits_a, before, atol=1e-5))}))
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.mark.distributed

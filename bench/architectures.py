@@ -25,7 +25,7 @@ Each cell is `pass`, `FAIL (why)` or `refused: <dsframework's one-line UserError
                  gives the logits of the engine resumed from that checkpoint.
 
 All types of one world size run in ONE launch (this file as the worker, ranks started as the tests
-start them: tests/distributed/launcher.launch), looping over types and cases and writing each case's
+start them: tests/distributed/launcher.py's `launch`), looping over types and cases and writing each case's
 outcome to its own JSON before the next, so one architecture cannot stop the table; comparisons
 with transformers and the reference run here afterwards. Work files go under --out.
 """

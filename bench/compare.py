@@ -12,7 +12,7 @@ hidden 256, 2.9M parameters with the counting task's 15-token vocabulary (7.1M a
 per-step overhead no longer dominates; tiny-llama shows that overhead), the
 counting task's packed blocks (dsframework.data, tokenizer trained once here), `--seq-len`,
 `--global-batch`, `--steps`, fp32, AdamW with the same lr schedule and clipping, the same weights
-(dsframework.models.build_model, same seed, also under zero.Init), the same per-rank order of the
+(dsframework.models.build.build_model, same seed, also under zero.Init), the same per-rank order of the
 blocks (dsframework.data.BlockSampler; the Trainer gets a dataset laid out so that accelerate's
 sharding hands each rank exactly those micro-batches), and a loss read every --log-every steps
 (dsf's logging.every, the Trainer's logging_steps), none in between. Every launch is

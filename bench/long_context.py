@@ -39,7 +39,7 @@ def planner_longest(cp: int, budget: float, grain: int, limit: int) -> int:
     from dsframework.config import ModelSpec
     from dsframework.models.build import resolve_model
     from dsframework.layout import ParallelDims
-    from dsframework.planner.memory import Job, Layout, memory_per_rank
+    from dsframework.planner.memory import Workload, Layout, memory_per_rank
     from dsframework.planner.model import describe_model
 
     config = resolve_model(ModelSpec(name=MODEL)).config
@@ -48,7 +48,7 @@ def planner_longest(cp: int, budget: float, grain: int, limit: int) -> int:
 
     def fits(seq_len: int) -> bool:
         layout = Layout(ParallelDims(world=RANKS, cp=cp, zero_stage=1), micro_batch=1)
-        return memory_per_rank(desc, layout, Job(seq_len=seq_len, global_batch=RANKS // cp, precision="fp32")
+        return memory_per_rank(desc, layout, Workload(seq_len=seq_len, global_batch=RANKS // cp, precision="fp32")
                                ).activations <= budget
 
     return _longest(fits, grain, limit)

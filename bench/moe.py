@@ -14,7 +14,7 @@ At each ep it trains at ZeRO-1 (the stage DeepSeek-V3 trains its experts with), 
        parallel.ep=E ...` (ep 1: the experts are plain weights under ZeRO, as before parallel.ep);
   raw  this file's `--worker`: `deepspeed.initialize(config=ds_config.json)`, the JSON dsf builds for
        that run (`dsconfig.build_ds_config`: its `expert_parallel` section at ep > 1), on the same
-       model (dsframework.models.build_model, same seed) and a forward / backward / step loop over
+       model (dsframework.models.build.build_model, same seed) and a forward / backward / step loop over
        the same blocks (bench/compare.py's raw way). At ep > 1 it applies dsf's one shim first
        (`models/autoep_compat.py`): DeepSpeed 0.19.8's AutoEP does not start on transformers 5.24
        without it.
@@ -74,7 +74,7 @@ def planned_model_states(overrides: list[str]) -> float:
     from dsframework.dsconfig import resolve_batch
     from dsframework.layout import ParallelDims
     from dsframework.models.build import resolve_model
-    from dsframework.planner.memory import Job, Layout, stage_memories
+    from dsframework.planner.memory import Workload, Layout, stage_memories
     from dsframework.planner.model import describe_model
 
     run = run_config(overrides)
@@ -83,7 +83,7 @@ def planned_model_states(overrides: list[str]) -> float:
     layout = Layout(ParallelDims(world=WORLD, zero_stage=run.parallel.zero_stage, ep=run.parallel.ep),
                     micro_batch=batch.micro_batch, grad_accum=batch.grad_accum)
     memory = stage_memories(describe_model(config, name="bench-moe"), layout,
-                            Job(seq_len=run.data.seq_len, global_batch=batch.global_batch, precision="fp32"))[0]
+                            Workload(seq_len=run.data.seq_len, global_batch=batch.global_batch, precision="fp32"))[0]
     return memory.params + memory.grads + memory.optimizer
 
 

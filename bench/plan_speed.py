@@ -17,7 +17,7 @@ from dsframework.config import ModelSpec
 from dsframework.models.build import resolve_model
 from dsframework.planner.cluster import cluster_preset
 from dsframework.planner.count import clear_cache
-from dsframework.planner.memory import Job, stage_shapes
+from dsframework.planner.memory import Workload, stage_shapes
 from dsframework.planner.model import describe_model
 from dsframework.planner.search import search
 
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
             start = time.perf_counter()
             desc = describe_model(config, name=label)
             plan = search(desc, cluster_preset("h100-80gb", nodes=nodes, gpus_per_node=8),
-                          Job(seq_len=seq_len, global_batch=batch, precision="bf16"))
+                          Workload(seq_len=seq_len, global_batch=batch, precision="bf16"))
             times.append(time.perf_counter() - start)
         rows.append((label, f"{desc.total_params / 1e9:,.1f} B", f"{nodes} x 8", len(plan.candidates),
                      len(plan.fitting), statistics.median(times)))

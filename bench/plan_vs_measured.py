@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     from dsframework.config import ModelSpec
     from dsframework.models.build import resolve_model
     from dsframework.planner.cluster import Cluster
-    from dsframework.planner.memory import Job
+    from dsframework.planner.memory import Workload
     from dsframework.planner.model import describe_model
     from dsframework.planner.search import search
 
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     cluster = Cluster.from_dict({**profile, "nodes": 1, "gpus_per_node": args.ranks})
     source = resolve_model(ModelSpec(name=args.model, overrides={"vocab_size": 512}))
     desc = describe_model(source.config, name=args.model)
-    plan = search(desc, cluster, Job(seq_len=args.seq_len, global_batch=args.global_batch, precision="fp32"))
+    plan = search(desc, cluster, Workload(seq_len=args.seq_len, global_batch=args.global_batch, precision="fp32"))
     chosen = layouts_to_measure(plan, {a.strip() for a in args.axes.split(",") if a.strip()})
     with tempfile.TemporaryDirectory(prefix="dsf-plan-bench-") as tmp:
         measured = [measure(c, args, Path(tmp)) for c in chosen]

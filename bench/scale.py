@@ -93,13 +93,13 @@ def predict(fields: dict) -> dict:
     from transformers import LlamaConfig
 
     from dsframework.layout import ParallelDims
-    from dsframework.planner.memory import Job, Layout, build_bytes_per_rank, stage_memories
+    from dsframework.planner.memory import Workload, Layout, build_bytes_per_rank, stage_memories
     from dsframework.planner.model import describe_model
 
     desc = describe_model(LlamaConfig(**fields), name="scale")
     layout = Layout(ParallelDims(world=WORLD, tp=TP, pp=PP, zero_stage=ZERO), micro_batch=MICRO_BATCH,
                     grad_accum=GLOBAL_BATCH // (MICRO_BATCH * WORLD // (TP * PP)))
-    job = Job(seq_len=SEQ_LEN, global_batch=GLOBAL_BATCH, precision="fp32")
+    job = Workload(seq_len=SEQ_LEN, global_batch=GLOBAL_BATCH, precision="fp32")
     return {"params": desc.total_params, "dense_build": 4 * desc.total_params,
             "build": build_bytes_per_rank(desc, layout),
             "stages": [dict(m.as_dict(), params_elements=m.parts["params_elements"])

@@ -494,7 +494,7 @@ def _format_validation_error(err: ValidationError) -> UserError:
                 parent = ann
         return UserError(field, None, f"unknown key {loc[-1]!r}", did_you_mean(loc[-1], parent.model_fields))
     raised = first.get("ctx", {}).get("error")
-    if isinstance(raised, UserError):  # a rule that phrased itself (e.g. topology.composition_problem)
+    if isinstance(raised, UserError):  # a rule that phrased itself (e.g. layout.composition_problem)
         return raised
     msg = first["msg"].removeprefix("Value error, ")
     fields = _field_path(loc)

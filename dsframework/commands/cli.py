@@ -225,7 +225,7 @@ def plan_cmd(model_name: str, cluster_name: str, nodes: int, gpus_per_node: int,
     from dsframework.config import ModelSpec
     from dsframework.models.build import resolve_model
     from dsframework.planner.cluster import load_cluster
-    from dsframework.planner.memory import Job
+    from dsframework.planner.memory import Workload
     from dsframework.planner.model import describe_model
     from dsframework.planner.report import plan_table
     from dsframework.planner.search import search
@@ -237,7 +237,7 @@ def plan_cmd(model_name: str, cluster_name: str, nodes: int, gpus_per_node: int,
             raise UserError("--output-dir", str(output_dir), f"already holds {taken[0]}",
                             "choose another directory or pass --force")
     desc = describe_model(resolve_model(ModelSpec(name=model_name)).config, name=model_name)
-    plan = search(desc, cluster, Job(seq_len=seq_len, global_batch=global_batch, precision=precision),
+    plan = search(desc, cluster, Workload(seq_len=seq_len, global_batch=global_batch, precision=precision),
                   tp=tp, pp=pp, cp=cp, ep=ep, zero_stage=zero_stage)
     if as_json:
         click.echo(json.dumps({"model": model_name, "cluster": cluster.to_dict(), "seq_len": seq_len,
@@ -327,7 +327,7 @@ def launch_cmd(run_yaml: Path, hostfile: Path | None, include: str, exclude: str
     from dsframework.config import load_run_config
     from dsframework.launching import hostfile as launch
     from dsframework.launching import steps
-    from dsframework.launching.launchers import Job
+    from dsframework.launching.launchers import LaunchJob
     from dsframework.launching.restarts import check_can_restart, run_with_restarts
 
     run = load_run_config(run_yaml, overrides)
@@ -340,7 +340,7 @@ def launch_cmd(run_yaml: Path, hostfile: Path | None, include: str, exclude: str
     dims, config = steps.layout(run, active)
     explicit = launch.parse_env(env_flags)
     env, skipped = launch.node_env(os.environ, explicit)
-    job = Job(run_yaml=run_yaml, overrides=overrides, hostfile=hostfile, resources=resources, active=active,
+    job = LaunchJob(run_yaml=run_yaml, overrides=overrides, hostfile=hostfile, resources=resources, active=active,
               master=master_addr or next(iter(active)), master_port=master_port, env=env, explicit=explicit,
               include=include, exclude=exclude, num_nodes=num_nodes, num_gpus=num_gpus, node_rank=node_rank,
               skipped=skipped, train_flags=(("--resume",) if resume else ()) + (("--overwrite",) if overwrite else ()),

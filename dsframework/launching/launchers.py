@@ -3,7 +3,7 @@ command it builds, and how it starts.
 
     launcher = LAUNCHERS["pdsh"]()
     launcher.check_flags(hostfile=True, node_rank=None)
-    job = Job(run_yaml=Path("run.yaml"), overrides=(), hostfile=Path("hostfile"), resources=resources,
+    job = LaunchJob(run_yaml=Path("run.yaml"), overrides=(), hostfile=Path("hostfile"), resources=resources,
               active=active, master="worker-0", master_port=29500, env=env, explicit={})
     launcher.prepare(job)                 # the rules this launcher adds; the runner it drives
     for line in launcher.dry_run(job):    # what each node would run
@@ -14,7 +14,7 @@ command it builds, and how it starts.
 pdsh, openmpi and mvapich are deepspeed's own runners (`PDSHRunner`, `OpenMPIRunner`,
 `MVAPICHRunner`) fed the flags `deepspeed` would parse; no_ssh and slurm start one
 `deepspeed --no_ssh --node_rank K` per node (slurm through `srun`, K = $SLURM_NODEID). The pure
-pieces (hostfile, filters, env files, the runner's command line) are in launch.py.
+pieces (hostfile, filters, env files, the runner's command line) are in hostfile.py.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from typing import ClassVar, Iterator, Mapping
 import click
 
 from dsframework.errors import UserError
-from dsframework.launching import hostfile as launch
+from dsframework.launching import hostfile as hostfiles
 from dsframework.launching.exits import job_code
 from dsframework.launching.watch import SRUN_NODE, Outcome, watch_job, watch_srun
 
@@ -47,7 +47,7 @@ RANK_PROBE_S = 60.0  # a node's first `import torch, deepspeed` (a cold filesyst
 
 
 @dataclass
-class Job:
+class LaunchJob:
     """What `dsf launch` starts: the run, the hosts and slots it gets, the master, every node's env."""
 
     run_yaml: Path
@@ -111,7 +111,7 @@ class Launcher:
             raise UserError("--node-rank", node_rank, f"only applies to --launcher no_ssh, not {self.name}",
                             "drop --node-rank, or pass --launcher no_ssh")
 
-    def prepare(self, job: Job, *, starting: bool) -> None:
+    def prepare(self, job: LaunchJob, *, starting: bool) -> None:
         """Rules on the active hosts; whatever `dry_run`, `check` and `start` share."""
 
     def probe(self, host: str) -> str | None:
@@ -125,8 +125,8 @@ class Launcher:
                    f"{{ echo 'cannot import torch and deepspeed with {sys.executable}'; exit 3; }}")
         return self.probe(host) or ssh_reason(host, imports, timeout_s=RANK_PROBE_S)
 
-    def hosts_to_check(self, job: Job) -> list[str]:
-        return [host for host in job.active if host not in launch.local_names()]
+    def hosts_to_check(self, job: LaunchJob) -> list[str]:
+        return [host for host in job.active if host not in hostfiles.local_names()]
 
     def missing_tools(self) -> list[tuple[str, str | None]]:
         """(tool, None or why not) for what this launcher runs on this node."""
@@ -135,7 +135,7 @@ class Launcher:
     def host_fix(self, host: str, why: str = "") -> str:
         return "write a name or address every node resolves in the hostfile"
 
-    def check(self, job: Job) -> None:
+    def check(self, job: LaunchJob) -> None:
         """--check: each host and this launcher's tools; a UserError naming the first failure."""
         hosts = self.hosts_to_check(job)
         for host in job.active:
@@ -156,10 +156,10 @@ class Launcher:
     def tool_fix(self, tool: str) -> str:
         return f"install {tool} on this node, or choose another --launcher"
 
-    def dry_run(self, job: Job) -> Iterator[str]:
+    def dry_run(self, job: LaunchJob) -> Iterator[str]:
         raise NotImplementedError
 
-    def start(self, job: Job) -> int:
+    def start(self, job: LaunchJob) -> int:
         raise NotImplementedError
 
 
@@ -214,16 +214,16 @@ class RunnerLauncher(Launcher):
 
     mpi: ClassVar[bool] = True  # mpirun starts each rank (mpi_rank turns its variables into RANK & co.)
 
-    def prepare(self, job: Job, *, starting: bool) -> None:
+    def prepare(self, job: LaunchJob, *, starting: bool) -> None:
         self.remote, self.mode_flags = self.runner_mode(job)
         self.program = self.program_of(job)
-        self.runner = launch.build_runner(self.name, self.flags(job), self.program, job.resources,
+        self.runner = hostfiles.build_runner(self.name, self.flags(job), self.program, job.resources,
                                           job.active) if self.remote else None
         self.env_file, self.env_new = env_file_lines(job.env, job.explicit) if self.remote else (None, {})
         for why in job.skipped if self.remote else ():  # only .deepspeed_env forwards the default set
             click.echo(f"dsf: warning: {why}", err=True)
 
-    def runner_mode(self, job: Job) -> tuple[bool, list[str]]:
+    def runner_mode(self, job: LaunchJob) -> tuple[bool, list[str]]:
         """(remote, flags): whether deepspeed's runner starts the nodes itself, and the flags that
         make it do so as printed: with one host it runs here, so a remote one needs --force_multi,
         and a local one --no_ssh_check (or deepspeed would first ssh to this host). dsf checks
@@ -232,15 +232,15 @@ class RunnerLauncher(Launcher):
             return False, []
         if len(job.active) > 1:
             return True, []
-        return (True, ["--force_multi"]) if next(iter(job.active)) not in launch.local_names() else \
+        return (True, ["--force_multi"]) if next(iter(job.active)) not in hostfiles.local_names() else \
             (False, ["--no_ssh_check"])
 
-    def program_of(self, job: Job) -> list[str]:
+    def program_of(self, job: LaunchJob) -> list[str]:
         if self.remote and self.mpi:
             return [MPI_ENTRY, f"{job.master}:{job.master_port}", *job.train_args]
         return [job.dsf, *job.train_args]
 
-    def flags(self, job: Job, *, starting: bool = False) -> list[str]:
+    def flags(self, job: LaunchJob, *, starting: bool = False) -> list[str]:
         tail = ["--launcher", self.name, *self.mode_flags, *(["--module"] if self.remote and self.mpi else [])]
         if starting and self.remote and "--no_ssh_check" not in tail:
             tail.append("--no_ssh_check")  # dsf's own check just ran (deepspeed's raises a traceback)
@@ -250,7 +250,7 @@ class RunnerLauncher(Launcher):
     def tools(self) -> tuple[str, ...]:  # type: ignore[override]
         return ("mpirun",) if self.remote else ()
 
-    def hosts_to_check(self, job: Job) -> list[str]:
+    def hosts_to_check(self, job: LaunchJob) -> list[str]:
         # deepspeed's runners ssh to every host of a multi-node job, this one included
         return list(job.active) if self.remote else []
 
@@ -263,20 +263,20 @@ class RunnerLauncher(Launcher):
                     f"filesystem, or a copy), and launch from a directory that exists there")
         return f"set up passwordless ssh from this node to {host} (ssh-copy-id {host}) and check the name resolves"
 
-    def dry_run(self, job: Job) -> Iterator[str]:
+    def dry_run(self, job: LaunchJob) -> Iterator[str]:
         """Each node's deepspeed.launcher.launch line (pdsh and one-node runs), the pdsh or mpirun
         line from deepspeed's own runner, and the .deepspeed_env it would read."""
         if self.runner is None or not self.mpi:  # pdsh runs deepspeed's per-node launcher on each node
-            for host, argv in launch.node_commands(job.active, master_addr=job.master, master_port=job.master_port,
+            for host, argv in hostfiles.node_commands(job.active, master_addr=job.master, master_port=job.master_port,
                                                    program=self.program):
-                yield f"{host}: {launch.shell_line(argv, job.explicit if self.runner is None else None)}"
+                yield f"{host}: {hostfiles.shell_line(argv, job.explicit if self.runner is None else None)}"
         if self.runner is None:
             return
         old, new = self.env_file_texts()
-        home = launch.env_file_path(home=True)  # read first, as deepspeed's runner does
+        home = hostfiles.env_file_path(home=True)  # read first, as deepspeed's runner does
         files = [home.read_text()] if home.is_file() and home.resolve() != self.env_file.resolve() else []
-        files = [launch.read_env_file(text, origin=str(self.env_file)) for text in [*files, old + new]]
-        cmd = launch.runner_command(self.runner, job.active, exports=launch.runner_exports(os.environ, files))
+        files = [hostfiles.read_env_file(text, origin=str(self.env_file)) for text in [*files, old + new]]
+        cmd = hostfiles.runner_command(self.runner, job.active, exports=hostfiles.runner_exports(os.environ, files))
         yield f"{'mpirun' if self.mpi else 'pdsh'}: {shlex.join(cmd)}"
         yield f"# {self.env_file}: {f'would append {len(self.env_new)} line(s)' if new else 'unchanged'}"
         for line in (old + new).splitlines():
@@ -288,7 +288,7 @@ class RunnerLauncher(Launcher):
         old += "\n" if old and not old.endswith("\n") else ""
         return old, "".join(f"{k}={v}\n" for k, v in self.env_new.items())
 
-    def start(self, job: Job) -> int:
+    def start(self, job: LaunchJob) -> int:
         if self.runner is not None:
             with warnings.catch_warnings():  # MVAPICHRunner warns on stderr when mpiname is missing
                 warnings.simplefilter("ignore")
@@ -304,13 +304,13 @@ class RunnerLauncher(Launcher):
         argv = [job.deepspeed, *self.flags(job, starting=True), *self.program]
         return self.run(argv, job)
 
-    def check_quietly(self, job: Job) -> None:
+    def check_quietly(self, job: LaunchJob) -> None:
         """Before a remote start: every host reachable over ssh, with the checkout and the venv."""
         for host, why in check_hosts(self.hosts_to_check(job), self.probe):
             if why is not None:
                 raise UserError("--hostfile", host, f"cannot be started: {why}", self.host_fix(host, why))
 
-    def run(self, argv: list[str], job: Job) -> int:
+    def run(self, argv: list[str], job: LaunchJob) -> int:
         return run_mapped(argv, {**os.environ, **job.explicit}, job)
 
 
@@ -327,16 +327,16 @@ class Pdsh(RunnerLauncher):
     def tools(self) -> tuple[str, ...]:  # type: ignore[override]
         return ("pdsh",) if self.remote else ()
 
-    def run(self, argv: list[str], job: Job) -> int:
+    def run(self, argv: list[str], job: LaunchJob) -> int:
         """The job run to its end and watched, on every node or on this one (no pdsh); its exit
         code as launching/exits.py documents it (143 for a preemption, whatever deepspeed returned)."""
         started = time.time()
         self.outcome = watch_job(argv, env={**os.environ, **job.explicit}, hosts=list(job.active),
-                                 world_info=launch.world_info(job.active), local=not self.remote)
+                                 world_info=hostfiles.world_info(job.active), local=not self.remote)
         self.outcome.code = job_code(self.outcome.code, job.output_dir, since=started)
         return self.outcome.code
 
-    def start_watched(self, job: Job) -> Outcome:
+    def start_watched(self, job: LaunchJob) -> Outcome:
         """`start`: how the job ended (launching/restarts.py)."""
         self.start(job)
         return self.outcome
@@ -346,7 +346,7 @@ class OpenMPI(RunnerLauncher):
     name = "openmpi"
     ROOT_VARS = ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM")
 
-    def start(self, job: Job) -> int:
+    def start(self, job: LaunchJob) -> int:
         # mpirun refuses root with a page of text unless told twice; say it in one line, before anything starts
         if self.remote and os.geteuid() == 0 and not all(os.environ.get(v) == "1" for v in self.ROOT_VARS):
             raise UserError("--launcher", self.name, "runs mpirun as root, which OpenMPI refuses unless "
@@ -375,19 +375,19 @@ class NoSsh(Launcher):
     def check_flags(self, *, hostfile: bool, node_rank: int | None) -> None:
         super().check_flags(hostfile=hostfile, node_rank=None)
 
-    def prepare(self, job: Job, *, starting: bool) -> None:
+    def prepare(self, job: LaunchJob, *, starting: bool) -> None:
         job.node_rank = node_rank_of(job.node_rank, job.active, required=starting)
 
-    def flags(self, job: Job, node: int | str | None) -> list[str]:
+    def flags(self, job: LaunchJob, node: int | str | None) -> list[str]:
         return job.deepspeed_flags("--no_ssh", "--node_rank", str(node))
 
-    def dry_run(self, job: Job) -> Iterator[str]:
+    def dry_run(self, job: LaunchJob) -> Iterator[str]:
         for node, host in enumerate(job.active):
             if job.node_rank is None or node == job.node_rank:
-                yield (f"{host}: cd {shlex.quote(os.getcwd())} && "
-                       f"{launch.shell_line([job.deepspeed, *self.flags(job, node), job.dsf, *job.train_args], job.env)}")
+                argv = [job.deepspeed, *self.flags(job, node), job.dsf, *job.train_args]
+                yield f"{host}: cd {shlex.quote(os.getcwd())} && {hostfiles.shell_line(argv, job.env)}"
 
-    def start(self, job: Job) -> int:
+    def start(self, job: LaunchJob) -> int:
         return run_mapped([job.deepspeed, *self.flags(job, job.node_rank), job.dsf, *job.train_args],
                           {**os.environ, **job.explicit}, job)
 
@@ -400,7 +400,7 @@ class Slurm(NoSsh):
     cannot_restart = None  # srun steps inside the allocation, on the nodes that remain
     check_flags = Launcher.check_flags  # --node-rank is SLURM's to give
 
-    def prepare(self, job: Job, *, starting: bool) -> None:
+    def prepare(self, job: LaunchJob, *, starting: bool) -> None:
         check_slurm_resources(job.active, include=job.include, exclude=job.exclude)
 
     def missing_tools(self) -> list[tuple[str, str | None]]:
@@ -411,11 +411,11 @@ class Slurm(NoSsh):
         return ("run dsf launch inside the job (launch/slurm.sbatch) or an salloc shell" if tool == "SLURM_JOB_ID"
                 else super().tool_fix(tool))
 
-    def srun(self, job: Job, *, labelled: bool = False) -> list[str]:
+    def srun(self, job: LaunchJob, *, labelled: bool = False) -> list[str]:
         return srun_command([job.deepspeed, *self.flags(job, SLURM_NODEID), job.dsf, *job.train_args], job.active,
                             labelled=labelled)
 
-    def hosts_to_check(self, job: Job) -> list[str]:
+    def hosts_to_check(self, job: LaunchJob) -> list[str]:
         return list(job.active)  # through srun: this node too, as a step of the allocation
 
     def rank_probe(self, host: str) -> str | None:
@@ -431,16 +431,16 @@ class Slurm(NoSsh):
         lines = [line.strip() for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
         return None if proc.returncode == 0 else (lines[-1] if lines else f"srun exited with code {proc.returncode}")
 
-    def start_watched(self, job: Job) -> Outcome:
+    def start_watched(self, job: LaunchJob) -> Outcome:
         """`start`, with srun's output labelled by task, so that a failure names its node
         (launching/watch.watch_srun); the Outcome, its code as launching/exits.py documents it."""
         self.start(job, watched=True)
         return self.outcome
 
-    def dry_run(self, job: Job) -> Iterator[str]:
-        yield f"srun: {launch.shell_line(self.srun(job), job.env)}"
+    def dry_run(self, job: LaunchJob) -> Iterator[str]:
+        yield f"srun: {hostfiles.shell_line(self.srun(job), job.env)}"
 
-    def start(self, job: Job, *, watched: bool = False) -> int:
+    def start(self, job: LaunchJob, *, watched: bool = False) -> int:
         for name, why in self.missing_tools():
             if why is not None:
                 raise UserError("--launcher", "slurm", f"{name} {why}",
@@ -460,7 +460,7 @@ LAUNCHERS: dict[str, type[Launcher]] = {cls.name: cls for cls in (Pdsh, OpenMPI,
 
 # --- helpers ----------------------------------------------------------------------------------------------
 
-def run_mapped(argv: list[str], env: Mapping[str, str], job: Job) -> int:
+def run_mapped(argv: list[str], env: Mapping[str, str], job: LaunchJob) -> int:
     """Run `argv` to its end, SIGTERM and SIGINT passed on to it; its exit code as launching/exits.py
     documents it (a preemption is 143 here, though srun passes on deepspeed's 1)."""
     sys.stdout.flush()
@@ -479,12 +479,12 @@ def run_mapped(argv: list[str], env: Mapping[str, str], job: Job) -> int:
 
 def env_file_lines(env: Mapping[str, str], explicit: Mapping[str, str]) -> tuple[Path, dict[str, str]]:
     """The .deepspeed_env deepspeed's runner reads here, and the lines dsf would append to it."""
-    home = launch.env_file_path(home=True)  # deepspeed's runner reads it too, and fails on a line it cannot split
+    home = hostfiles.env_file_path(home=True)  # deepspeed's runner reads it too, and fails on a line it cannot split
     if home.is_file():
-        launch.read_env_file(home.read_text(), origin=str(home))
-    path = launch.env_file_path()
-    existing = launch.read_env_file(path.read_text(), origin=str(path)) if path.is_file() else None
-    return path, launch.merge_env_file(existing, env, explicit=explicit, origin=str(path))
+        hostfiles.read_env_file(home.read_text(), origin=str(home))
+    path = hostfiles.env_file_path()
+    existing = hostfiles.read_env_file(path.read_text(), origin=str(path)) if path.is_file() else None
+    return path, hostfiles.merge_env_file(existing, env, explicit=explicit, origin=str(path))
 
 
 def node_rank_of(node_rank: int | None, active: Mapping[str, list[int]], *, required: bool) -> int | None:

@@ -39,7 +39,7 @@ from dsframework.checkpoints import checkpoint as ckpt
 from dsframework.errors import UserError
 from dsframework.launching.exits import BAD_INPUT, FINISHED, GIVEN_UP, PREEMPTED
 from dsframework.launching.goodput import Timeline, last_step
-from dsframework.launching.launchers import Job, check_hosts
+from dsframework.launching.launchers import LaunchJob, check_hosts
 from dsframework.launching.replan import replan
 from dsframework.layout import ParallelDims
 
@@ -86,7 +86,7 @@ def check_can_restart(how: Any, max_restarts: int) -> None:
                         "use --launcher pdsh (or no hostfile) or slurm, or --max-restarts 0")
 
 
-def run_with_restarts(how: Any, job: Job, run: Any, *, max_restarts: int, cluster_name: str | None) -> int:
+def run_with_restarts(how: Any, job: LaunchJob, run: Any, *, max_restarts: int, cluster_name: str | None) -> int:
     """Start `job` and restart it after each failure (module docstring); the job's final exit code."""
     state = RestartState.begin(Path(run.output_dir), resume="--resume" in job.train_flags)
     timeline = Timeline(Path(run.output_dir))
@@ -100,7 +100,7 @@ def run_with_restarts(how: Any, job: Job, run: Any, *, max_restarts: int, cluste
             click.echo(goodput.line(), err=True)
 
 
-def _restart_loop(how: Any, job: Job, run: Any, state: RestartState, timeline: Timeline, *, max_restarts: int,
+def _restart_loop(how: Any, job: LaunchJob, run: Any, state: RestartState, timeline: Timeline, *, max_restarts: int,
                   cluster_name: str | None) -> int:
     dims = ParallelDims.of(run.parallel, world=_world(job.active))
     while True:
@@ -147,8 +147,8 @@ def _why_stop(state: RestartState, max_restarts: int) -> str | None:
     return None
 
 
-def _next_attempt(how: Any, job: Job, run: Any, state: RestartState, dims: ParallelDims, latest: str | None, *,
-                  cluster_name: str | None, failed: str | None) -> tuple[Job, ParallelDims, dict[str, str]]:
+def _next_attempt(how: Any, job: LaunchJob, run: Any, state: RestartState, dims: ParallelDims, latest: str | None, *,
+                  cluster_name: str | None, failed: str | None) -> tuple[LaunchJob, ParallelDims, dict[str, str]]:
     """The job to start next: the nodes that pass the pre-flight, at the layout planned for them."""
     left_out = {}
     for host, why in check_hosts(how.hosts_to_check(job), how.rank_probe):
@@ -173,7 +173,7 @@ def _next_attempt(how: Any, job: Job, run: Any, state: RestartState, dims: Paral
     return job, new_dims, left_out
 
 
-def without_blocked(job: Job, state: RestartState) -> Job:
+def without_blocked(job: LaunchJob, state: RestartState) -> LaunchJob:
     """`job` on its active hosts less the blocklist's. deepspeed's runner reads the hostfile again,
     so the hosts left are passed as its --include (the slots they had: the user's filters kept)."""
     active = OrderedDict((host, slots) for host, slots in job.active.items() if host not in state.blocked)

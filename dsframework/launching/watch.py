@@ -1,7 +1,7 @@
 """`dsf launch --launcher pdsh` watches deepspeed's runner and stops the whole job when one node fails.
 
     code = watch_runner(["deepspeed", "--hostfile", "H", "--launcher", "pdsh", ..., "dsf", "train", "run.yaml"],
-                        env=os.environ, hosts=["node0", "node1"], world_info=launch.world_info(active))
+                        env=os.environ, hosts=["node0", "node1"], world_info=hostfile.world_info(active))
 
 pdsh waits for every node: when a rank dies on one node, that node's launcher stops its ranks and
 exits, pdsh prints `pdsh@here: node1: ssh exited with exit code 137` and goes on waiting for the

@@ -119,7 +119,7 @@ def merge_lora(model: Any) -> Any:
 
 @dataclass(frozen=True)
 class LoraCount:
-    """Elements of a LoRA model of one config: what the planner's memory model needs (Job.trainable_params)."""
+    """Elements of a LoRA model of one config: what the planner's memory model needs (Workload.trainable_params)."""
 
     trainable: int   # the adapters: the only parameters with gradients and optimizer states
     persistent: int  # of those, in tensors small enough that ZeRO-3 keeps them whole on every rank

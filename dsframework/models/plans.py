@@ -81,7 +81,14 @@ EXTRA_PLANS: dict[str, dict[str, Any]] = {
     # apart (dsf export refuses: "the replicated tensor differs between tensor ranks").
     **{apertus: {"tp_extra": {"layers.*.mlp.act_fn": "replicated_with_grad_allreduce"}}
        for apertus in ("apertus", "apertus1p5_text")},
+    # Their per-head q/k norms see each rank's heads only (as Qwen3's do, whose plan lists them);
+    # transformers 5.25's plans leave them out, and the tensor ranks drift apart (export refuses).
+    **{model_type: {"tp_extra": {"layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
+                                 "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce"}}
+       for model_type in ("sarvam_moe", "param2moe")},
 }
+# Styles that split nothing: a plan of these alone leaves every layer whole on every tensor rank.
+NOT_SPLIT = {"replicated", "grad_allreduce"}
 
 
 # Model types whose plan applies but whose sharded forward is measured wrong (bench/architectures.py):
@@ -138,6 +145,10 @@ def architecture_plan(config: Any) -> ArchitecturePlan:
         unknown = sorted({style for style in tp.values() if style not in STYLES})
         if unknown:
             tp_problem = f"uses the tensor-parallel style {', '.join(unknown)}, which dsframework does not implement"
+        elif all(STYLES[style] in NOT_SPLIT for style in tp.values()):  # Inkling 2 in transformers 5.25
+            styles = ", ".join(f"{pattern}: {style}" for pattern, style in tp.items())
+            tp_problem = (f"has a tensor-parallel plan that splits no layer ({styles}): tensor parallelism "
+                          "would hold the whole model on every rank")
     return ArchitecturePlan(model_type=model_type, tp=tuple(tp.items()), pp=pp,
                             packed_parts=tuple(extra.get("packed_parts", {}).items()),
                             tp_problem=tp_problem, pp_problem=pp_problem,

@@ -23,11 +23,11 @@ output is [q | k | v]) are split per head with an explicit index of the output r
     qkv = ColumnParallelLinear.from_dense_weight(c_attn.weight.t(), c_attn.bias, group=group,
                                                  out_index=index)
 
-Three layers of code (DESIGN.md, style rule 5): private collectives that return early when the
-group has one rank; one `torch.autograd.Function` per communication pattern; public wrappers
-whose docstrings say what runs forward and backward. `group=None` is allowed only where there is
-no world to guess from (torch.distributed not initialized, or one rank): every layer is then its
-dense twin. Under torch.distributed, pass the group (`torch.distributed.group.WORLD` for all ranks).
+Three layers of code: private collectives that return early when the group has one rank; one
+`torch.autograd.Function` per communication pattern; public wrappers whose docstrings say what
+runs forward and backward. `group=None` is allowed only where there is no world to guess from
+(torch.distributed not initialized, or one rank): every layer is then its dense twin. Under
+torch.distributed, pass the group (`torch.distributed.group.WORLD` for all ranks).
 """
 from __future__ import annotations
 

@@ -1,11 +1,12 @@
 """Will one given run fit? The planner's memory model and fit rule, for a layout already chosen.
 
     layout = run_layout(run.parallel, dims, micro_batch=batch.micro_batch, grad_accum=batch.grad_accum)
-    job = run_job(run, global_batch=batch.global_batch)   # or Job(seq_len=512, global_batch=32, precision="bf16")
+    job = run_job(run, global_batch=batch.global_batch)   # or Workload(seq_len=512, global_batch=32, precision="bf16")
     fit = check_fit(describe_model(config), layout, job, cluster)
     fit.fits, fit.need / GiB, fit.available / GiB      # busiest rank (with headroom) vs usable per rank
     fit.host_need / GiB, fit.host_available / GiB      # a node's RAM to build, offload or export
-    check_fit(desc, layout, Job(..., trainable_params=count.trainable, trainable_persistent=count.persistent), cluster)
+    check_fit(desc, layout, Workload(..., trainable_params=count.trainable,
+                                     trainable_persistent=count.persistent), cluster)
     #   a LoRA run: count = models.lora.count_lora_parameters(config, run.model.lora)
 
 `dsf plan` asks it of every layout it searches (`search.evaluate`); `dsf launch` of the one layout
@@ -19,8 +20,8 @@ from typing import Any
 
 from dsframework.layout import ParallelDims
 from dsframework.planner.cluster import Cluster, GiB
-from dsframework.planner.memory import (EXPORT_SHARD_BYTES, HostMemory, Job, Knobs, Layout, Memory, host_memory_per_node,
-                                        memory_per_rank)
+from dsframework.planner.memory import (EXPORT_SHARD_BYTES, HostMemory, Knobs, Layout, Memory, Workload,
+                                        host_memory_per_node, memory_per_rank)
 from dsframework.planner.model import ModelDesc
 
 MEMORY_HEADROOM = 0.10  # allocator fragmentation and what the model does not count
@@ -73,14 +74,14 @@ def run_layout(parallel: Any, dims: ParallelDims, *, micro_batch: int, grad_accu
                   knobs=Knobs.of(getattr(parallel, "zero_knobs", None)))
 
 
-def run_job(run: Any, *, global_batch: int) -> Job:
-    """The planner's Job of a run config: its sequence length, precision and loss chunking
+def run_job(run: Any, *, global_batch: int) -> Workload:
+    """The planner's Workload of a run config: its sequence length, precision and loss chunking
     (train.chunked_loss, train.loss_chunk_tokens) at `global_batch` sequences a step."""
-    return Job(seq_len=run.data.seq_len, global_batch=global_batch, precision=run.train.precision,
+    return Workload(seq_len=run.data.seq_len, global_batch=global_batch, precision=run.train.precision,
                chunked_loss=run.train.chunked_loss, loss_chunk_tokens=run.train.loss_chunk_tokens)
 
 
-def check_fit(desc: ModelDesc, layout: Layout, job: Job, cluster: Cluster, *,
+def check_fit(desc: ModelDesc, layout: Layout, job: Workload, cluster: Cluster, *,
               export_shard_bytes: float = EXPORT_SHARD_BYTES) -> Fit:
     """Memory of `layout` against `cluster`: the busiest rank plus headroom within the usable
     device memory, and a node's host memory (its ranks building their shares and holding their

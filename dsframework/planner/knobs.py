@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 
 from dsframework.planner.cluster import Cluster, GiB
 from dsframework.planner.fit import MEMORY_HEADROOM, check_fit, usable_gpu_memory
-from dsframework.planner.memory import (DEFAULT_KNOBS, Job, Knobs, Layout, _padded_vocab_rows, layer_gathered,
+from dsframework.planner.memory import (DEFAULT_KNOBS, Workload, Knobs, Layout, _padded_vocab_rows, layer_gathered,
                                         stage_shapes, trained, zero3_gathered)
 from dsframework.planner.model import ModelDesc
 
@@ -125,7 +125,7 @@ def _bucket(name: str, default: int, elements: float, w: int, budget: float, *, 
                            f"instead of {runs(default)}")
 
 
-def choose_knobs(desc: ModelDesc, layout: Layout, job: Job, *, free: float) -> KnobChoice:
+def choose_knobs(desc: ModelDesc, layout: Layout, job: Workload, *, free: float) -> KnobChoice:
     """The knobs of `layout` from `free` bytes (see the module docstring for the rule)."""
     z, w = layout.dims.zero_stage, job.param_bytes
     if z == 0:
@@ -157,7 +157,7 @@ def choose_knobs(desc: ModelDesc, layout: Layout, job: Job, *, free: float) -> K
     return KnobChoice(knobs, free, extra, tuple(why))
 
 
-def with_knobs(desc: ModelDesc, layout: Layout, job: Job, cluster: Cluster):
+def with_knobs(desc: ModelDesc, layout: Layout, job: Workload, cluster: Cluster):
     """(layout with its chosen knobs, its Fit, the KnobChoice), or the layout as it is (and None)
     when it does not fit at dsf's defaults."""
     fit = check_fit(desc, layout, job, cluster)
@@ -170,7 +170,8 @@ def with_knobs(desc: ModelDesc, layout: Layout, job: Job, cluster: Cluster):
     return tuned, check_fit(desc, tuned, job, cluster), choice
 
 
-def largest_micro_batch(desc: ModelDesc, layout: Layout, job: Job, cluster: Cluster, *, per_replica: int) -> int | None:
+def largest_micro_batch(desc: ModelDesc, layout: Layout, job: Workload, cluster: Cluster, *,
+                        per_replica: int) -> int | None:
     """The largest micro-batch dividing `per_replica` (sequences per data-parallel replica and step)
     at which `layout` fits at dsf's default knobs, or None when none does."""
     for micro in sorted((m for m in range(1, per_replica + 1) if per_replica % m == 0), reverse=True):

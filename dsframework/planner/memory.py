@@ -2,14 +2,14 @@
 and the host memory a node needs to build the model, hold what is offloaded, and export it.
 
     layout = Layout(ParallelDims(world=16, tp=2, zero_stage=3), micro_batch=2, grad_accum=4)   # dp 8
-    mem = memory_per_rank(desc, layout, Job(seq_len=4096, global_batch=64, precision="bf16"))
+    mem = memory_per_rank(desc, layout, Workload(seq_len=4096, global_batch=64, precision="bf16"))
     mem.total / 2**30                  # GiB on the busiest rank
     mem.cpu_per_rank                   # offloaded bytes in host memory, per rank
     host = host_memory_per_node(desc, layout, mem, ranks_per_node=8)
     host.build, host.offload, host.export, host.peak   # bytes of one node's RAM
-    lora = Job(seq_len=4096, global_batch=64, trainable_params=103_546_880)  # LoRA: the adapters alone train
+    lora = Workload(seq_len=4096, global_batch=64, trainable_params=103_546_880)  # LoRA: the adapters alone train
     Layout(ParallelDims(world=8, zero_stage=3), knobs=Knobs(persistence_threshold=4_194_304))  # ZeRO's knobs (parallel.zero_knobs)
-    Job(seq_len=4096, global_batch=64, chunked_loss=True)   # the loss over chunks (train.chunked_loss; "auto")
+    Workload(seq_len=4096, global_batch=64, chunked_loss=True)   # the loss over chunks (train.chunked_loss; "auto")
 
 Model states follow what DeepSpeed (0.19) really allocates, which is more than the ZeRO paper's
 2 + 2 + 12 bytes per parameter in places (checked against live engines in
@@ -39,11 +39,11 @@ of a replica hold the same weights, DeepSpeed's sequence-data-parallel group). Z
 w P / N bytes, so backward's all-gathers stay inside the group; gradients and optimizer states
 stay sharded over all d.
 
-A LoRA run (`Job.trainable_params`, the adapters' elements T, from models/lora.py
+A LoRA run (`Workload.trainable_params`, the adapters' elements T, from models/lora.py
 `count_lora_parameters`) adds T parameters beside the frozen base, and only they train: the
 parameters are w (P + T) as above (the frozen base whole at stages 0-2, where DeepSpeed's
 optimizer flattens and partitions only the trainable ones; partitioned at stage 3, the adapter
-tensors of <= 1e5 elements persistent, `Job.trainable_persistent`), while gradients, optimizer
+tensors of <= 1e5 elements persistent, `Workload.trainable_persistent`), while gradients, optimizer
 states, their offload and the gradient-sized buffers count T instead of P.
 
 Offloading the optimizer moves its 12 P / d and an fp32 gradient partition (4 P / d) to host
@@ -115,7 +115,7 @@ buffer). Selective recomputation (Korthikanti section 4.2) recomputes exactly th
 sdpa never stores, so it equals `none` here and is not offered. The first and last stages also
 keep the embedding's token ids, the final norm's inputs and the fp32 logits the loss reads (b s V
 / t x 4 bytes). Under 1F1B, stage i holds min(pp - i, grad_accum) micro-batches in flight.
-With a chunked loss (`Job.chunked_loss`: True, or "auto" when the rank's b s / cp tokens span more
+With a chunked loss (`Workload.chunked_loss`: True, or "auto" when the rank's b s / cp tokens span more
 than one chunk, `runtime_facts.loss_is_chunked`, as the training loop decides) the last stage keeps
 no logits: each chunk's are recomputed in the backward from the final norm's output, which is
 already counted; one chunk's fp32 logits and their fp32 gradient exist at a time, a buffer of
@@ -158,7 +158,7 @@ EXPORT_SHARD_BYTES = 50 * 10**9  # save_pretrained's max_shard_size default ("50
 
 
 @dataclass(frozen=True)
-class Job:
+class Workload:
     """What is trained: tokens per sequence, sequences per step, arithmetic precision."""
 
     seq_len: int
@@ -361,8 +361,8 @@ def ulysses_buffer_bytes(desc: ModelDesc, *, micro_batch: int, seq_len: int, tp:
     return 2 * bs * (2 * desc.hidden / tp + 2 * kv) * w
 
 
-def loss_chunk(desc: ModelDesc, layout: Layout, job: Job) -> int | None:
-    """Tokens whose logits the last stage holds at once when its loss is chunked (Job.chunked_loss,
+def loss_chunk(desc: ModelDesc, layout: Layout, job: Workload) -> int | None:
+    """Tokens whose logits the last stage holds at once when its loss is chunked (Workload.chunked_loss,
     decided as the training loop decides it: runtime_facts.loss_chunking), else None: the whole
     micro-batch's logits exist together."""
     return loss_chunking(job.chunked_loss, vocab=desc.vocab, tp=layout.dims.tp, pp=layout.dims.pp, cp=layout.dims.cp,
@@ -400,8 +400,8 @@ class Trained:
     persistent: float
 
 
-def trained(desc: ModelDesc, shape: StageShape, job: Job) -> Trained:
-    """`Trained` of `shape`: a LoRA run's adapters (`Job.trainable_params`) in proportion to the
+def trained(desc: ModelDesc, shape: StageShape, job: Workload) -> Trained:
+    """`Trained` of `shape`: a LoRA run's adapters (`Workload.trainable_params`) in proportion to the
     stage's share of the model (all of them at tp = pp = 1, where LoRA runs)."""
     if job.trainable_params is None:
         return Trained(elements=shape.params, added=0.0, persistent=0.0)
@@ -410,7 +410,8 @@ def trained(desc: ModelDesc, shape: StageShape, job: Job) -> Trained:
                    persistent=job.trainable_persistent * share)
 
 
-def _model_states(desc: ModelDesc, shape: StageShape, layout: Layout, job: Job, train: Trained) -> dict[str, float]:
+def _model_states(desc: ModelDesc, shape: StageShape, layout: Layout, job: Workload,
+                  train: Trained) -> dict[str, float]:
     """Bytes of params, grads, optimizer (on the device) and cpu_* (offloaded) for one rank.
     ZeRO partitions over data x context ranks (`ParallelDims.zero_ranks`); hpZ adds its secondary
     partition of the weights, w P / zero_hpz (`hpz_secondary`, counted in params). Parameters
@@ -441,7 +442,8 @@ def _persistent_experts(desc: ModelDesc, threshold: int, ep: int) -> tuple[int, 
     return whole, layers * 3 * (m // ep) * (m // ep <= threshold)
 
 
-def _states(P: float, T: float, persistent: float, layout: Layout, job: Job, *, zero_ranks: int) -> dict[str, float]:
+def _states(P: float, T: float, persistent: float, layout: Layout, job: Workload, *,
+            zero_ranks: int) -> dict[str, float]:
     """`_model_states` of P parameters (T of them trained, `persistent` kept whole by ZeRO-3) that
     ZeRO partitions over `zero_ranks` ranks."""
     d, w, z = zero_ranks, job.param_bytes, layout.dims.zero_stage
@@ -493,7 +495,7 @@ def zero3_gathered(desc: ModelDesc, shape: StageShape, layout: Layout) -> float:
     return 2 * layer + max(ahead, 0)
 
 
-def _buffers(desc: ModelDesc, shape: StageShape, layout: Layout, job: Job, layer_act: float,
+def _buffers(desc: ModelDesc, shape: StageShape, layout: Layout, job: Workload, layer_act: float,
              train: Trained) -> float:
     """Gradient-sized buffers (reduce and all-reduce buckets, the all-gather of updated weights,
     the fp32 gradient partition) follow what trains (T); ZeRO-3's gathered layers, the weights.
@@ -525,7 +527,7 @@ def _buffers(desc: ModelDesc, shape: StageShape, layout: Layout, job: Job, layer
     return total
 
 
-def stage_memories(desc: ModelDesc, layout: Layout, job: Job, *, distinct: bool = False) -> list[Memory]:
+def stage_memories(desc: ModelDesc, layout: Layout, job: Workload, *, distinct: bool = False) -> list[Memory]:
     """The memory of a rank of each pipeline stage (one entry without a pipeline). With `distinct`,
     only the first stage of each shape: a later stage of the same shape holds no more micro-batches
     in flight (1F1B: min(pp - index, grad_accum)), so never more memory (what memory_per_rank needs)."""
@@ -565,7 +567,7 @@ def _distinct_stages(desc: ModelDesc, tp: int, pp: int, threshold: int) -> tuple
     return tuple((index, shape) for shape, index in first.items())
 
 
-def memory_per_rank(desc: ModelDesc, layout: Layout, job: Job) -> Memory:
+def memory_per_rank(desc: ModelDesc, layout: Layout, job: Workload) -> Memory:
     """The busiest stage's rank: the one whose total is largest (the first such stage)."""
     return max(stage_memories(desc, layout, job, distinct=True), key=lambda memory: memory.total)
 

@@ -1,13 +1,13 @@
 """Every valid layout of a job on a cluster, checked against memory and ranked by speed.
 
-    plan = search(desc, cluster, Job(seq_len=4096, global_batch=512, precision="bf16"))
+    plan = search(desc, cluster, Workload(seq_len=4096, global_batch=512, precision="bf16"))
     plan.best                        # the fastest candidate that fits (None if none does)
     plan.fitting[:5]                 # ranked by predicted tokens/s
     plan.dropped_families            # {"ZeRO-2": "needs 92.1 GiB > 80.0 GiB per GPU at best ...", ...}
                                      # and the splits the model refuses: {"tp=2": "tensor parallelism refused: ..."}
     plan.suggestions                 # when nothing fits: what would
 
-The rules are topology.layout_problem's, the ones dsf train applies (dp * tp * pp * cp = world;
+The rules are layout.layout_problem's, the ones dsf train applies (dp * tp * pp * cp = world;
 tp divides the attention and key/value heads and stays within a node; cp divides the heads per
 tensor rank and the sequence, and divides or is a multiple of the kv heads; pp <= layers; the
 pipeline only with ZeRO 0/1 and without cp; hpZ only with ZeRO-3, tp = 1, dividing dp * cp), plus
@@ -28,7 +28,7 @@ from dsframework.layout import ParallelDims, layout_problem
 from dsframework.planner.cluster import Cluster, GiB, resize
 from dsframework.planner.fit import check_fit
 from dsframework.planner.knobs import KnobChoice, with_knobs
-from dsframework.planner.memory import HostMemory, Job, Layout, Memory
+from dsframework.planner.memory import HostMemory, Workload, Layout, Memory
 from dsframework.planner.model import ModelDesc
 from dsframework.planner.speed import StepTime, step_time
 
@@ -73,7 +73,7 @@ class Candidate:
 class Plan:
     desc: ModelDesc
     cluster: Cluster
-    job: Job
+    job: Workload
     candidates: list[Candidate]
     dropped_families: dict[str, str]
     suggestions: list[str]
@@ -136,7 +136,7 @@ def expert_sizes(desc: ModelDesc, dims: ParallelDims, ep: int | None) -> list[in
     return [e for e in sizes if ep is None or e == ep]
 
 
-def enumerate_layouts(desc: ModelDesc, cluster: Cluster, job: Job, *, tp: int | None = None,
+def enumerate_layouts(desc: ModelDesc, cluster: Cluster, job: Workload, *, tp: int | None = None,
                       pp: int | None = None, zero_stage: int | None = None, cp: int | None = None,
                       ep: int | None = None) -> Iterator[Layout]:
     """Every layout the rules allow (pin tp, pp, cp, ep or zero_stage to restrict), within what the
@@ -182,7 +182,7 @@ def enumerate_layouts(desc: ModelDesc, cluster: Cluster, job: Job, *, tp: int | 
                                                  activation_checkpointing=checkpointing)
 
 
-def evaluate(desc: ModelDesc, layout: Layout, job: Job, cluster: Cluster, *, knobs: bool = True) -> Candidate:
+def evaluate(desc: ModelDesc, layout: Layout, job: Workload, cluster: Cluster, *, knobs: bool = True) -> Candidate:
     """Memory, time and fit of one layout; with `knobs`, one that fits gets ZeRO's knobs chosen from
     the memory it leaves free (knobs.with_knobs) and is priced with them."""
     choice = None
@@ -213,7 +213,7 @@ def _describe(layout: Layout) -> str:
 NO_CONTEXT_PARALLEL = "cp 1 (no context parallelism)"
 
 
-def search(desc: ModelDesc, cluster: Cluster, job: Job, *, tp: int | None = None, pp: int | None = None,
+def search(desc: ModelDesc, cluster: Cluster, job: Workload, *, tp: int | None = None, pp: int | None = None,
            zero_stage: int | None = None, cp: int | None = None, ep: int | None = None, suggest: bool = True,
            knobs: bool = True) -> Plan:
     """All candidates, fitting ones first by predicted tokens/s, then the rest by memory.
@@ -244,7 +244,7 @@ def search(desc: ModelDesc, cluster: Cluster, job: Job, *, tp: int | None = None
     return plan
 
 
-def suggestions(desc: ModelDesc, cluster: Cluster, job: Job, candidates: list[Candidate], **pins) -> list[str]:
+def suggestions(desc: ModelDesc, cluster: Cluster, job: Workload, candidates: list[Candidate], **pins) -> list[str]:
     """What would make something fit: more nodes, unpinning, and the closest candidate's gap."""
     out = []
     if not candidates:

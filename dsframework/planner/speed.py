@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass
 
 from dsframework.planner.cluster import Cluster
-from dsframework.planner.memory import Job, Layout, StageShape, layer_gathered, stage_shapes, ulysses_kv_heads
+from dsframework.planner.memory import Workload, Layout, StageShape, layer_gathered, stage_shapes, ulysses_kv_heads
 from dsframework.planner.model import ModelDesc
 from dsframework.runtime_facts import STAGE0_ALLREDUCE_BUCKET
 
@@ -117,7 +117,7 @@ class _Step:
     recompute: bool
 
 
-def step_time(desc: ModelDesc, layout: Layout, job: Job, cluster: Cluster) -> StepTime:
+def step_time(desc: ModelDesc, layout: Layout, job: Workload, cluster: Cluster) -> StepTime:
     """Seconds per optimizer step (see the module docstring for the model)."""
     dims, w = layout.dims, job.param_bytes
     stages = stage_shapes(desc, dims.tp, dims.pp, layout.knobs.persistence_threshold)
@@ -133,7 +133,7 @@ def step_time(desc: ModelDesc, layout: Layout, job: Job, cluster: Cluster) -> St
                     cp_comm=_cp_comm(desc, layout, cluster, step), ep_comm=_ep_comm(desc, layout, cluster, step))
 
 
-def _compute(desc: ModelDesc, layout: Layout, job: Job, cluster: Cluster) -> float:
+def _compute(desc: ModelDesc, layout: Layout, job: Workload, cluster: Cluster) -> float:
     """The model's flops on each rank's share of the tokens, at the cluster's matmul efficiency."""
     tokens_per_rank = job.global_batch * job.seq_len / (layout.dims.dp * layout.dims.cp)  # each rank's share
     per_token = desc.flops_per_token(job.seq_len)

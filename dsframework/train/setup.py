@@ -13,9 +13,10 @@ value, and each is timed (StartupClock: rank 0 prints the breakdown once the eng
 3. `load_data`, rank 0 first: the texts, the tokenizer (`obtain_tokenizer`), the token stores and
    the model config, then `claim_outputs` (the output directory written, or the checkpoint's model
    checked against this run's on resume);
-4. `resume_tag` on resume: the checkpoint tag to load (rank 0 converts one saved at another layout);
+4. `resume_tag` on resume: the checkpoint tag to load (one saved at another layout is converted first:
+   by rank 0 when only dp changes, else by every rank, a share each);
 5. the DeepSpeed JSON, built whole (`dsconfig.build_ds_config`) and never edited after;
-6. `build_model`: the model for this layout (partitioned under ZeRO-3, each rank's own shards with
+6. `build_model_for_layout`: the model for this layout (partitioned under ZeRO-3, each rank's own shards with
    tp or pp, wrapped for pp, tp, cp, LoRA, activation checkpointing and the chunked loss);
 7. `build_engine`: `deepspeed.initialize` (and `engine.compile()` with train.compile=true);
 8. `restore` on resume: the checkpoint's weights, optimizer, schedule, RNG and data position.

@@ -164,7 +164,7 @@ def test_context_parallel_halves_the_activations_the_planner_predicts(tmp_path):
     from dsframework.config import ModelSpec
     from dsframework.models.build import resolve_model
     from dsframework.layout import ParallelDims
-    from dsframework.planner.memory import Job, Layout, memory_per_rank
+    from dsframework.planner.memory import Workload, Layout, memory_per_rank
     from dsframework.planner.model import describe_model
     from tests.distributed.launcher import launch
     from tests.distributed.workers.cp_activations import VOCAB
@@ -180,7 +180,7 @@ def test_context_parallel_halves_the_activations_the_planner_predicts(tmp_path):
         config = resolve_model(ModelSpec(name=name)).config
         config.vocab_size = VOCAB
         desc = describe_model(config, name=name)
-        job = Job(seq_len=seq_len, global_batch=micro_batch, precision="fp32")
+        job = Workload(seq_len=seq_len, global_batch=micro_batch, precision="fp32")
         predicted = {cp: memory_per_rank(desc, Layout(ParallelDims(world=cp, cp=cp), micro_batch=micro_batch), job).activations
                      for cp in (1, 2)}
         assert all(abs(r["loss"] - whole_loss) <= 1e-5 * whole_loss for r in ranks), (ranks, whole_loss)

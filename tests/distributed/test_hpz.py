@@ -20,7 +20,7 @@ import pytest
 from dsframework.config import build_run_config, load_run_config
 from dsframework.dsconfig import resolve_batch
 from dsframework.layout import ParallelDims
-from dsframework.planner.memory import Job, Layout, memory_per_rank
+from dsframework.planner.memory import Workload, Layout, memory_per_rank
 from dsframework.planner.model import describe_model
 from tests.distributed.launcher import TINY_YAML, Prefixed, assert_close, launch, losses, read_metrics, run_overrides
 from tests.distributed.launcher import train_run
@@ -131,7 +131,7 @@ def planned(output_dir: Path, *, zero_hpz: int):
     batch = resolve_batch(run.train.micro_batch, run.train.grad_accum, run.train.global_batch, dp_size=WORLD // cp)
     layout = Layout(ParallelDims(world=WORLD, cp=cp, zero_stage=3, zero_hpz=zero_hpz), micro_batch=batch.micro_batch,
                     grad_accum=batch.grad_accum)
-    return memory_per_rank(desc, layout, Job(seq_len=run.data.seq_len, global_batch=batch.global_batch,
+    return memory_per_rank(desc, layout, Workload(seq_len=run.data.seq_len, global_batch=batch.global_batch,
                                              precision=run.train.precision))
 
 

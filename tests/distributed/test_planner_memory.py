@@ -3,7 +3,7 @@ parameters, gradients and optimizer states are within 5% of what the engine hold
 workers/model_states.py for what is counted), at world 1, 2 and 4, ZeRO 0-3, with CPU optimizer
 (and parameter) offload, at tp2 and pp2, and for LoRA (model.lora, peft's all-linear adapters at r 8:
 the frozen base held whole at ZeRO-2 and partitioned at ZeRO-3, gradients and optimizer states of the
-adapters alone; the planner's Job.trainable_params from models/lora.py count_lora_parameters), for a
+adapters alone; the planner's Workload.trainable_params from models/lora.py count_lora_parameters), for a
 mixture of experts at ep 2 (ZeRO-1 and ZeRO-3: a rank's half of the experts; to the byte), and with
 ZeRO's knobs set (parallel.zero_knobs): the tensors ZeRO-3 keeps whole at a persistence threshold are
 the planner's persistent elements, and its reduce bucket the bytes the planner counts.
@@ -23,7 +23,7 @@ from dsframework.dsconfig import resolve_batch
 from dsframework.layout import ParallelDims
 from dsframework.models.lora import count_lora_parameters
 from dsframework.models.tiny import tiny_config
-from dsframework.planner.memory import Job, Knobs, Layout, stage_memories
+from dsframework.planner.memory import Workload, Knobs, Layout, stage_memories
 from dsframework.planner.model import describe_model
 from tests.distributed.launcher import TINY_YAML, launch
 
@@ -82,7 +82,7 @@ def predicted(output_dir: Path, world: int):
                     offload_optimizer=par.offload_optimizer == "cpu", offload_param=par.offload_param == "cpu",
                     micro_batch=batch.micro_batch, grad_accum=batch.grad_accum,
                     activation_checkpointing=par.activation_checkpointing, knobs=Knobs.of(par.zero_knobs))
-    job = Job(seq_len=run.data.seq_len, global_batch=batch.global_batch, precision=run.train.precision)
+    job = Workload(seq_len=run.data.seq_len, global_batch=batch.global_batch, precision=run.train.precision)
     if run.model.lora is not None:
         count = count_lora_parameters(config, run.model.lora)
         job = replace(job, trainable_params=count.trainable, trainable_persistent=count.persistent)

@@ -205,7 +205,7 @@ def test_dsf_plan_ranks_expert_parallel_layouts(nodes):
     from dsframework.config import ModelSpec
     from dsframework.models.build import resolve_model
     from dsframework.planner.cluster import cluster_preset
-    from dsframework.planner.memory import Job
+    from dsframework.planner.memory import Workload
     from dsframework.planner.model import describe_model
     from dsframework.planner.report import plan_table
     from dsframework.planner.search import search
@@ -213,7 +213,7 @@ def test_dsf_plan_ranks_expert_parallel_layouts(nodes):
     config = resolve_model(ModelSpec(name="qwen3-30b-a3b")).config
     config.base_model_tp_plan = attention_only(config.base_model_tp_plan)
     desc = describe_model(config, name="qwen3-30b-a3b")
-    cluster, job = cluster_preset("h100-80gb", nodes=nodes, gpus_per_node=8), Job(seq_len=4096,
+    cluster, job = cluster_preset("h100-80gb", nodes=nodes, gpus_per_node=8), Workload(seq_len=4096,
                                                                                    global_batch=64 * nodes)
     plan = search(desc, cluster, job)
     experts_split = [c for c in plan.fitting if c.layout.dims.ep > 1]

@@ -22,7 +22,7 @@ from dsframework.launching import hostfile as launch
 from dsframework.commands.cli import cli
 from dsframework.errors import UserError
 from dsframework.launching.hostfile import node_commands, parse_hostfile, select_resources
-from dsframework.launching.launchers import LAUNCHERS, Job, check_hosts, ssh_reason
+from dsframework.launching.launchers import LAUNCHERS, LaunchJob, check_hosts, ssh_reason
 from dsframework.commands.mpi_rank import mpi_rank_env
 
 GOOD = [
@@ -225,8 +225,8 @@ def test_mpi_ranks_get_the_variables_torch_reads():
         mpi_rank_env({}, master="worker-0:29555")
 
 
-def _job(active, hostfile=Path("hostfile")) -> Job:
-    return Job(run_yaml=Path(TINY), overrides=(), hostfile=hostfile, resources=OrderedDict(), active=active,
+def _job(active, hostfile=Path("hostfile")) -> LaunchJob:
+    return LaunchJob(run_yaml=Path(TINY), overrides=(), hostfile=hostfile, resources=OrderedDict(), active=active,
                master=next(iter(active)), master_port=29500, env={}, explicit={})
 
 
@@ -398,7 +398,7 @@ def test_fit_agrees_with_the_planners_search():
     """The launch check is search.evaluate's rule: same fit for every layout of a small search."""
     from dsframework.planner.cluster import cluster_preset
     from dsframework.planner.fit import check_fit
-    from dsframework.planner.memory import Job
+    from dsframework.planner.memory import Workload
     from dsframework.planner.model import describe_model
     from dsframework.planner.search import search
     from dsframework.models.presets import PRESETS
@@ -407,7 +407,7 @@ def test_fit_agrees_with_the_planners_search():
     fields = {k: v for k, v in PRESETS["llama-7b"].items() if k != "model_type"}
     desc = describe_model(LlamaConfig(**fields), name="llama-7b")
     cluster = cluster_preset("a100-40gb", nodes=1, gpus_per_node=4)
-    plan = search(desc, cluster, Job(seq_len=1024, global_batch=8, precision="bf16"), suggest=False)
+    plan = search(desc, cluster, Workload(seq_len=1024, global_batch=8, precision="bf16"), suggest=False)
     assert {c.fits for c in plan.candidates} == {True, False}
     for c in plan.candidates:
         assert check_fit(desc, c.layout, plan.job, cluster).fits == c.fits

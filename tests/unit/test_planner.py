@@ -14,7 +14,7 @@ from dsframework.layout import ParallelDims
 from dsframework.models.build import build_model, resolve_model
 from dsframework.models.hf import causal_lm_class
 from dsframework.planner.cluster import GiB, cluster_preset
-from dsframework.planner.memory import Job, Layout, memory_per_rank, stage_shapes
+from dsframework.planner.memory import Workload, Layout, memory_per_rank, stage_shapes
 from dsframework.planner.model import describe_model
 from dsframework.planner.search import enumerate_layouts, search
 from tests.saved_tensors import saved_bytes
@@ -75,7 +75,7 @@ def test_experts_a_plan_leaves_whole_count_once_and_run_on_every_tensor_rank():
     routers = sum(p.numel() for name, p in model.model.layers.named_parameters() if name.endswith("gate.weight"))
     assert desc.matrices_unsplit == sum(p.numel() for p in experts) + routers
     assert desc.unsplit_flops_per_token() == 6 * (desc.matrices_unsplit - idle)
-    cluster, job = cluster_preset("h100-80gb", nodes=1, gpus_per_node=2), Job(seq_len=64, global_batch=8)
+    cluster, job = cluster_preset("h100-80gb", nodes=1, gpus_per_node=2), Workload(seq_len=64, global_batch=8)
     one, two = (step_time(desc, Layout(ParallelDims(world=2, tp=tp, zero_stage=1)), job, cluster).compute
                 for tp in (1, 2))
     assert two > 2 * one * desc.unsplit_flops_per_token() / desc.flops_per_token(64)  # tp 2 runs twice the tokens
@@ -98,7 +98,7 @@ def test_activation_bytes_match_what_autograd_saves(one_thread, name, checkpoint
     for micro_batch, seq_len in [(1, 32), (2, 64), (4, 128), (1, 256)]:
         measured = _saved_bytes(model, torch.randint(0, 97, (micro_batch, seq_len)))
         predicted = memory_per_rank(desc, Layout(ParallelDims(world=1), micro_batch=micro_batch, activation_checkpointing=checkpointing),
-                                    Job(seq_len=seq_len, global_batch=micro_batch, precision="fp32")).activations
+                                    Workload(seq_len=seq_len, global_batch=micro_batch, precision="fp32")).activations
         assert abs(predicted - measured) <= 0.15 * measured, (micro_batch, seq_len, predicted, measured)
 
 
@@ -112,7 +112,7 @@ def test_pipeline_stages_cover_the_model_once_and_tp_splits_it():
 
 def test_zero_stages_shrink_model_states_as_deepspeed_does():
     desc = describe_model(CONFIGS["llama-7b"], name="llama-7b")
-    job = Job(seq_len=2048, global_batch=64, precision="bf16")
+    job = Workload(seq_len=2048, global_batch=64, precision="bf16")
     states = [memory_per_rank(desc, Layout(ParallelDims(world=8, zero_stage=z), micro_batch=1, grad_accum=8), job) for z in range(4)]
     P = desc.total_params
     assert states[1].optimizer == pytest.approx(12 * P / 8) and states[1].grads == pytest.approx(2 * P)
@@ -125,7 +125,7 @@ def test_zero_stages_shrink_model_states_as_deepspeed_does():
 def test_search_obeys_the_rules():
     desc = describe_model(CONFIGS["llama-7b"], name="llama-7b")
     cluster = cluster_preset("a100-80gb", nodes=2, gpus_per_node=8)
-    job = Job(seq_len=2048, global_batch=128)
+    job = Workload(seq_len=2048, global_batch=128)
     layouts = list(enumerate_layouts(desc, cluster, job))
     assert layouts and all(lay.dims.world == 16 for lay in layouts)
     assert all(lay.micro_batch * lay.grad_accum * lay.dims.dp == 128 for lay in layouts)
@@ -137,7 +137,7 @@ def test_search_obeys_the_rules():
 
 def test_a_70b_model_needs_more_than_one_node_and_says_why():
     desc = describe_model(resolve_model(ModelSpec(name="llama-70b")).config, name="llama-70b")
-    plan = search(desc, cluster_preset("a100-40gb", nodes=1, gpus_per_node=8), Job(seq_len=4096, global_batch=64))
+    plan = search(desc, cluster_preset("a100-40gb", nodes=1, gpus_per_node=8), Workload(seq_len=4096, global_batch=64))
     assert plan.best is None
     assert "ZeRO-2" in plan.dropped_families and "GiB >" in plan.dropped_families["ZeRO-2"]
     assert any("nodes" in line and "would fit" in line for line in plan.suggestions)

@@ -18,7 +18,7 @@ from dsframework.models.tensor_parallel import shard_model
 from dsframework.parallel.pipeline import stage_module_paths
 from dsframework.parallel.tensor import LayoutOnlyGroup
 from dsframework.planner.cluster import cluster_preset
-from dsframework.planner.memory import Job, Layout, memory_per_rank, stage_shapes
+from dsframework.planner.memory import Workload, Layout, memory_per_rank, stage_shapes
 from dsframework.planner.model import describe_model
 from dsframework.planner.search import search
 from tests.saved_tensors import saved_bytes
@@ -86,7 +86,7 @@ def test_a_refused_split_is_dropped_with_the_reason():
     desc = describe_model(tiny_config("olmo2"), name="olmo2")
     if not desc.tp_problem(2):
         pytest.skip("shard_model splits olmo2 here")
-    plan = search(desc, cluster_preset("a100-80gb", nodes=1, gpus_per_node=4), Job(seq_len=64, global_batch=8))
+    plan = search(desc, cluster_preset("a100-80gb", nodes=1, gpus_per_node=4), Workload(seq_len=64, global_batch=8))
     assert plan.best is not None and all(c.layout.dims.tp == 1 for c in plan.candidates)
     assert "olmo2" in plan.dropped_families["tp=2"]
 
@@ -101,7 +101,7 @@ def test_activation_bytes_match_what_autograd_saves(one_thread, model_type):
         ids = torch.randint(0, config.vocab_size, (micro_batch, seq_len))
         measured = saved_bytes(model, lambda: model(input_ids=ids, labels=ids))[0]
         predicted = memory_per_rank(desc, Layout(ParallelDims(world=1), micro_batch=micro_batch),
-                                    Job(seq_len=seq_len, global_batch=micro_batch, precision="fp32")).activations
+                                    Workload(seq_len=seq_len, global_batch=micro_batch, precision="fp32")).activations
         assert abs(predicted - measured) <= 0.10 * measured, (micro_batch, seq_len, predicted, measured)
 
 

@@ -26,7 +26,7 @@ from dsframework.models.build import build_model, resolve_model
 from dsframework.layout import ParallelDims, layout_problem
 from dsframework.planner.cluster import GiB, cluster_preset
 from dsframework.planner.fit import run_layout
-from dsframework.planner.memory import (ACTIVATION_SAVED, Job, Layout, layer_activation_bytes, memory_per_rank,
+from dsframework.planner.memory import (ACTIVATION_SAVED, Workload, Layout, layer_activation_bytes, memory_per_rank,
                                         stage_shapes)
 from dsframework.planner.model import describe_model
 from dsframework.planner.report import run_config_dict
@@ -79,7 +79,7 @@ def test_gpt2_activations_follow_its_activation_function(one_thread, activation)
         ids = torch.randint(0, 97, (micro_batch, seq_len))
         measured = _saved_bytes(model, lambda: model(input_ids=ids, labels=ids))
         predicted = memory_per_rank(desc, Layout(ParallelDims(world=1), micro_batch=micro_batch),
-                                    Job(seq_len=seq_len, global_batch=micro_batch, precision="fp32")).activations
+                                    Workload(seq_len=seq_len, global_batch=micro_batch, precision="fp32")).activations
         assert abs(predicted - measured) <= TOLERANCE * measured, (activation, predicted, measured)
 
 
@@ -157,7 +157,7 @@ def test_ulysses_rank_saves_what_the_planner_counts(name, cp):
     measured = _ulysses_saved(name, cp, CP_CASES)
     for (micro_batch, seq_len), got in zip(CP_CASES, measured):
         predicted = memory_per_rank(desc, Layout(ParallelDims(world=cp, cp=cp), micro_batch=micro_batch),
-                                    Job(seq_len=seq_len, global_batch=micro_batch, precision="fp32")).activations
+                                    Workload(seq_len=seq_len, global_batch=micro_batch, precision="fp32")).activations
         assert abs(predicted - got) <= TOLERANCE * got, (cp, micro_batch, seq_len, predicted, got)
 
 
@@ -175,7 +175,7 @@ def test_ulysses_adds_the_output_copy_and_repeated_kv_heads():
 
 def test_hpz_adds_its_secondary_partition():
     desc = describe_model(resolve_model(ModelSpec(name="llama-7b")).config, name="llama-7b")
-    job = Job(seq_len=2048, global_batch=16, precision="bf16")
+    job = Workload(seq_len=2048, global_batch=16, precision="bf16")
     plain = memory_per_rank(desc, Layout(ParallelDims(world=16, zero_stage=3)), job)
     for n in (2, 4, 8):
         hpz = memory_per_rank(desc, Layout(ParallelDims(world=16, zero_stage=3, zero_hpz=n)), job)
@@ -190,7 +190,7 @@ def test_hpz_adds_its_secondary_partition():
 def test_speed_counts_ulysses_all_to_alls_and_hpz_gathers_inside_the_node():
     desc = describe_model(resolve_model(ModelSpec(name="llama-7b")).config, name="llama-7b")
     cluster = cluster_preset("h100-80gb", nodes=2, gpus_per_node=8)
-    job = Job(seq_len=32768, global_batch=16, precision="bf16")
+    job = Workload(seq_len=32768, global_batch=16, precision="bf16")
     flat = step_time(desc, Layout(ParallelDims(world=16, zero_stage=3), grad_accum=1), job, cluster)
     cp4 = step_time(desc, Layout(ParallelDims(world=16, cp=4, zero_stage=3), micro_batch=4), job, cluster)
     assert flat.cp_comm == 0 < cp4.cp_comm
@@ -206,7 +206,7 @@ def test_search_covers_cp_and_hpz_with_valid_layouts():
 
     desc = describe_model(LlamaConfig(**LLAMA_8B), name="llama-8b")
     cluster = cluster_preset("h100-80gb", nodes=2, gpus_per_node=8)
-    job = Job(seq_len=131072, global_batch=16)
+    job = Workload(seq_len=131072, global_batch=16)
     layouts = list(enumerate_layouts(desc, cluster, job))
     assert {lay.dims.cp for lay in layouts} == {1, 2, 4, 8, 16}
     assert {lay.dims.zero_hpz for lay in layouts} == {1, 2, 4, 8}
@@ -242,7 +242,8 @@ def test_only_context_parallel_layouts_fitting_are_explained():
     from transformers import LlamaConfig
 
     desc = describe_model(LlamaConfig(**{**LLAMA_8B, "max_position_embeddings": 262144}), name="llama-8b")
-    plan = search(desc, cluster_preset("h100-80gb", nodes=2, gpus_per_node=8), Job(seq_len=262144, global_batch=16))
+    plan = search(desc, cluster_preset("h100-80gb", nodes=2, gpus_per_node=8),
+                  Workload(seq_len=262144, global_batch=16))
     assert plan.best is not None and plan.best.layout.dims.cp > 1
     assert not any(c.fits for c in plan.candidates if c.layout.dims.cp == 1)
     assert plan.dropped_families[NO_CONTEXT_PARALLEL].startswith("needs ")
@@ -252,7 +253,7 @@ def test_only_context_parallel_layouts_fitting_are_explained():
 def test_run_config_and_launch_layout_carry_cp_and_hpz():
     desc = describe_model(resolve_model(ModelSpec(name="tiny-llama")).config, name="tiny-llama")
     cluster = cluster_preset("cpu-local", nodes=1, gpus_per_node=8)
-    job = Job(seq_len=64, global_batch=8, precision="fp32")
+    job = Workload(seq_len=64, global_batch=8, precision="fp32")
     c = evaluate(desc, Layout(ParallelDims(world=8, tp=2, cp=2, zero_stage=3), micro_batch=4), job, cluster)
     from dsframework.config import build_run_config
 

@@ -16,7 +16,7 @@ from dsframework.parallel.pipeline import layer_parameter_counts, partition_laye
 from dsframework.planner import memory, speed
 from dsframework.planner.cluster import MATMUL_EFFICIENCY, Cluster, cluster_preset
 from dsframework.planner.fit import RESERVED_PER_GPU, usable_gpu_memory
-from dsframework.planner.memory import Job, Layout, _items, stage_shapes
+from dsframework.planner.memory import Workload, Layout, _items, stage_shapes
 from dsframework.planner.model import describe_model
 
 
@@ -111,7 +111,7 @@ def test_cpu_ranks_are_one_test_for_fit_and_speed():
     assert usable_gpu_memory(cpu) == cpu.memory_per_gpu
     assert usable_gpu_memory(gpu) == gpu.memory_per_gpu - RESERVED_PER_GPU
     desc = describe_model(resolve_model(ModelSpec(name="tiny-llama")).config, name="tiny-llama")
-    job = Job(seq_len=64, global_batch=4, precision="fp32")
+    job = Workload(seq_len=64, global_batch=4, precision="fp32")
     layout = Layout(ParallelDims(world=4, zero_stage=3))
     # CPU ranks pay their operator overhead on top of compute; a GPU hides it behind the device
     slow_gpu = Cluster(**{**gpu.to_dict(), "peak_flops": {"fp32": 5e10}})
@@ -123,7 +123,7 @@ def test_matmul_efficiency_has_one_home():
     assert Cluster(name="x", nodes=1, gpus_per_node=1, memory_per_gpu=1, peak_flops={"fp32": 1}).matmul_efficiency \
         == MATMUL_EFFICIENCY
     desc = describe_model(resolve_model(ModelSpec(name="llama-7b")).config, name="llama-7b")
-    job, layout = Job(seq_len=2048, global_batch=8), Layout(ParallelDims(world=8))
+    job, layout = Workload(seq_len=2048, global_batch=8), Layout(ParallelDims(world=8))
     h100 = cluster_preset("h100-80gb")
     half = Cluster(**{**h100.to_dict(), "matmul_efficiency": MATMUL_EFFICIENCY / 2})
     assert speed.step_time(desc, layout, job, half).compute == pytest.approx(2 * speed.step_time(desc, layout, job,

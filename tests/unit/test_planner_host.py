@@ -15,14 +15,14 @@ from dsframework.layout import ParallelDims
 from dsframework.models.build import resolve_model
 from dsframework.planner.cluster import GiB, Cluster
 from dsframework.planner.fit import HOST_MEMORY_SHARE, check_fit
-from dsframework.planner.memory import (BUILD_BYTES, EXPORT_SHARD_BYTES, Job, Layout, build_bytes_per_rank,
+from dsframework.planner.memory import (BUILD_BYTES, EXPORT_SHARD_BYTES, Workload, Layout, build_bytes_per_rank,
                                         export_bytes, host_memory_per_node, largest_tensor, memory_per_rank,
                                         stage_shapes)
 from dsframework.planner.model import describe_model
 from dsframework.planner.search import search
 
 LLAMA_7B = describe_model(resolve_model(ModelSpec(name="llama-7b")).config, name="llama-7b")
-JOB = Job(seq_len=2048, global_batch=64, precision="bf16")
+JOB = Workload(seq_len=2048, global_batch=64, precision="bf16")
 # GPUs with room to spare (the device side fits every layout below), on a node with little RAM.
 SMALL_HOST = dict(name="h200-small-host", nodes=1, gpus_per_node=8, memory_per_gpu=141e9,
                   peak_flops={"fp32": 67e12, "bf16": 989e12}, cpu_memory_per_node=64 * GiB)

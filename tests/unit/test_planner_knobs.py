@@ -25,7 +25,7 @@ from dsframework.models.build import resolve_model
 from dsframework.planner.cluster import cluster_preset
 from dsframework.planner.fit import MEMORY_HEADROOM, check_fit, usable_gpu_memory
 from dsframework.planner.knobs import KNOB_SHARE, choose_knobs, free_bytes, largest_micro_batch, with_knobs
-from dsframework.planner.memory import (DEFAULT_KNOBS, Job, Knobs, Layout, layer_gathered, memory_per_rank,
+from dsframework.planner.memory import (DEFAULT_KNOBS, Workload, Knobs, Layout, layer_gathered, memory_per_rank,
                                         stage_shapes)
 from dsframework.planner.model import describe_model
 from dsframework.planner.speed import step_time
@@ -50,7 +50,7 @@ def _layouts(zero_stage):
 @pytest.mark.parametrize("zero_stage", [1, 2, 3])
 def test_chosen_knobs_keep_the_plan_within_memory(model, cluster_name, zero_stage):
     desc, cluster = DESCS[model], cluster_preset(cluster_name, nodes=1, gpus_per_node=8)
-    job = Job(seq_len=2048, global_batch=64, precision="bf16")
+    job = Workload(seq_len=2048, global_batch=64, precision="bf16")
     for layout in _layouts(zero_stage):
         layout = replace(layout, grad_accum=64 // (8 * layout.micro_batch))
         before = check_fit(desc, layout, job, cluster)
@@ -69,7 +69,7 @@ def test_chosen_knobs_keep_the_plan_within_memory(model, cluster_name, zero_stag
 @pytest.mark.parametrize("model", ["small-llama", "llama-7b", "llama-13b"])
 @pytest.mark.parametrize("zero_stage", [1, 2, 3])
 def test_more_free_memory_never_chooses_smaller_knobs(model, zero_stage):
-    desc, job = DESCS[model], Job(seq_len=2048, global_batch=64, precision="bf16")
+    desc, job = DESCS[model], Workload(seq_len=2048, global_batch=64, precision="bf16")
     layout = Layout(ParallelDims(world=8, zero_stage=zero_stage), micro_batch=1, grad_accum=8)
     def layers_ahead(knobs):  # the prefetch in layers: a layer gathers less once more of it persists
         layer = layer_gathered(desc, tp=1, threshold=knobs.persistence_threshold)
@@ -92,12 +92,12 @@ def test_more_free_memory_never_chooses_smaller_knobs(model, zero_stage):
 @pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
 def test_no_free_memory_keeps_the_defaults(free, zero_stage):
     layout = Layout(ParallelDims(world=8, zero_stage=zero_stage), micro_batch=1, grad_accum=8)
-    choice = choose_knobs(DESCS["llama-7b"], layout, Job(seq_len=2048, global_batch=64), free=free)
+    choice = choose_knobs(DESCS["llama-7b"], layout, Workload(seq_len=2048, global_batch=64), free=free)
     assert choice.knobs == DEFAULT_KNOBS and choice.extra == 0 and choice.why
 
 
 def test_persistent_tensors_are_gathered_less_and_never_slow_the_step():
-    desc, job = DESCS["llama-7b"], Job(seq_len=2048, global_batch=64, precision="bf16")
+    desc, job = DESCS["llama-7b"], Workload(seq_len=2048, global_batch=64, precision="bf16")
     cluster = cluster_preset("h100-80gb", nodes=2, gpus_per_node=8)
     times, persistent = [], []
     for threshold in (100_000, 16_777_216, 45_088_768, 131_072_000):
@@ -114,7 +114,7 @@ def test_persistent_tensors_are_gathered_less_and_never_slow_the_step():
 
 
 def test_buckets_and_prefetch_are_priced():
-    desc, job = DESCS["llama-7b"], Job(seq_len=2048, global_batch=64, precision="bf16")
+    desc, job = DESCS["llama-7b"], Workload(seq_len=2048, global_batch=64, precision="bf16")
     cluster = cluster_preset("h100-80gb", nodes=2, gpus_per_node=8)
     for stage in (1, 2, 3):
         small = Layout(ParallelDims(world=16, zero_stage=stage), micro_batch=1, grad_accum=4, knobs=Knobs(reduce_bucket=10**6,
@@ -136,7 +136,7 @@ def test_buckets_and_prefetch_are_priced():
 
 def test_largest_micro_batch_fits_and_the_next_does_not():
     desc, cluster = DESCS["llama-7b"], cluster_preset("h100-80gb", nodes=1, gpus_per_node=8)
-    job = Job(seq_len=4096, global_batch=128, precision="bf16")
+    job = Workload(seq_len=4096, global_batch=128, precision="bf16")
     layout = Layout(ParallelDims(world=8, zero_stage=3))
     micro = largest_micro_batch(desc, layout, job, cluster, per_replica=16)
     assert micro is not None and micro < 16
@@ -153,9 +153,9 @@ def test_a_chunked_loss_holds_less_at_a_32k_vocabulary(tp, zero_stage):
     desc = DESCS["llama-7b"]
     assert desc.vocab == 32000
     layout = Layout(ParallelDims(world=8, tp=tp, zero_stage=zero_stage), micro_batch=4, grad_accum=2)
-    plain = memory_per_rank(desc, layout, Job(seq_len=4096, global_batch=64, chunked_loss=False))
-    chunked = memory_per_rank(desc, layout, Job(seq_len=4096, global_batch=64, chunked_loss=True))
-    auto = memory_per_rank(desc, layout, Job(seq_len=4096, global_batch=64))  # 16k tokens > one chunk
+    plain = memory_per_rank(desc, layout, Workload(seq_len=4096, global_batch=64, chunked_loss=False))
+    chunked = memory_per_rank(desc, layout, Workload(seq_len=4096, global_batch=64, chunked_loss=True))
+    auto = memory_per_rank(desc, layout, Workload(seq_len=4096, global_batch=64))  # 16k tokens > one chunk
     rows = 32000 // tp
     tokens = 4 * 4096
     assert chunked.parts["loss_chunk_tokens"] == 2**26 // rows and plain.parts["loss_chunk_tokens"] is None
@@ -165,7 +165,7 @@ def test_a_chunked_loss_holds_less_at_a_32k_vocabulary(tp, zero_stage):
     assert chunked.total < plain.total and auto == chunked
     # a micro-batch within one chunk: auto computes the loss whole, as the training loop does
     small = replace(layout, micro_batch=1, grad_accum=8)
-    short = Job(seq_len=512, global_batch=64)
+    short = Workload(seq_len=512, global_batch=64)
     assert memory_per_rank(desc, small, short) == memory_per_rank(desc, small, replace(short, chunked_loss=False))
     explicit = memory_per_rank(desc, small, replace(short, chunked_loss=True, loss_chunk_tokens=128))
     assert explicit.parts["loss_chunk_tokens"] == 128
@@ -191,8 +191,8 @@ def test_dsf_config_auto_knobs_writes_them_and_deepspeed_accepts_them():
     assert "largest that fits" in result.stderr and "knobs:" in result.stderr
     micro = ds["train_micro_batch_size_per_gpu"]
     desc, cluster = DESCS["llama-7b"], cluster_preset("h100-80gb", nodes=1, gpus_per_node=8)
-    assert micro == largest_micro_batch(desc, Layout(ParallelDims(world=8, zero_stage=3)), Job(seq_len=4096, global_batch=64),
-                                        cluster, per_replica=8)
+    assert micro == largest_micro_batch(desc, Layout(ParallelDims(world=8, zero_stage=3)),
+                                        Workload(seq_len=4096, global_batch=64), cluster, per_replica=8)
     validate_ds_config(ds, dp_size=8)
     stage2 = json.loads(_invoke(["config", "--zero-stage", "2", "--world-size", "8", "--micro-batch", "1",
                                  "--grad-accum", "1", "--auto-knobs", "--model", "llama-1b", "--cluster",

@@ -1,6 +1,6 @@
 """The planner's memory model of a LoRA run: the adapters' count (models/lora.py count_lora_parameters,
 on a meta model) equals peft's own on a real model and r x (in + out) per adapted linear on a 70B
-config, fast; with it (Job.trainable_params) gradients, optimizer states, their offload and the
+config, fast; with it (Workload.trainable_params) gradients, optimizer states, their offload and the
 gradient-sized buffers shrink to the adapters' while the parameters stay every one (frozen base +
 adapters). The live engines' bytes are checked in tests/distributed/test_planner_memory.py.
 
@@ -19,7 +19,7 @@ from dsframework.models.build import build_model, resolve_model
 from dsframework.models.lora import apply_lora, count_lora_parameters
 from dsframework.planner.cluster import GiB, cluster_preset
 from dsframework.planner.fit import check_fit
-from dsframework.planner.memory import Job, Layout, memory_per_rank, stage_shapes
+from dsframework.planner.memory import Workload, Layout, memory_per_rank, stage_shapes
 from dsframework.planner.model import describe_model
 from dsframework.runtime_facts import ZERO3_PERSISTENCE_THRESHOLD
 
@@ -68,8 +68,8 @@ def test_a_70b_count_is_r_times_in_plus_out_per_adapted_linear_and_fast():
     assert elapsed < 8, f"{elapsed:.1f} s to count a 70B model's adapters on meta"
 
 
-def lora_job(count, **kwargs) -> Job:
-    return Job(trainable_params=count.trainable, trainable_persistent=count.persistent, **kwargs)
+def lora_job(count, **kwargs) -> Workload:
+    return Workload(trainable_params=count.trainable, trainable_persistent=count.persistent, **kwargs)
 
 
 LAYOUTS = {  # name: Layout of 8 data-parallel ranks
@@ -86,7 +86,8 @@ def test_gradients_and_optimizer_shrink_to_the_adapters_parameters_do_not(name, 
     desc = describe_model(llama_70b(), name="llama-70b")
     count = lora_70b()
     layout = LAYOUTS[name]
-    full = memory_per_rank(desc, layout, Job(seq_len=2048, global_batch=8 * layout.grad_accum, precision=precision))
+    full = memory_per_rank(desc, layout,
+                           Workload(seq_len=2048, global_batch=8 * layout.grad_accum, precision=precision))
     lora = memory_per_rank(desc, layout, lora_job(count, seq_len=2048, global_batch=8 * layout.grad_accum,
                                                   precision=precision))
     P, T, d, w = desc.total_params, count.trainable, 8, 4 if precision == "fp32" else 2
@@ -111,7 +112,7 @@ def test_a_70b_lora_on_8_gpus_fits_where_full_fine_tuning_does_not():
     desc = describe_model(llama_70b(), name="llama-70b")
     cluster = cluster_preset("h100-80gb", nodes=1, gpus_per_node=8)
     layout = Layout(ParallelDims(world=8, zero_stage=3), activation_checkpointing="full")
-    full = check_fit(desc, layout, Job(seq_len=4096, global_batch=8), cluster)
+    full = check_fit(desc, layout, Workload(seq_len=4096, global_batch=8), cluster)
     lora = check_fit(desc, layout, lora_job(lora_70b(), seq_len=4096, global_batch=8), cluster)
     assert not full.fits and lora.fits, (full.why_not, lora.need / GiB)
     saved = (full.memory.grads + full.memory.optimizer) - (lora.memory.grads + lora.memory.optimizer)

@@ -18,7 +18,7 @@ from dsframework.config import build_run_config
 from dsframework.dsconfig import build_ds_config, validate_ds_config
 from dsframework.layout import ParallelDims, check_model_layout
 from dsframework.planner.cluster import CLUSTER_PRESETS, cluster_preset
-from dsframework.planner.memory import Job
+from dsframework.planner.memory import Workload
 from dsframework.planner.model import describe_model
 from dsframework.planner.report import run_config_dict
 from dsframework.planner.search import search
@@ -47,7 +47,7 @@ def models(draw):
 def test_every_candidate_is_valid(config, cluster_name, nodes, gpus_per_node, seq_len, batch_factor, precision):
     desc = describe_model(config, name="random")
     cluster = cluster_preset(cluster_name, nodes=nodes, gpus_per_node=gpus_per_node)
-    job = Job(seq_len=seq_len, global_batch=batch_factor * gpus_per_node, precision=precision)
+    job = Workload(seq_len=seq_len, global_batch=batch_factor * gpus_per_node, precision=precision)
     plan = search(desc, cluster, job, suggest=False)
     for c in plan.candidates:
         lay = c.layout

@@ -57,6 +57,18 @@ def test_what_cannot_shard_is_refused_in_one_line(model_type, tp, pp, fragment):
         assert "ZeRO 0-3 and context parallelism" in message  # the layouts that do work
 
 
+def test_a_plan_that_splits_no_layer_is_refused():
+    """Inkling 2's plan in transformers 5.25 is `embed_tokens: replicate` alone: tp 2 would run the
+    whole model on each rank (and its logits came out wrong): refused, naming the plan."""
+    config = tiny_config("llama")
+    config.base_model_tp_plan = {"embed_tokens": "replicate",
+                                 "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce"}
+    with pytest.raises(UserError) as info:
+        check_architecture(config, tp=2)
+    assert "splits no layer (embed_tokens: replicate, layers.*.self_attn.q_norm" in str(info.value)
+    assert check_architecture(config, tp=1).tp_problem  # tp 1 runs; the reason stays on the plan
+
+
 def test_opt_has_no_plan():
     from transformers import OPTConfig
 

@@ -34,6 +34,6 @@ setup(
         "pydantic>=2.11,<3",
         "tqdm>=4.70,<5",
     ],
-    extras_require={"metrics": METRICS, "dev": ["pytest>=8", "pytest-timeout", "hypothesis", *METRICS]},
+    extras_require={"metrics": METRICS, "dev": ["pytest>=8", "pytest-timeout", "hypothesis", "ruff>=0.17,<0.18", *METRICS]},
     entry_points={"console_scripts": ["dsf=dsframework.commands.cli:main"]},
 )

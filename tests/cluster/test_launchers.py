@@ -15,7 +15,7 @@ import re
 
 import pytest
 
-from tests.cluster.jobs import STEPS, dsf_launch_cmd, job_processes, launch_args, node_env, run_on
+from tests.cluster.jobs import STEPS, dsf_launch_cmd, job_processes, node_env, run_on
 from tests.cluster.nodes import missing, wait_until
 from tests.distributed.launcher import BIN, REPO, assert_close, losses
 

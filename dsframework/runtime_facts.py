@@ -9,7 +9,7 @@ Pure (no torch, no torch.distributed, no disk), so the planner imports it. Each 
 home here and its users import it: the ZeRO settings `dsconfig.py` writes into the DeepSpeed JSON
 and `planner/memory.py` turns into buffer bytes; the vocabulary padding of
 `parallel/tensor.py`'s VocabParallelEmbedding / LMHead and the planner's embedding and logits
-rows; and the stage boundaries of `parallel/pipeline.py` (which rank materialises which layers)
+rows; and the stage boundaries of `models/pipeline.py` (which rank materialises which layers)
 and the planner's stage shapes. `partition_balanced` is DeepSpeed's own algorithm
 (deepspeed.runtime.utils.partition_balanced, which PipelineModule runs), rewritten vectorised so
 planning thousands of layouts stays fast; tests/unit/test_planner_facts.py pins it to

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 from pathlib import Path
 
@@ -89,3 +90,18 @@ def pytest_runtest_call(item):
 def pytest_runtest_teardown(item):
     with _processes_refused(item):
         yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Each test leaves the process's SIGTERM and SIGINT handlers as it found them. A handler an
+    in-process test installs (dsf's stop flag, the launcher's forwarding) would outlive it, and a
+    later test's fork (datasets' worker pool) would inherit it: Pool.terminate's SIGTERM then no
+    longer ends a worker and the test waits forever (seen: test_examples under a loaded machine)."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            if signal.getsignal(sig) is not handler and handler is not None:
+                signal.signal(sig, handler)

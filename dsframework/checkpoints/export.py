@@ -60,7 +60,7 @@ from dsframework.models.build import build_model, resolve_model
 from dsframework.models.hf import causal_lm_class
 from dsframework.models.lora import apply_lora, merge_lora, trainable_names
 from dsframework.models.tensor_parallel import merge_tensor_parallel_tensor, shard_layouts
-from dsframework.parallel.pipeline import _LAYER_FILE, pipeline_layer_specs, pipeline_state_dict_to_hf
+from dsframework.models.pipeline import _LAYER_FILE, pipeline_layer_specs, pipeline_state_dict_to_hf
 
 MODEL_STATES = "mp_rank_00_model_states.pt"  # ZeRO 0-2; ZeRO-3 writes zero_pp_rank_*_<this> per rank
 

@@ -78,7 +78,7 @@ from dsframework.errors import UserError
 from dsframework.layout import ParallelDims
 from dsframework.models.hf import hf_parameter_shapes
 from dsframework.models.tensor_parallel import merge_tensor_parallel_tensor, shard_layouts
-from dsframework.parallel.pipeline import hf_names, pipeline_layer_specs
+from dsframework.models.pipeline import hf_names, pipeline_layer_specs
 
 States = dict[str, torch.Tensor]  # state name ("fp32", "exp_avg", ...) -> tensor
 

@@ -22,7 +22,7 @@ from dsframework.launching.hostfile import local_cluster, parse_hostfile
 from dsframework.layout import ParallelDims, check_model_layout
 from dsframework.models.build import resolve_model
 from dsframework.models.lora import count_lora_parameters
-from dsframework.parallel.pipeline import check_model_parallelism
+from dsframework.models.pipeline import check_model_parallelism
 from dsframework.planner.cluster import GiB, load_cluster
 from dsframework.planner.fit import check_fit, run_job, run_layout
 from dsframework.planner.model import describe_model

@@ -44,7 +44,7 @@ from torch import nn
 from dsframework.errors import UserError
 from dsframework.models.hf import causal_lm_class, count_parameters, skip_transformers_init
 from dsframework.models.tensor_parallel import shard_model
-from dsframework.parallel.pipeline import stage_module_paths
+from dsframework.models.pipeline import stage_module_paths
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_FILE = "model.safetensors"

@@ -1,7 +1,7 @@
 """The causal LM loss, in one place: label shifting, the ignore index, the per-token loss (plain,
 vocab-parallel, chunked) and the reduction. Every head of dsf calls it: a transformers model's
 chunked forward (`use_chunked_loss`), the tensor-parallel head (models/tensor_parallel.py), the
-pipeline's last stage (parallel/pipeline.py) and a context-parallel shard (parallel/context.py).
+pipeline's last stage (models/pipeline.py) and a context-parallel shard (models/sequence_loss.py).
 
     loss = causal_lm_loss(logits, labels)          # == model(input_ids, labels=labels).loss: token t
     #    predicts label t+1, mean over the labels != IGNORE_INDEX (transformers' loss), fp32

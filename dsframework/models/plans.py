@@ -8,7 +8,7 @@ plan (`config.base_model_tp_plan`) and pipeline plan (`config.base_model_pp_plan
 
 transformers writes the plans for its own tensor parallelism and pipeline support, for 116
 causal-LM types: dsframework applies them with its own Megatron layers (models/tensor_parallel.py)
-and DeepSpeed's pipeline engine (parallel/pipeline.py) instead of a hand-written plan per family.
+and DeepSpeed's pipeline engine (models/pipeline.py) instead of a hand-written plan per family.
 A plan names a style per module pattern; `STYLES` maps transformers' style names (today's and
 older releases') to what dsframework does. A style it does not implement (experts, MLA,
 sequence parallelism, ...) refuses tp > 1 in one line before any rank starts, never a partial
@@ -101,7 +101,7 @@ PP_MEASURED_WRONG: dict[str, str] = {}
 
 
 def _pipeline_plan(pp: dict[str, Any] | None) -> tuple[PipelinePlan | None, str | None]:
-    """(the plan, why it cannot be used); (None, None) without one: parallel/pipeline.py then reads
+    """(the plan, why it cannot be used); (None, None) without one: models/pipeline.py then reads
     the order from the model's children (`infer_pipeline_plan`)."""
     if not pp:
         return None, None

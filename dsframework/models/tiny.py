@@ -173,7 +173,7 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
 def tiny_twin(config: Any) -> Any:
     """`config` itself at the tiny sizes: its own flags and layer kinds kept (sliding windows,
     softcapping, tied embeddings), its sizes shrunk. What a check of the architecture's glue runs on
-    before the real model is built (parallel/pipeline.py `check_stages_reproduce_forward`)."""
+    before the real model is built (models/pipeline.py `check_stages_reproduce_forward`)."""
     from transformers import CONFIG_MAPPING
 
     layers = next((getattr(config, n) for n in DEPTH_FIELDS[:3] if isinstance(getattr(config, n, None), int)), None)

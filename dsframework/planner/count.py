@@ -1,7 +1,7 @@
 """Parameters per tensor rank and per pipeline layer, counted on the model itself: built on the
 meta device (no memory, no weights), sharded for one tensor rank by the plan dsf train applies
 (`models.tensor_parallel.shard_model` with a `LayoutOnlyGroup`: no process group), and cut where
-the pipeline's layers cut it (`parallel.pipeline.pipeline_layer_descriptions`, their `hf_names`).
+the pipeline's layers cut it (`models.pipeline.pipeline_layer_descriptions`, their `hf_names`).
 
     counts = model_counts(config)          # cached per config: the planner asks thousands of times
     shares = counts.shares(2)              # TensorShares of one rank at tp=2
@@ -25,7 +25,7 @@ import torch
 
 from dsframework.models.hf import causal_lm_class, skip_transformers_init
 from dsframework.models.tensor_parallel import shard_model
-from dsframework.parallel.pipeline import hf_names, pipeline_layer_descriptions
+from dsframework.models.pipeline import hf_names, pipeline_layer_descriptions
 from dsframework.parallel.tensor import LayoutOnlyGroup
 
 

@@ -13,8 +13,9 @@ value, and each is timed (StartupClock: rank 0 prints the breakdown once the eng
 3. `load_data`, rank 0 first: the texts, the tokenizer (`obtain_tokenizer`), the token stores and
    the model config, then `claim_outputs` (the output directory written, or the checkpoint's model
    checked against this run's on resume);
-4. `resume_tag` on resume: the checkpoint tag to load (one saved at another layout is converted first:
-   by rank 0 when only dp changes, else by every rank, a share each);
+4. on resume, the checkpoint tag to load (checkpoints/resume.py, whose `ResumePlan` pre-flight
+   read: one saved at another layout is converted first, by rank 0 when only dp changes, else by
+   every rank, a share each);
 5. the DeepSpeed JSON, built whole (`dsconfig.build_ds_config`) and never edited after;
 6. `build_model_for_layout`: the model for this layout (partitioned under ZeRO-3, each rank's own shards with
    tp or pp, wrapped for pp, tp, cp, LoRA, activation checkpointing and the chunked loss);
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from dsframework.checkpoints import checkpoint as ckpt
-from dsframework.checkpoints.reshard import universal_tag
+from dsframework.checkpoints.resume import ResumePlan
 from dsframework.config import RunConfig, dump_run_config
 from dsframework.data import (
     load_texts,
@@ -55,18 +56,18 @@ from dsframework.models.lora import apply_lora
 from dsframework.models.loss import check_chunked_loss_layout, use_chunked_loss
 from dsframework.models.tensor_parallel import TensorParallelCausalLM
 from dsframework.parallel.context import use_ulysses_attention, zero_gradient_scale
-from dsframework.parallel.pipeline import (
+from dsframework.models.pipeline import (
     build_pipeline_module,
     check_model_parallelism,
     stage_table,
 )
+from dsframework.parallel.host import rank_zero_first
 from dsframework.parallel.topology import build_grid, build_topology
 from dsframework.runtime_facts import loss_chunking as rank_loss_chunking
 from dsframework.train.compiling import compile_engine, use_inductor_cache
 from dsframework.train.expert_load import ExpertLoad
 from dsframework.train.metrics import check_no_previous_outputs, remove_previous_outputs
-from dsframework.train.resharding import reshard_in_shares
-from dsframework.train.world import init_distributed, rank_zero_first
+from dsframework.train.world import init_distributed
 
 
 def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False,
@@ -77,15 +78,15 @@ def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False,
     with clock.phase("imports"):
         import_libraries()
     with clock.phase("checks"):
-        manifest, source = preflight(run, resume=resume, overwrite=overwrite)
-        run = keep_expert_blocks(run, manifest) if resume else run
+        resuming, source = preflight(run, resume=resume, overwrite=overwrite)
+        run = resuming.keep_expert_blocks(run) if resuming else run
         adam = checked_adam(run)
     with clock.phase("rendezvous"):
         world = form_world(run, source)
     batch = resolve_batch(run.train.micro_batch, run.train.grad_accum, run.train.global_batch, dp_size=world.dims.dp)
     data = load_data(run, source, world, clock, resume=resume, overwrite=overwrite)
     with clock.phase("restore"):  # on resume at another layout, the ranks convert the checkpoint
-        load_tag, universal = resume_tag(run, world.dims, manifest, data.config) if resume else (None, False)
+        load_tag, universal = resuming.load_tag(run, world.dims, data.config) if resuming else (None, False)
     ds_config = build_ds_config(run.train, run.parallel, dp_size=world.dims.dp,
                                 wall_clock_breakdown=run.logging.breakdown, load_universal=universal,
                                 checkpoint_writer=run.checkpoint.writer, torch_adam=adam.torch_adam)
@@ -161,12 +162,12 @@ def import_libraries() -> None:
     warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated")
 
 
-def preflight(run: RunConfig, *, resume: bool, overwrite: bool) -> tuple[dict[str, Any] | None, Any]:
-    """(the latest checkpoint's manifest on resume, the model's source): everything a user can get
-    wrong, checked before the first byte is written or deleted and before the rendezvous."""
+def preflight(run: RunConfig, *, resume: bool, overwrite: bool) -> tuple[ResumePlan | None, Any]:
+    """(what a resume starts from, None without --resume; the model's source): everything a user can
+    get wrong, checked before the first byte is written or deleted and before the rendezvous."""
     from deepspeed.accelerator import get_accelerator
 
-    manifest = check_output_dir(run, resume=resume, overwrite=overwrite)
+    resuming = check_output_dir(run, resume=resume, overwrite=overwrite)
     check_chunked_loss_layout(run.train.chunked_loss, pp=run.parallel.pp)
     use_inductor_cache()  # (before DeepSpeed imports inductor; train.compile=auto may compile later)
     if run.train.precision == "fp16" and not get_accelerator().is_fp16_supported():
@@ -178,7 +179,7 @@ def preflight(run: RunConfig, *, resume: bool, overwrite: bool) -> tuple[dict[st
     dims = checked_layout(run, source.config, world=int(os.environ.get("WORLD_SIZE", "1")))
     if source.pretrained_dir is not None and (dims.tp_enabled or dims.pp_enabled):
         check_pretrained_files(source.pretrained_dir, source.config, sliced=True)
-    return manifest, source
+    return resuming, source
 
 
 def checked_adam(run: RunConfig) -> AdamChoice:
@@ -369,29 +370,22 @@ def restore(session: Session, tag: str) -> None:
 
 # --- what the phases check ----------------------------------------------------------------------
 
-def check_output_dir(run: RunConfig, *, resume: bool, overwrite: bool) -> dict[str, Any] | None:
-    """Refuse to clobber a previous run: resume it, or overwrite it only when asked to.
-
-    On resume, checks every file of the latest checkpoint is there at its saved size and returns
-    its manifest (None for a checkpoint without one)."""
+def check_output_dir(run: RunConfig, *, resume: bool, overwrite: bool) -> ResumePlan | None:
+    """Refuse to clobber a previous run: resume it, or overwrite it only when asked to. On resume,
+    what it starts from (checkpoints/resume.ResumePlan: the latest checkpoint, its files checked)."""
     if resume and overwrite:
         raise UserError("--resume/--overwrite", None, "are mutually exclusive", "pass only one")
-    tag = ckpt.latest_tag(run.checkpoint_dir)
-    has_checkpoint = tag is not None
-    if resume and has_checkpoint and not (run.checkpoint_dir / tag).is_dir():
-        raise UserError("checkpoint", str(run.checkpoint_dir / "latest"), f"names {tag!r}, which is not there",
-                        "restore that checkpoint folder or point `latest` at one that exists")
+    if resume:
+        return ResumePlan.read(run)
+    has_checkpoint = ckpt.latest_tag(run.checkpoint_dir) is not None
     has_metrics = (Path(run.output_dir) / "metrics.jsonl").exists()
-    if resume and not has_checkpoint:
-        raise UserError("output_dir", run.output_dir, "holds no checkpoint to resume from",
-                        "run without --resume to start training")
-    if not resume and not overwrite and (has_checkpoint or has_metrics):
+    if not overwrite and (has_checkpoint or has_metrics):
         raise UserError("output_dir", run.output_dir, "already holds a run",
                         "pass --resume to continue it, --overwrite to replace it, "
                         "or --set output_dir=NEW_DIR")
-    if not resume and not overwrite:  # TensorBoard / CSV directories outside output_dir
+    if not overwrite:  # TensorBoard / CSV directories outside output_dir
         check_no_previous_outputs(run.logging)
-    return ckpt.verify(run.checkpoint_dir, tag) if resume else None
+    return None
 
 
 def checked_layout(run: RunConfig, config: Any, *, world: int) -> ParallelDims:
@@ -401,100 +395,6 @@ def checked_layout(run: RunConfig, config: Any, *, world: int) -> ParallelDims:
                        ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     check_model_parallelism(config, dims, seq_len=run.data.seq_len)
     return dims
-
-
-def keep_expert_blocks(run: RunConfig, manifest: dict[str, Any] | None) -> RunConfig:
-    """`run`, with `parallel.autoep` on when it resumes at ep 1 from a checkpoint saved in DeepSpeed
-    AutoEP's expert blocks (at ep > 1): the universal conversion then gathers every expert onto each
-    rank in those blocks, whose names (experts.w1, ...) transformers' own expert modules do not have."""
-    was = ckpt.saved_layout(manifest)
-    if was is None or not was.autoep_blocks or run.parallel.ep > 1 or run.parallel.autoep:
-        return run
-    return run.model_copy(update={"parallel": run.parallel.model_copy(update={"autoep": True})})
-
-
-def resume_tag(run: RunConfig, dims: ParallelDims, manifest: dict[str, Any] | None, config: Any) -> tuple[str, bool]:
-    """(tag to load, whether it is a universal checkpoint) for resuming at `dims`.
-
-    The ZeRO stage and the model stay as saved (the model is checked before this is called);
-    tp, pp and dp may change, with the same global batch. The checkpoint is converted once and
-    every rank then loads its new shard of it (`checkpoint.load_universal`):
-    - dp alone, at tp = pp = 1, ZeRO-1/2/3: deepspeed's ds_to_universal on rank 0 (`checkpoint.to_universal`);
-      with split experts, ep and dp (AutoEP's blocks before and after, at ep 1 too: its own names), the same;
-    - tp or pp (and dp beside them), ZeRO-1/2: every rank a share, through the dense layout
-      (`train/resharding.reshard_in_shares`).
-    ZeRO-0 states are whole on every rank of a layout: dp may change, tp and pp may not. ZeRO-3 with
-    tensor parallelism, and context parallelism, resume at their saved layout only (cp itself may not
-    change; zero_hpz may).
-    """
-    tag = ckpt.latest_tag(run.checkpoint_dir)
-    # (a manifest from before the ZeRO stage was recorded: taken to be this run's)
-    was = ckpt.saved_layout(manifest, zero_stage=dims.zero_stage)
-    if was is None:  # written before manifests: its layout is unknown, taken to be this one
-        return tag, False
-    stage = dims.zero_stage
-    check_same_stage_and_cp(was, dims)
-    axes = ("tp", "pp", "dp", "ep", "autoep_blocks")
-    if all(getattr(was, axis) == getattr(dims, axis) for axis in axes):
-        return tag, False
-    if was.autoep_blocks != dims.autoep_blocks or (dims.autoep_blocks and stage == 0):
-        # AutoEP's checkpoints name its grouped experts (experts.w1, ...), not transformers' fused ones;
-        # DeepSpeed's universal conversion moves them to another ep or dp, between AutoEP runs, at ZeRO 1-3
-        # (keep_expert_blocks keeps AutoEP's blocks for a resume at ep 1).
-        raise UserError("parallel.ep", dims.ep, f"cannot resume at {dims} from a checkpoint saved at {was}: experts "
-                        "move to another ep or dp only between runs in DeepSpeed AutoEP's blocks (ep > 1, or "
-                        "parallel.autoep=true at ep 1), at ZeRO 1-3",
-                        f"resume with parallel.ep={was.ep}" + (" on the saved layout" if stage == 0 else
-                                                               " (start at ep 1 with parallel.autoep=true to "
-                                                               "move to ep > 1 later)"))
-    if dims.cp_enabled:  # (the universal-checkpoint conversions below are not tested with cp's ZeRO groups)
-        raise UserError("parallel.cp", dims.cp, f"runs resume at their saved layout only (saved {was}, now {dims})",
-                        f"resume on {was.world} ranks with parallel.tp={was.tp}")
-    change, keep = f"{was} -> {dims}", f"resume with parallel.tp={was.tp} parallel.pp={was.pp}"
-    layers_move = (was.tp, was.pp) != (dims.tp, dims.pp)
-    if stage == 0:
-        if not layers_move:
-            return tag, False
-        raise UserError("parallel.zero_stage", 0, f"cannot resume at another tp or pp ({change}): ZeRO-0 "
-                        "keeps its optimizer states in each layout's own files", keep)
-    if stage == 3 and (was.tp_enabled or dims.tp_enabled):
-        raise UserError("parallel.zero_stage", 3, f"with tensor parallelism resumes only at its saved layout "
-                        f"({change}): DeepSpeed's universal loader does not cut a ZeRO-3 parameter into tensor "
-                        "shards", f"{keep} on {was.world} ranks")
-    dp_only = not layers_move and not dims.tp_enabled and not dims.pp_enabled
-    target = tag + ckpt.UNIVERSAL if dp_only else universal_tag(tag, dims)
-    convert(run.checkpoint_dir, tag, config, was=was, dims=dims, into=target)
-    return target, True
-
-
-def convert(ckpt_dir: Path, tag: str, config: Any, *, was: ParallelDims, dims: ParallelDims, into: str) -> None:
-    """`tag` (saved at `was`) converted into the universal tag `into` for `dims`: by rank 0 with
-    DeepSpeed's ds_to_universal for a dp-only change, else by every rank, a share each."""
-    import torch
-
-    dp_only = into == tag + ckpt.UNIVERSAL
-    if torch.distributed.get_rank() == 0:
-        print(f"dsf: resuming at {dims} from a checkpoint saved at {was}: converting {tag} into {into}"
-              + ("" if dp_only else f" (each of the {dims.world} ranks a share of the parameters)"), flush=True)
-    if dp_only:
-        with rank_zero_first():
-            if torch.distributed.get_rank() == 0:
-                ckpt.to_universal(ckpt_dir, tag)
-    else:
-        reshard_in_shares(ckpt_dir, tag, config, saved=was, target=dims)
-
-
-def check_same_stage_and_cp(was: ParallelDims, dims: ParallelDims) -> None:
-    """A resume keeps the ZeRO stage and the context-parallel size (zero_hpz may change: DeepSpeed
-    never saves hpZ's secondary copy, the files and tensors are the same)."""
-    if was.zero_stage != dims.zero_stage:
-        raise UserError("parallel.zero_stage", dims.zero_stage, f"differs from the checkpoint's {was.zero_stage} "
-                        "(a resume keeps the ZeRO stage; tp, pp and dp may change)",
-                        f"resume with parallel.zero_stage={was.zero_stage}")
-    if was.cp != dims.cp:
-        raise UserError("parallel.cp", dims.cp, f"differs from the checkpoint's {was.cp} (a resume "
-                        "keeps the context-parallel size; tp, pp and dp may change)",
-                        f"resume with parallel.cp={was.cp}")
 
 
 def obtain_tokenizer(run: RunConfig, source: Any, texts: Any, *, resume: bool, rank: int) -> Any:

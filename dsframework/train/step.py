@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from dsframework.data import BlockSampler, eval_shard
-from dsframework.parallel.context import SequenceShard, sequence_shard_loss
+from dsframework.models.sequence_loss import SequenceShard, sequence_shard_loss
 
 
 def step_batches(blocks: Any, sampler: BlockSampler, consumed: int) -> list:
@@ -36,7 +36,7 @@ def micro_batch_loss(engine: Any, input_ids: Any, *, grid: Any = None, context: 
     """(the loss to backpropagate, the micro-batch's mean loss detached) for whole sequences.
 
     With context parallelism each rank runs its slice of the sequences and backpropagates its
-    share of the mean (parallel/context.py); otherwise the model's own causal LM loss. A
+    share of the mean (models/sequence_loss.py); otherwise the model's own causal LM loss. A
     supervised micro-batch (a dict, data/store.py) gives the sum of its trained tokens' losses
     times its loss_weight (the model divides it by num_items_in_batch = 1 / loss_weight): examples
     packed in a row see only themselves (position ids restart at each example; transformers then

@@ -1,8 +1,6 @@
 """This process's place in the job: the process group up, down, and in order.
 
     rank, world = init_distributed()       # under a launcher, or a world of one
-    with rank_zero_first():                 # rank 0 writes a cache, the others then read it
-        ...
     mean = mean_over_ranks(0.25)            # a host-side figure, reduced on the host group
     shutdown_distributed()                  # every rank leaves together
     supervise.exit_process(0)               # and the process ends without the interpreter's teardown
@@ -20,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-from typing import Iterator
 
 from dsframework.errors import UserError
 from dsframework.jit import pin_build_tools, release_shm_buffers
@@ -107,33 +104,3 @@ def shutdown_distributed(*, wait_s: float | None = None) -> None:
             dist.monitored_barrier(group=host_group(), timeout=datetime.timedelta(seconds=wait_s))
     make_host_group(separate=False)
     dist.destroy_process_group()
-
-
-@contextlib.contextmanager
-def rank_zero_first() -> Iterator[None]:
-    """Rank 0 runs the body first (writes caches, trains the tokenizer), then the others.
-
-    When rank 0's body fails on bad input (a UserError: a malformed data row, say), the others do
-    not run it: they raise the same one-line error instead of a lost-peer traceback; when it fails
-    otherwise, they exit with code 1 and rank 0's traceback is the report."""
-    import torch.distributed as dist
-
-    if dist.get_rank() != 0:
-        outcome: list = [None]
-        dist.broadcast_object_list(outcome, src=0, group=host_group())
-        if outcome[0] == "failed":
-            raise SystemExit(1)
-        if outcome[0] is not None:
-            raise UserError(*outcome[0])
-        yield
-        return
-    try:
-        yield
-    except UserError as err:
-        dist.broadcast_object_list([(err.field, err.value, err.rule, err.fix)], src=0, group=host_group())
-        raise
-    except BaseException:
-        with contextlib.suppress(Exception):
-            dist.broadcast_object_list(["failed"], src=0, group=host_group())
-        raise
-    dist.broadcast_object_list([None], src=0, group=host_group())

@@ -3,7 +3,7 @@ test_experts: conftest.engine_runs): each trains 4
 steps to the single-process reference (transformers' own model and loss, in this process), its
 export loads in transformers with the trained engine's logits, and every rank holds the parameter
 count the planner predicts for its stage and tensor rank. The shards come from each model's own
-plans (models/plans.py), the stages' glue from its own forward (parallel/pipeline.py), the loss
+plans (models/plans.py), the stages' glue from its own forward (models/pipeline.py), the loss
 from its own post-processing (models/logits.py: Gemma 2's softcapping and Granite's scaling are
 set so that they matter). The whole table of architectures is bench/architectures.py."""
 from __future__ import annotations

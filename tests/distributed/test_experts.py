@@ -151,7 +151,7 @@ def test_resume_from_transformers_experts_into_autoep_is_refused_in_one_line(tra
     is refused before any conversion, naming the way that works."""
     from dsframework.errors import UserError
     from dsframework.layout import ParallelDims
-    from dsframework.train.setup import keep_expert_blocks, resume_tag
+    from dsframework.checkpoints.resume import keep_expert_blocks, resume_tag
 
     run = build_run_config({}, run_overrides(trained / "stopped", overrides(trained, *RESUMED)))
     dense = {"layout": ParallelDims(world=WORLD, zero_stage=3).as_dict()}

@@ -14,7 +14,7 @@ import pytest
 import torch
 from deepspeed.runtime import lr_schedules
 
-from dsframework.parallel.pipeline import (pipeline_layer_specs, pipeline_state_dict_to_hf,
+from dsframework.models.pipeline import (pipeline_layer_specs, pipeline_state_dict_to_hf,
                                            read_layer_states)
 from tests.distributed.launcher import launch
 from tests.distributed.workers.pipeline_worker import (BETAS, CLIP, EPS, LR, STEPS, WEIGHT_DECAY, Case,

@@ -126,6 +126,45 @@ def test_no_import_cycle():
             pytest.fail("import cycle: " + " -> ".join(cycle))
 
 
+def _folder(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 and parts[1] in LAYERS else None
+
+
+def folder_edges(edges: dict[str, set[str]]) -> dict[str, set[str]]:
+    """folder -> the other folders of its own layer it imports (models -> parallel, ...)."""
+    out: dict[str, set[str]] = {}
+    for module, targets in edges.items():
+        source = _folder(module)
+        for target in targets:
+            folder = _folder(target)
+            if source and folder and folder != source and LAYERS[folder] == LAYERS[source]:
+                out.setdefault(source, set()).add(folder)
+    return out
+
+
+def folder_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """Two folders of one layer that import each other (directly), or None."""
+    for source, targets in sorted(edges.items()):
+        for target in sorted(targets):
+            if source in edges.get(target, set()):
+                return [source, target, source]
+    return None
+
+
+def test_no_two_folders_of_a_layer_import_each_other():
+    """Sideways imports run one way: parallel/ holds primitives (tensor-parallel layers, Ulysses,
+    the topology) that models/ adapts a transformers model with, never the reverse."""
+    cycle = folder_cycle(folder_edges(_dsf_edges()))
+    assert cycle is None, "folders import each other: " + " -> ".join(cycle)
+
+
+def test_the_checker_sees_two_folders_importing_each_other():
+    edges = {"dsframework.models.a": {"dsframework.parallel.b"}, "dsframework.parallel.b": {"dsframework.models.c"}}
+    assert folder_cycle(folder_edges(edges)) == ["models", "parallel", "models"]
+    assert folder_cycle(folder_edges({"dsframework.models.a": {"dsframework.parallel.b"}})) is None
+
+
 def test_the_checker_sees_an_upward_import_and_a_cycle(tmp_path):
     """The walk itself: a function-local upward import is found, with its line."""
     module = "dsframework.models.build"

@@ -19,7 +19,7 @@ from dsframework.models.build import build_model, resolve_model
 from dsframework.models.construct import (PretrainedSlices, SeededInit, check_pretrained_files, dense_templates,
                                           empty_model, materialize)
 from dsframework.models.tensor_parallel import shard_model
-from dsframework.parallel.pipeline import stage_module_paths
+from dsframework.models.pipeline import stage_module_paths
 from dsframework.parallel.tensor import LayoutOnlyGroup
 
 MODELS = {"llama": ("tiny-llama", {}), "llama-tied": ("tiny-llama", {"tie_word_embeddings": True}),

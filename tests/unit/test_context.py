@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from dsframework.data import BlockSampler
-from dsframework.parallel.context import SequenceShard, zero_gradient_scale
+from dsframework.models.sequence_loss import SequenceShard
+from dsframework.parallel.context import zero_gradient_scale
 from dsframework.layout import ParallelDims
 from dsframework.parallel.topology import build_topology
 from dsframework.ports import free_port
@@ -81,7 +82,7 @@ def test_a_context_parallel_checkpoint_resumes_at_its_layout_only(tmp_path, now,
     """Refused before anything is converted or loaded (the universal-checkpoint paths are not tested
     with cp's ZeRO groups); zero_hpz may change (its secondary copy is never saved)."""
     from dsframework.config import build_run_config
-    from dsframework.train.setup import resume_tag
+    from dsframework.checkpoints.resume import resume_tag
     from dsframework.errors import UserError
 
     run = build_run_config({}, [f"output_dir={tmp_path}", "parallel.zero_stage=3", f"parallel.cp={now['cp']}"])

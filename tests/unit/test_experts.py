@@ -43,7 +43,7 @@ def test_layouts_that_split_the_routing_are_refused_while_the_router_loss_trains
     """The router's load-balancing loss is one product of means over every layer's routing of the
     whole micro-batch: pipeline stages and sequence shards cannot add it up, so pp and cp are refused
     in one line naming what works; without that loss (output_router_logits off) they run."""
-    from dsframework.parallel.pipeline import check_model_parallelism
+    from dsframework.models.pipeline import check_model_parallelism
 
     config = tiny_config(model_type)
     assert train_router_loss(config)

@@ -16,7 +16,7 @@ from dsframework.errors import UserError  # noqa: E402
 from dsframework.models.build import build_model, resolve_model  # noqa: E402
 from dsframework.models.build import ModelSource  # noqa: E402
 from dsframework.models.loss import causal_lm_loss  # noqa: E402
-from dsframework.parallel.pipeline import (build_pipeline_module, is_decoder_layer,  # noqa: E402
+from dsframework.models.pipeline import (build_pipeline_module, is_decoder_layer,  # noqa: E402
                                            partition_layers, pipeline_layer_specs,
                                            pipeline_state_dict_to_hf, stage_table)
 

@@ -15,7 +15,7 @@ from dsframework.layout import ParallelDims
 from dsframework.models.build import resolve_model
 from dsframework.models.hf import causal_lm_class
 from dsframework.models.tensor_parallel import shard_model
-from dsframework.parallel.pipeline import stage_module_paths
+from dsframework.models.pipeline import stage_module_paths
 from dsframework.parallel.tensor import LayoutOnlyGroup
 from dsframework.planner.cluster import cluster_preset
 from dsframework.planner.memory import Workload, Layout, memory_per_rank, stage_shapes

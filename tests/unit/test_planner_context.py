@@ -103,7 +103,8 @@ def _ulysses_worker(model_name: str, cp: int, cases: list[tuple[int, int]]) -> N
 
     from deepspeed import comm
 
-    from dsframework.parallel.context import SequenceShard, use_ulysses_attention
+    from dsframework.models.sequence_loss import SequenceShard
+    from dsframework.parallel.context import use_ulysses_attention
 
     tdist.init_process_group("fake", store=FakeStore(), rank=0, world_size=cp)
     comm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)

@@ -12,7 +12,7 @@ from dsframework.dsconfig import build_ds_config
 from dsframework.layout import ParallelDims
 from dsframework.models.build import resolve_model
 from dsframework.parallel import tensor
-from dsframework.parallel.pipeline import layer_parameter_counts, partition_layers, pipeline_layer_specs
+from dsframework.models.pipeline import layer_parameter_counts, partition_layers, pipeline_layer_specs
 from dsframework.planner import memory, speed
 from dsframework.planner.cluster import MATMUL_EFFICIENCY, Cluster, cluster_preset
 from dsframework.planner.fit import RESERVED_PER_GPU, usable_gpu_memory

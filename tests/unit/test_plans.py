@@ -12,7 +12,7 @@ from dsframework.layout import ParallelDims
 from dsframework.models.hf import causal_lm_class
 from dsframework.models.plans import STYLES, architecture_plan, check_architecture, check_context_parallel
 from dsframework.models.tiny import tiny_config
-from dsframework.parallel.pipeline import check_model_parallelism, check_stages_reproduce_forward
+from dsframework.models.pipeline import check_model_parallelism, check_stages_reproduce_forward
 from dsframework.planner.model import describe_model
 from tests.unit.test_launch import TINY
 

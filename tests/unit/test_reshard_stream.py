@@ -38,7 +38,7 @@ from dsframework.layout import ParallelDims
 from dsframework.models.hf import hf_parameter_shapes
 from dsframework.models.presets import PRESETS
 from dsframework.models.tensor_parallel import merge_tensor_parallel_tensor
-from dsframework.parallel.pipeline import pipeline_layer_specs
+from dsframework.models.pipeline import pipeline_layer_specs
 
 TAG = "global_step4"
 STATES = ("fp32", "exp_avg", "exp_avg_sq")

@@ -32,7 +32,7 @@ def build_and_measure(source, dims, topology, grid, zero3, rank: int, *, dense: 
     from dsframework.models.build import build_model
     from dsframework.models.construct import build_for_layout, empty_model
     from dsframework.models.tensor_parallel import shard_model
-    from dsframework.parallel.pipeline import build_pipeline_module
+    from dsframework.models.pipeline import build_pipeline_module
 
     config = source.config
     before = vm_hwm()

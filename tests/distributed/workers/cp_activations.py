@@ -17,7 +17,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repo, for tests.saved_tensors
 from dsframework.config import ModelSpec
 from dsframework.models.build import build_model, resolve_model
-from dsframework.parallel.context import SequenceShard, sequence_shard_loss, use_ulysses_attention
+from dsframework.models.sequence_loss import SequenceShard, sequence_shard_loss
+from dsframework.parallel.context import use_ulysses_attention
 from dsframework.layout import ParallelDims
 from dsframework.parallel.topology import build_grid
 from dsframework.launching.supervise import exit_process

@@ -104,7 +104,7 @@ def live_layer_states(pipe) -> dict[int, dict[str, torch.Tensor]]:
 def run_case(case: Case, out_dir: Path) -> None:
     import deepspeed
 
-    from dsframework.parallel.pipeline import (build_pipeline_module, partition_layers,
+    from dsframework.models.pipeline import (build_pipeline_module, partition_layers,
                                                pipeline_layer_specs, pipeline_state_dict_to_hf,
                                                stage_table)
 

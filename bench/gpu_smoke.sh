@@ -122,37 +122,26 @@ and for `dsf train` two lines per rank that the smoke run's checks read:
     gpu_smoke: rank R host RSS while building the model: peak P GiB during the build (B GiB before it)
     gpu_smoke: rank R engine on DEVICE, weights DTYPE, optimizer OUTER(INNER)
 
-The peak is /proc/self/status VmHWM after train/setup.py's build_model_for_layout, reset through
-/proc/self/clear_refs just before it: a stand-in until dsf's own start-up line prints it.
+The peak is models/construct.host_peak's over train/setup.py's build_model_for_layout (VmHWM, reset
+through /proc/self/clear_refs as it begins): dsf's own `model built` line prints it for rank 0 only.
 """
 import os
 import sys
-from pathlib import Path
-
-
-def status_gib(field):
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024 / 2**30
-    return float("nan")
 
 
 def probe():
     import dsframework.train.setup as setup
+    from dsframework.models.construct import host_peak  # what dsf's own rank-0 line measures
 
     rank = os.environ.get("RANK", "0")
     build_model, build_engine = setup.build_model_for_layout, setup.build_engine
 
     def measured(*args, **kwargs):
-        before = status_gib("VmRSS")
-        try:
-            Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS: the peak from here on
-            since = "during the build"
-        except OSError:
-            since = "since the process started (clear_refs refused)"
-        model = build_model(*args, **kwargs)
-        print(f"gpu_smoke: rank {rank} host RSS while building the model: peak {status_gib('VmHWM'):.2f} GiB "
-              f"{since} ({before:.2f} GiB before it)", flush=True)
+        with host_peak() as peak:  # VmHWM reset through /proc/self/clear_refs as the build begins
+            model = build_model(*args, **kwargs)
+        since = "during the build" if peak.reset else "since the process started (clear_refs refused)"
+        print(f"gpu_smoke: rank {rank} host RSS while building the model: peak {peak.peak / 2**30:.2f} GiB "
+              f"{since} ({peak.before / 2**30:.2f} GiB before it)", flush=True)
         return model
 
     def described(*args, **kwargs):

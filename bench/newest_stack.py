@@ -106,8 +106,8 @@ def make_newest(venv: Path, pinned_python: Path, extra: list[str]) -> Path:
     wanted.parent.mkdir(parents=True, exist_ok=True)
     # torch stays the pinned venv's build: `--upgrade-strategy eager` would otherwise replace it (and
     # bring CUDA wheels) because dsframework requires it, and the comparison would be two torches.
-    pinned_torch = torch if "==" in torch else None
-    wanted.write_text("".join(f"{spec}\n" for spec in [*extra, *([pinned_torch] if pinned_torch else [])]))
+    held = [torch] if "==" in torch else []  # (a TORCH_SPEC range is the user's to resolve)
+    wanted.write_text("".join(f"{spec}\n" for spec in [*extra, *held]))
     run([str(python), "-m", "pip", "install", "-q", "--upgrade", "--upgrade-strategy", "eager", "-c", str(wanted),
          "-e", ".[dev]"], log=WORK / "pip-newest.log")
     return python

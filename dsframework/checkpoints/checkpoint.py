@@ -50,7 +50,7 @@ from dsframework.errors import UserError, raised_in
 from dsframework.files import written_then_renamed
 from dsframework.layout import ParallelDims
 from dsframework.models.lora import has_frozen_parameters
-from dsframework.parallel.host import host_group
+from dsframework.parallel.host import all_reduce_host, host_group
 
 TOKENIZER_DIR = "tokenizer"
 HF_CONFIG_DIR = "hf_config"
@@ -123,7 +123,10 @@ def set_latest(ckpt_dir: Path, tag: str) -> None:
 def _frozen_and_trainable(engine: Any) -> tuple[bool, dict[str, list[int]]]:
     """(whether some of the model's parameters are frozen, {name: shape} of those that train; a ZeRO-3
     partitioned parameter's whole shape), over every rank: a pipeline stage holds its own layers, and
-    a stage without a frozen parameter still saves and loads as the others do (a collective)."""
+    a stage without a frozen parameter still saves and loads as the others do (a collective). The
+    names are gathered only in a run with frozen parameters (a LoRA run: its adapters' names), never
+    every parameter name of every rank of a full run at each save."""
+    import torch
     import torch.distributed as dist
 
     trainable = {name: list(getattr(param, "ds_shape", param.shape))
@@ -131,9 +134,13 @@ def _frozen_and_trainable(engine: Any) -> tuple[bool, dict[str, list[int]]]:
     frozen = has_frozen_parameters(engine.module)
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return frozen, trainable
+    anywhere = torch.tensor([int(frozen)])  # host: a flag for the host group
+    all_reduce_host(anywhere, op=dist.ReduceOp.MAX)
+    if not anywhere.item():
+        return False, trainable
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (frozen, trainable), group=host_group())  # pickled: host-side
-    return any(f for f, _ in everyone), {name: shape for _, names in everyone for name, shape in names.items()}
+    dist.all_gather_object(everyone, trainable, group=host_group())  # pickled: host-side
+    return True, {name: shape for names in everyone for name, shape in names.items()}
 
 
 def write_shards(engine: Any, partial: Path, *, client_state: dict[str, Any], exclude_frozen: bool) -> None:

@@ -4,7 +4,7 @@ command it builds, and how it starts.
     launcher = LAUNCHERS["pdsh"]()
     launcher.check_flags(hostfile=True, node_rank=None)
     job = LaunchJob(run_yaml=Path("run.yaml"), overrides=(), hostfile=Path("hostfile"), resources=resources,
-              active=active, master="worker-0", master_port=29500, env=env, explicit={})
+                    active=active, master="worker-0", master_port=29500, env=env, explicit={})
     launcher.prepare(job)                 # the rules this launcher adds; the runner it drives
     for line in launcher.dry_run(job):    # what each node would run
         print(line)

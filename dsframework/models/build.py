@@ -32,7 +32,7 @@ from typing import Any
 from dsframework.config import ModelSpec
 from dsframework.errors import UserError, did_you_mean
 from dsframework.models.construct import (ConstructorValueUnknown, build_for_layout, check_pretrained_files,
-                                          reads_every_tensor)
+                                          placed, reads_every_tensor)
 from dsframework.models.experts import train_router_loss
 from dsframework.models.hf import causal_lm_class, check_causal_lm, skip_transformers_init
 from dsframework.models.lora import check_lora_targets
@@ -276,8 +276,7 @@ def cast_parameters(model: Any, dtype: Any) -> None:
     """Every floating parameter of `model` in `dtype` (None: as they are), in place, as DeepSpeed's
     engine casts them for bf16/fp16 at initialize; buffers keep their dtype there too."""
     for param in model.parameters():
-        if dtype is not None and param.is_floating_point() and param.dtype != dtype:
-            param.data = param.data.to(dtype)
+        param.data = placed(param.data, dtype=dtype)
 
 
 PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}

@@ -108,8 +108,8 @@ def has_frozen_parameters(model: Any) -> bool:
     """Whether this is a LoRA run (peft's `lora_` adapters beside a frozen base): its checkpoints then
     hold only the parameters that train. A frozen parameter of the model's own (afmoe's `expert_bias`,
     moved by its router's load balancing, not by the optimizer) is saved like any other weight."""
-    names = [name for name, param in model.named_parameters() if not param.requires_grad]
-    return bool(names) and any("lora_" in name for name, _ in model.named_parameters())
+    params = list(model.named_parameters())
+    return any(not param.requires_grad for _, param in params) and any("lora_" in name for name, _ in params)
 
 
 def merge_lora(model: Any) -> Any:

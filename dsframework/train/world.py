@@ -9,9 +9,10 @@ Host and device kept apart: the default group is the accelerator's (NCCL on a GP
 device tensors only ("No backend type associated with device type cpu"). Every host tensor a rank
 reduces (eval sums, counters, the compile decision, the stop flag, hang and restart bookkeeping,
 pickled objects) goes through `host_group()` (parallel/host.py): a gloo group over every rank beside
-NCCL, made once here, or the default group itself where that is gloo (CPU ranks). Tensors that meet the model's
-are made on the engine's device and reduced on the default group. tests/device_discipline.py checks
-both rules on this CPU build (fake CUDA tensors, the default group standing for NCCL).
+NCCL, made once here, or the default group itself where that is gloo (CPU ranks). Tensors that meet
+the model's are made on the engine's device and reduced on the default group.
+tests/device_discipline.py checks both rules on this CPU build (fake CUDA tensors, the default group
+standing for NCCL).
 """
 from __future__ import annotations
 

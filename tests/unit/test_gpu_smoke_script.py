@@ -19,6 +19,8 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from tests.unit.test_hygiene import constraint_pins, install_requires
+
 ROOT = Path(__file__).resolve().parents[2]
 SMOKE, FETCH = ROOT / "bench" / "gpu_smoke.sh", ROOT / "bench" / "fetch_gpu_wheels.sh"
 CHECKS = ["stack", "bf16 tiny", "logging", "eval", "compile auto", "checkpoint", "exact resume", "decoupled writer",
@@ -100,15 +102,6 @@ def bash_array(name: str) -> list[str]:
             for word in line.split("#", 1)[0].split()]
 
 
-def install_requires() -> list[str]:
-    """setup.py's install_requires, read from its AST."""
-    tree = ast.parse((ROOT / "setup.py").read_text())
-    for node in ast.walk(tree):
-        if isinstance(node, ast.keyword) and node.arg == "install_requires":
-            return [Requirement(item.value).name for item in node.value.elts]
-    raise AssertionError("no install_requires in setup.py")
-
-
 def closure(roots: list[str], *, leaves: set[str]) -> set[str]:
     """Every distribution `roots` require, transitively, for TARGET (installed metadata); `leaves`
     are not descended into."""
@@ -128,21 +121,17 @@ def closure(roots: list[str], *, leaves: set[str]) -> set[str]:
 
 
 def test_the_carried_wheels_are_the_closure_of_what_dsf_needs_beside_the_image():
-    pins = dict(line.split("==", 1) for line in (ROOT / "launch/constraints.txt").read_text().splitlines()
-                if "==" in line and not line.startswith("#"))
+    pins = constraint_pins()
     if md.version("transformers") != pins["transformers"]:  # the closure is read from what is installed
         pytest.skip(f"transformers {md.version('transformers')} installed; CARRY is the pinned "
                     f"{pins['transformers']}'s closure (bench/newest_stack.py's venvs)")
     carry, image = bash_array("CARRY"), bash_array("IMAGE")
     assert not set(carry) & set(image) and len(set(carry)) == len(carry)
-    needed = closure(install_requires(), leaves=set(image))
+    needed = closure([requirement.name for requirement in install_requires()], leaves=set(image))
     assert needed - set(image) == set(carry), (
         f"not carried: {sorted(needed - set(image) - set(carry))}; carried but not needed: "
         f"{sorted(set(carry) - needed)}")
-    constraints = (ROOT / "launch/constraints.txt").read_text().splitlines()
-    pinned = {canonicalize_name(line.split("==")[0]) for line in constraints
-              if "==" in line and not line.startswith("#")}
-    assert set(carry) <= pinned, f"carried without a pin in launch/constraints.txt: {sorted(set(carry) - pinned)}"
+    assert set(carry) <= set(pins), f"carried without a pin in launch/constraints.txt: {sorted(set(carry) - set(pins))}"
 
 
 def test_every_module_dsframework_imports_is_carried_or_in_the_image():

@@ -9,14 +9,12 @@ import re
 from pathlib import Path
 
 from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.unit.test_docs_drift import REPO, python_files
+
 PORTS = REPO / "dsframework" / "ports.py"
-
-
-def python_files() -> list[Path]:
-    return [path for folder in ("dsframework", "bench", "tests", "launch") for path in (REPO / folder).rglob("*.py")]
 
 
 def test_one_free_port():
@@ -34,7 +32,15 @@ def test_one_free_port():
     assert not copies, f"use dsframework.ports.free_port instead of a copy in {copies}"
 
 
+def constraint_pins() -> dict[str, str]:
+    """{package (canonical name): version} of launch/constraints.txt, what CI installs."""
+    lines = (REPO / "launch/constraints.txt").read_text().splitlines()
+    return {canonicalize_name(name): version for name, _, version in
+            (line.partition("==") for line in lines if "==" in line and not line.startswith("#"))}
+
+
 def install_requires() -> list[Requirement]:
+    """setup.py's install_requires, read from its AST."""
     tree = ast.parse((REPO / "setup.py").read_text())
     call = next(node for node in ast.walk(tree) if isinstance(node, ast.Call)
                 and getattr(node.func, "id", None) == "setup")
@@ -56,12 +62,10 @@ def test_the_installed_stack_is_inside_setup_pys_ranges():
 def test_the_pins_are_inside_setup_pys_ranges():
     """launch/constraints.txt (what CI installs) and setup.py (what `pip install dsframework` accepts)
     agree: every pinned requirement of setup.py sits inside its range, floor and bound."""
-    pins = dict(line.split("==", 1) for line in (REPO / "launch/constraints.txt").read_text().splitlines()
-                if "==" in line and not line.startswith("#"))
-    pins = {name.lower().replace("_", "-"): version for name, version in pins.items()}
+    pins = constraint_pins()
     checked = 0
     for requirement in install_requires():
-        pinned = pins.get(requirement.name.lower())
+        pinned = pins.get(canonicalize_name(requirement.name))
         if pinned is not None:
             assert requirement.specifier.contains(pinned), f"launch/constraints.txt pins {requirement.name}=={pinned}"
             checked += 1

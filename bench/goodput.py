@@ -13,7 +13,7 @@ Each job trains tiny.yaml's model (tests/cluster's run, tp 1 x dp 4, ZeRO-2) for
 (Steps that no interval divides: every 10 loses ~5 steps a failure, every 40 ~35.)
 One failure per node: both nodes stay (a node is left out at its second failure).
 
-Automatic: the job's own count (launching/goodput.py, goodput.json): wall time, start-up, each
+Automatic: the job's own count (protocol/goodput.py, goodput.json): wall time, start-up, each
 restart's time (failure to the first new step), time lost redoing steps since the last checkpoint,
 time checkpointing (rank 0's seconds per save, checkpoint_times.jsonl), training, ETTR = training / wall.
 By hand: the same timeline with each restart replaced by what a person does: the job stops (a dead

@@ -54,7 +54,7 @@ echo "# dsf GPU bench: $MODEL, bf16, seq $SEQ_LEN, global batch $GLOBAL, $STEPS 
 import json, os, sys
 from dataclasses import replace
 import torch
-from dsframework.train.calibrate import matmul_flops
+from dsframework.train.throughput import matmul_flops
 from dsframework.planner.cluster import Cluster, cluster_preset, local_gpu_preset
 path, size = sys.argv[1], int(sys.argv[2])
 peak = matmul_flops("bf16", size=size)

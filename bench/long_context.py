@@ -81,9 +81,9 @@ def worker(out: Path, cp: int, budget: float, grain: int, limit: int) -> None:
 
     from dsframework.config import ModelSpec, build_run_config
     from dsframework.dsconfig import build_ds_config
-    from dsframework.train.step import micro_batch_loss
+    from dsframework.train.step import WHOLE, LossSetup, micro_batch_loss
     from dsframework.models.build import build_model, resolve_model
-    from dsframework.parallel.context import use_ulysses_attention, zero_gradient_scale
+    from dsframework.parallel.context import use_ulysses_attention
     from dsframework.layout import ParallelDims
     from dsframework.parallel.topology import build_grid
     from dsframework.launching.supervise import exit_process
@@ -101,8 +101,7 @@ def worker(out: Path, cp: int, budget: float, grain: int, limit: int) -> None:
     model = build_model(source, source.config, seed=1)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()),
                                       config=build_ds_config(run.train, run.parallel, dp_size=dims.dp), mpu=grid)
-    loss_kw = {} if grid is None else {"grid": grid, "context": True, "vocab_size": VOCAB,
-                                       "gradient_scale": zero_gradient_scale(cp=cp, zero_stage=1)}
+    loss_setup = WHOLE if grid is None else LossSetup.context_parallel(grid, dims, vocab_size=VOCAB, chunked=False)
     records = []
 
     def fits(seq_len: int) -> bool:
@@ -112,7 +111,7 @@ def worker(out: Path, cp: int, budget: float, grain: int, limit: int) -> None:
         start = time.perf_counter()
         box = {}
         measured, _ = saved_bytes(engine.module, lambda: box.update(zip(("loss", "value"),
-                                                                         micro_batch_loss(engine, input_ids, **loss_kw))))
+                                                                         micro_batch_loss(engine, input_ids, loss_setup))))
         engine.backward(box["loss"])
         engine.step()
         most = torch.tensor([float(measured)], dtype=torch.float64)

@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
 
-    from dsframework.train.calibrate import calibrate
+    from dsframework.commands.calibrate import calibrate
     from dsframework.config import ModelSpec
     from dsframework.models.build import resolve_model
     from dsframework.planner.cluster import Cluster

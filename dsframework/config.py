@@ -267,7 +267,7 @@ def _directory_field(field: str, value: str | None, *, package: str | None, exam
 
 class FaultsSpec(_Spec):
     """How a run notices that it is stuck: each rank's watcher reads its heartbeat
-    (launching/heartbeat.py) and stops the job, naming the rank, when it makes no progress."""
+    (protocol/heartbeat.py) and stops the job, naming the rank, when it makes no progress."""
 
     hang_timeout: float | Literal["auto"] = Field(
         "auto", description="seconds a rank may go without progress in a training phase (data, forward, backward, "

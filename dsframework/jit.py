@@ -26,6 +26,7 @@ from pathlib import Path
 
 from dsframework.errors import UserError
 from dsframework.files import written_then_renamed
+from dsframework.types import accelerator
 
 
 def pin_build_tools() -> None:
@@ -179,10 +180,9 @@ def load_adam_op(choice: AdamChoice, *, field: str, value: object) -> None:
     if choice.op is None:
         return
     pin_build_tools()
-    from deepspeed.accelerator import get_accelerator
 
     try:
-        get_accelerator().create_op_builder(choice.op).load(verbose=False)
+        accelerator().create_op_builder(choice.op).load(verbose=False)
     except Exception as err:  # noqa: BLE001 - a compiler, a header or a library missing: all the same to the user
         why = (str(err).strip().splitlines() or [type(err).__name__])[-1][:200]
         raise UserError(field, value, f"needs {choice.name}, which could not be built or loaded here ({why})",
@@ -198,14 +198,13 @@ def build_ops(builders: tuple[str, ...] = CPU_OPS) -> list[str]:
         python -m dsframework.jit        # launch/setup_env.sh runs it; a no-op once built
     """
     pin_build_tools()
-    from deepspeed.accelerator import get_accelerator
 
-    accelerator = get_accelerator()
-    if accelerator.device_name() != "cpu":  # GPU wheels ship or JIT their own ops; nothing dsf pins there
+    device = accelerator()
+    if device.device_name() != "cpu":  # GPU wheels ship or JIT their own ops; nothing dsf pins there
         return []
     ready = []
     for name in builders:
-        builder = accelerator.create_op_builder(name)
+        builder = device.create_op_builder(name)
         if builder is not None and builder.is_compatible(verbose=False):
             builder.load(verbose=False)
             ready.append(builder.name)

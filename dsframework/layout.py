@@ -4,7 +4,7 @@
     dims = ParallelDims(world=8, cp=2, zero_stage=3, zero_hpz=2)   # dp 4; ZeRO over cp x dp = 8
     dims = ParallelDims.of(run.parallel, world=8)      # a run config's
     str(dims)                                          # 'tp 1 x pp 1 x cp 2 x dp 4, hpZ 2': the one rendering
-    ParallelDims.from_dict(manifest["layout"])         # what a checkpoint was saved at (dims.as_dict())
+    ParallelDims.from_dict(manifest.layout)            # what a checkpoint was saved at (dims.as_dict())
     check_layout(dims, num_heads=32, num_kv_heads=8, num_layers=32, seq_len=4096, ranks_per_node=8)
 
 (parallel/topology.py builds the process groups of a layout: build_topology, build_grid.)
@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsframework.errors import UserError
+from dsframework.types import HFConfig
 
 # What DeepSpeed 0.19 composes, for the one-line refusals (docs/parallel-layouts.md).
 SUPPORTED_COMPOSITIONS = ("tp x pp x dp with ZeRO 0-1; tp x cp x dp with ZeRO 0-3; "
@@ -242,7 +243,7 @@ def check_layout(dims: ParallelDims, *, num_heads: int, num_kv_heads: int, num_l
         raise problem
 
 
-def check_model_layout(dims: ParallelDims, config: Any, *, dp: int | None = None, seq_len: int | None = None,
+def check_model_layout(dims: ParallelDims, config: HFConfig, *, dp: int | None = None, seq_len: int | None = None,
                        ranks_per_node: int | None = None) -> None:
     """check_layout with the heads, kv heads and layers of a transformers config.
 

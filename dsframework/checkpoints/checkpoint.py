@@ -3,7 +3,8 @@
     <output_dir>/checkpoints/
         latest                   tag of the newest complete checkpoint (switched atomically)
         global_step100/          DeepSpeed model/optimizer shards, rng_rank<R>.pt per rank and
-                                 dsf_manifest.json (every file's size, the layout it was saved at)
+                                 dsf_manifest.json (every file's size, the layout it was saved at:
+                                 checkpoints/manifest.py's Manifest)
         global_step100.universal/  deepspeed's universal form, made when a run resumes at another dp
         global_step100.universal-tp1pp1dp4/  the same for another tp x pp (x dp): dsframework.checkpoints.reshard
         hf_config/config.json    the transformers config the model was built from
@@ -13,7 +14,7 @@
     save(engine, ckpt_dir, step=100, consumed_samples=3200, layout=dims)   # dims: the run's ParallelDims
     pending = start_save(engine, ckpt_dir, step=100, consumed_samples=3200, layout=dims)  # the same in two
     commit(engine, pending)              # halves: checkpoint.writer=decoupled commits after the next step
-    manifest = verify(ckpt_dir, "global_step100")  # UserError naming a missing or truncated file
+    manifest = verify(ckpt_dir, "global_step100")  # its Manifest; UserError naming a missing or truncated file
     saved_layout(manifest)               # the ParallelDims it was saved at (None: no manifest)
     state = load(engine, ckpt_dir)       # {"step": 100, "consumed_samples": 3200}
 
@@ -33,7 +34,6 @@ same random numbers as one that never stopped. Checkpoints live on a filesystem 
 """
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import random
@@ -46,16 +46,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from dsframework.checkpoints.manifest import MANIFEST, Manifest
 from dsframework.errors import UserError, raised_in
 from dsframework.files import written_then_renamed
 from dsframework.layout import ParallelDims
 from dsframework.models.lora import has_frozen_parameters
 from dsframework.parallel.host import all_reduce_host, host_group
+from dsframework.types import accelerator
 
 TOKENIZER_DIR = "tokenizer"
 HF_CONFIG_DIR = "hf_config"
 RUN_YAML = "run.yaml"
-MANIFEST = "dsf_manifest.json"
 PARTIAL = ".partial"
 UNIVERSAL = ".universal"
 
@@ -88,25 +89,23 @@ def save_run_files(ckpt_dir: Path, *, config: Any, run_yaml: str) -> None:
 def _rng_states() -> dict[str, Any]:
     import numpy as np
     import torch
-    from deepspeed.accelerator import get_accelerator
 
     states = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    accelerator = get_accelerator()
-    if accelerator.device_name() != "cpu":
-        states["accelerator"] = accelerator.get_rng_state()
+    device = accelerator()
+    if device.device_name() != "cpu":
+        states["accelerator"] = device.get_rng_state()
     return states
 
 
 def _set_rng_states(states: dict[str, Any]) -> None:
     import numpy as np
     import torch
-    from deepspeed.accelerator import get_accelerator
 
     random.setstate(states["python"])
     np.random.set_state(states["numpy"])
     torch.set_rng_state(states["torch"])
     if "accelerator" in states:
-        get_accelerator().set_rng_state(states["accelerator"])
+        accelerator().set_rng_state(states["accelerator"])
 
 
 def _write_atomically(path: Path, text: str) -> None:
@@ -340,9 +339,7 @@ def _publish(pending: Pending) -> None:
     ckpt_dir, tag = pending.ckpt_dir, pending.tag
     partial, final = ckpt_dir / (tag + PARTIAL), ckpt_dir / tag
     files = {str(p.relative_to(partial)): p.stat().st_size for p in sorted(partial.rglob("*")) if p.is_file()}
-    manifest = {"step": pending.step, "layout": pending.layout.as_dict(), "files": files,
-                **({"trainable": pending.trainable} if pending.trainable is not None else {})}
-    _write_atomically(partial / MANIFEST, json.dumps(manifest, indent=1))
+    Manifest(pending.step, pending.layout.as_dict(), files, pending.trainable).write(partial / MANIFEST)
     if final.exists():  # a later checkpoint of an abandoned branch of this run (latest is older)
         shutil.rmtree(final)
     for stale in ckpt_dir.glob(tag + UNIVERSAL + "*"):  # conversions of what it replaces
@@ -351,30 +348,22 @@ def _publish(pending: Pending) -> None:
     set_latest(ckpt_dir, tag)
 
 
-def read_manifest(ckpt_dir: Path, tag: str) -> dict[str, Any] | None:
+def read_manifest(ckpt_dir: Path, tag: str) -> Manifest | None:
     """The manifest of `tag`, or None for a checkpoint written before manifests existed."""
     path = Path(ckpt_dir) / tag / MANIFEST
-    if not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except ValueError:
-        raise UserError("checkpoint file", str(path), "is corrupt (not JSON)",
-                        "restore it, or point latest at an earlier checkpoint") from None
+    return Manifest.read(path) if path.is_file() else None
 
 
-def saved_layout(manifest: dict[str, Any] | None, *, zero_stage: int = 0) -> ParallelDims | None:
+def saved_layout(manifest: Manifest | None, *, zero_stage: int = 0) -> ParallelDims | None:
     """The layout a checkpoint was saved at, from its manifest (any of its forms, ParallelDims.from_dict:
     a manifest from before the ZeRO stage was recorded has `zero_stage`); None without a manifest.
 
         saved_layout(read_manifest(ckpt_dir, tag))   # ParallelDims(world=4, tp=1, ..., zero_stage=1)
     """
-    if manifest is None or manifest.get("layout") is None:
-        return None
-    return ParallelDims.from_dict(manifest["layout"], zero_stage=zero_stage)
+    return None if manifest is None else manifest.saved_layout(zero_stage=zero_stage)
 
 
-def verify(ckpt_dir: Path, tag: str) -> dict[str, Any] | None:
+def verify(ckpt_dir: Path, tag: str) -> Manifest | None:
     """Check every file the manifest lists is there at its full size; returns the manifest."""
     manifest = read_manifest(ckpt_dir, tag)
     if manifest is None:
@@ -383,7 +372,7 @@ def verify(ckpt_dir: Path, tag: str) -> dict[str, Any] | None:
                       if p.is_dir() and 0 <= step_of(p.name) < step_of(tag)), key=step_of)
     fix = (f"restore it, or resume from an earlier checkpoint: echo {earlier[-1]} > {Path(ckpt_dir) / 'latest'}"
            if earlier else "restore it from a backup; no earlier checkpoint is there")
-    for name, size in manifest["files"].items():
+    for name, size in manifest.files.items():
         path = Path(ckpt_dir) / tag / name
         if not path.is_file():
             raise UserError("checkpoint file", str(path), "is missing", fix)
@@ -453,7 +442,8 @@ def _check_trainable(engine: Any, ckpt_dir: Path, tag: str) -> bool:
     """Whether the engine has frozen parameters; UserError unless the checkpoint holds exactly the
     parameters that train now (the same adapters, or every weight of a run without them)."""
     frozen, trainable = _frozen_and_trainable(engine)
-    saved = (read_manifest(ckpt_dir, tag) or {}).get("trainable")
+    manifest = read_manifest(ckpt_dir, tag)
+    saved = manifest.trainable if manifest is not None else None
     where = str(Path(ckpt_dir) / tag)
     if frozen and saved is None:
         raise UserError("model.lora", None, f"is set, but {where} holds every weight of a run without adapters",

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from dsframework.checkpoints import checkpoint as ckpt
+from dsframework.checkpoints.manifest import Manifest
 from dsframework.checkpoints.reshard import Resharding, universal_tag
 from dsframework.config import RunConfig
 from dsframework.errors import UserError
@@ -33,7 +34,7 @@ class ResumePlan:
     manifests), read and checked once, in pre-flight."""
 
     tag: str
-    manifest: dict[str, Any] | None
+    manifest: Manifest | None
 
     @classmethod
     def read(cls, run: RunConfig) -> ResumePlan:
@@ -56,7 +57,7 @@ class ResumePlan:
         return resume_tag(run, dims, self.manifest, config, tag=self.tag)
 
 
-def keep_expert_blocks(run: RunConfig, manifest: dict[str, Any] | None) -> RunConfig:
+def keep_expert_blocks(run: RunConfig, manifest: Manifest | None) -> RunConfig:
     """`run`, with `parallel.autoep` on when it resumes at ep 1 from a checkpoint saved in DeepSpeed
     AutoEP's expert blocks (at ep > 1): the universal conversion then gathers every expert onto each
     rank in those blocks, whose names (experts.w1, ...) transformers' own expert modules do not have."""
@@ -66,7 +67,7 @@ def keep_expert_blocks(run: RunConfig, manifest: dict[str, Any] | None) -> RunCo
     return run.model_copy(update={"parallel": run.parallel.model_copy(update={"autoep": True})})
 
 
-def resume_tag(run: RunConfig, dims: ParallelDims, manifest: dict[str, Any] | None, config: Any, *,
+def resume_tag(run: RunConfig, dims: ParallelDims, manifest: Manifest | None, config: Any, *,
                tag: str | None = None) -> tuple[str, bool]:
     """(tag to load, whether it is a universal checkpoint) for resuming at `dims`.
 

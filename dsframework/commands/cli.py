@@ -281,7 +281,7 @@ def _write_plan_files(plan, output_dir: Path, *, model_name: str) -> None:
 @click.option("--force", is_flag=True, help="replace an existing --output file")
 def calibrate_cmd(ranks: int, output: Path, force: bool) -> None:
     """Measure matmul FLOP/s, all-reduce bandwidth and memory; write a --cluster profile."""
-    from dsframework.train.calibrate import calibrate
+    from dsframework.commands.calibrate import calibrate
 
     if output.exists() and not force:
         raise UserError("--output", str(output), "exists", "choose another file or pass --force")

@@ -25,6 +25,7 @@ import click
 
 import dsframework
 from dsframework.jit import adam_choice, pin_build_tools
+from dsframework.types import accelerator
 
 Section = tuple[str, list[tuple[str, str]]]
 LAUNCH_TOOLS = ("pdsh", "mpirun", "srun", "ssh")  # deepspeed's pdsh/mpirun runners, SLURM, dsf launch --check
@@ -65,13 +66,12 @@ def _cpu_model() -> str:
 
 def _machine() -> Section:
     import torch
-    from deepspeed.accelerator import get_accelerator
     from deepspeed.env_report import get_shm_size, nvcc_version
 
-    accelerator = get_accelerator()
+    device = accelerator()
     rows = [("os", platform.platform()),
-            ("accelerator", f"{accelerator.device_name()} (deepspeed's get_accelerator)")]
-    if accelerator.device_name() == "cuda" and torch.cuda.is_available():
+            ("accelerator", f"{device.device_name()} (deepspeed's get_accelerator)")]
+    if device.device_name() == "cuda" and torch.cuda.is_available():
         for index in range(torch.cuda.device_count()):
             props = torch.cuda.get_device_properties(index)
             rows.append((f"cuda:{index}", f"{props.name}, {props.total_memory / 2**30:.1f} GiB, "
@@ -80,11 +80,11 @@ def _machine() -> Section:
         rows.append(("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES", "(not set)")))
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     rows.append(("cpu", f"{_cpu_model()}, {os.cpu_count()} cores ({usable} usable by this process)"))
-    count = accelerator.device_count()
+    count = device.device_count()
     why = "NUMA nodes with cores, or LOCAL_SIZE; pass --num_gpus N for N CPU ranks" \
-        if accelerator.device_name() == "cpu" else "devices visible"
+        if device.device_name() == "cpu" else "devices visible"
     rows.append(("ranks per node", f"{count} (what `deepspeed` starts without --num_gpus: {why})"))
-    rows.append(("distributed backend", accelerator.communication_backend_name()))
+    rows.append(("distributed backend", device.communication_backend_name()))
     size, warnings = get_shm_size()
     rows.append(("/dev/shm", size + "".join(" " + w.strip() for w in warnings or [])))
     return "machine", rows
@@ -92,7 +92,6 @@ def _machine() -> Section:
 
 def _jit_ops() -> Section:
     """Each op builder of this accelerator: compatible here, shipped pre-built, JIT-built already."""
-    from deepspeed.accelerator import get_accelerator
     from deepspeed.git_version_info import accelerator_name, installed_ops
     from deepspeed.ops.op_builder.all_ops import ALL_OPS
     from deepspeed.ops.op_builder.builder import probe_is_compatible
@@ -102,7 +101,7 @@ def _jit_ops() -> Section:
     ninja = shutil.which("ninja")
     rows = [("extensions folder", str(folder)),
             ("ninja", ninja or "not found: ops cannot be JIT-built (pip install ninja)")]
-    prebuilt = accelerator_name == get_accelerator()._name
+    prebuilt = accelerator_name == accelerator()._name
     for name, builder in ALL_OPS.items():
         if name == "deepspeed_not_implemented":
             continue
@@ -115,7 +114,7 @@ def _jit_ops() -> Section:
         elif compatible:
             state.append("not built yet (built on first use)")
         rows.append((name, ", ".join(state)))
-    device = get_accelerator().device_name()
+    device = accelerator().device_name()
     for offload, what in ((False, "optimizer"), (True, "optimizer with offload")):
         choice = adam_choice(device, offload=offload, installed=installed_ops if prebuilt else {})
         rows.append((what, f"{choice.name}" + ("" if choice.op is None else f" (op {choice.op})")))

@@ -35,6 +35,7 @@ from typing import Iterable, Iterator, Mapping
 
 from dsframework.errors import UserError
 from dsframework.planner.cluster import GiB, cluster_preset, local_gpu_preset
+from dsframework.types import accelerator
 
 HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.\-_:]*$")  # names, IPv4 and IPv6 addresses
 LINE = re.compile(r"^(\S+)\s+slots=(\d+)\s*$")
@@ -151,14 +152,13 @@ def runner_exports(environ: Mapping[str, str], env_files: Iterable[Mapping[str, 
     """The variables deepspeed's runner exports to every node: PYTHON*, MLFLOW*, MV2*, UCX* and the
     accelerator's (NCCL* on CUDA) from this environment, then each .deepspeed_env (read_env_file).
     Mirrors runner.main, where this is inline code, not a function one could call."""
-    from deepspeed.accelerator import get_accelerator
     from deepspeed.launcher.runner import EXCLUDE_ENVS, EXPORT_ENVS
 
     env = dict(environ)
     here = os.path.abspath(".")
     env["PYTHONPATH"] = here + ":" + env["PYTHONPATH"] if "PYTHONPATH" in env else here
     excluded = [name for key, names in EXCLUDE_ENVS.items() if key in env for name in names]
-    prefixes = EXPORT_ENVS + get_accelerator().export_envs()
+    prefixes = EXPORT_ENVS + accelerator().export_envs()
     exports = OrderedDict((k, v) for k, v in env.items()
                           if any(k.startswith(p) for p in prefixes) and k not in excluded)
     for env_file in env_files:

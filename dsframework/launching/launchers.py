@@ -9,7 +9,7 @@ command it builds, and how it starts.
     for line in launcher.dry_run(job):    # what each node would run
         print(line)
     launcher.check(job)                   # --check: every host and tool, UserError naming the first failure
-    sys.exit(launcher.start(job))         # runs the job to its end; its code as launching/exits.py documents
+    sys.exit(launcher.start(job))         # runs the job to its end; its code as protocol/exits.py documents
 
 pdsh, openmpi and mvapich are deepspeed's own runners (`PDSHRunner`, `OpenMPIRunner`,
 `MVAPICHRunner`) fed the flags `deepspeed` would parse; no_ssh and slurm start one
@@ -37,8 +37,8 @@ import click
 
 from dsframework.errors import UserError
 from dsframework.launching import hostfile as hostfiles
-from dsframework.launching.exits import job_code
 from dsframework.launching.watch import SRUN_NODE, Outcome, watch_job, watch_srun
+from dsframework.protocol.exits import job_code
 
 SLURM_NODEID = "__DSF_SLURM_NODEID__"  # replaced by $SLURM_NODEID once the line is quoted
 MPI_ENTRY = "dsframework.commands.mpi_rank"  # `deepspeed --module dsframework.commands.mpi_rank MASTER:PORT train ...`
@@ -66,7 +66,7 @@ class LaunchJob:
     node_rank: int | None = None  # no_ssh: the one node this command starts
     skipped: list[str] = field(default_factory=list)  # defaults not forwarded, and why
     train_flags: tuple[str, ...] = ()  # --resume, --overwrite: passed on to dsf train
-    output_dir: str = ""  # the run's: where dsf train marks a preemption (launching/exits.py)
+    output_dir: str = ""  # the run's: where dsf train marks a preemption (protocol/exits.py)
 
     @property
     def train_args(self) -> list[str]:
@@ -329,7 +329,7 @@ class Pdsh(RunnerLauncher):
 
     def run(self, argv: list[str], job: LaunchJob) -> int:
         """The job run to its end and watched, on every node or on this one (no pdsh); its exit
-        code as launching/exits.py documents it (143 for a preemption, whatever deepspeed returned)."""
+        code as protocol/exits.py documents it (143 for a preemption, whatever deepspeed returned)."""
         started = time.time()
         self.outcome = watch_job(argv, env={**os.environ, **job.explicit}, hosts=list(job.active),
                                  world_info=hostfiles.world_info(job.active), local=not self.remote)
@@ -433,7 +433,7 @@ class Slurm(NoSsh):
 
     def start_watched(self, job: LaunchJob) -> Outcome:
         """`start`, with srun's output labelled by task, so that a failure names its node
-        (launching/watch.watch_srun); the Outcome, its code as launching/exits.py documents it."""
+        (launching/watch.watch_srun); the Outcome, its code as protocol/exits.py documents it."""
         self.start(job, watched=True)
         return self.outcome
 
@@ -461,7 +461,7 @@ LAUNCHERS: dict[str, type[Launcher]] = {cls.name: cls for cls in (Pdsh, OpenMPI,
 # --- helpers ----------------------------------------------------------------------------------------------
 
 def run_mapped(argv: list[str], env: Mapping[str, str], job: LaunchJob) -> int:
-    """Run `argv` to its end, SIGTERM and SIGINT passed on to it; its exit code as launching/exits.py
+    """Run `argv` to its end, SIGTERM and SIGINT passed on to it; its exit code as protocol/exits.py
     documents it (a preemption is 143 here, though srun passes on deepspeed's 1)."""
     sys.stdout.flush()
     sys.stderr.flush()

@@ -16,10 +16,10 @@ After a failure (a dead rank, a hung one: faults.hang_timeout, a node that stopp
 3. each restart is printed and appended to `restarts.jsonl` in output_dir: when, why, the nodes,
    the layout, the checkpoint it resumes and the steps lost since it; at the end, where the job's
    wall time went (start-up, restarting, steps redone, checkpointing, training: its ETTR) is
-   printed and written to `goodput.json` (launching/goodput.py).
+   printed and written to `goodput.json` (protocol/goodput.py).
 The loop ends when the job finishes, when it fails on bad input (exit 2: the same again would
 fail), when it was preempted (exit 143: the scheduler requeues it), when dsf launch itself is told
-to stop, or, exiting 3 (launching/exits.py), after `--max-restarts` restarts or after
+to stop, or, exiting 3 (protocol/exits.py), after `--max-restarts` restarts or after
 NO_PROGRESS_LIMIT restarts in a row that saved no new checkpoint. A fresh launch (no --resume)
 starts a new blocklist and log; --resume continues them.
 """
@@ -37,11 +37,11 @@ import click
 
 from dsframework.checkpoints import checkpoint as ckpt
 from dsframework.errors import UserError
-from dsframework.launching.exits import BAD_INPUT, FINISHED, GIVEN_UP, PREEMPTED
-from dsframework.launching.goodput import Timeline, last_step
 from dsframework.launching.launchers import LaunchJob, check_hosts
 from dsframework.launching.replan import replan
 from dsframework.layout import ParallelDims
+from dsframework.protocol.exits import BAD_INPUT, FINISHED, GIVEN_UP, PREEMPTED
+from dsframework.protocol.goodput import Timeline, last_step
 
 BLOCKLIST, LOG, GOODPUT = "blocklist.json", "restarts.jsonl", "goodput.json"
 NO_PROGRESS_LIMIT = 2
@@ -113,7 +113,7 @@ def _restart_loop(how: Any, job: LaunchJob, run: Any, state: RestartState, timel
             timeline.attempt_ended(failed=True)
         timeline.attempts[-1].failed = outcome.code != 0
         if outcome.code in (FINISHED, BAD_INPUT, PREEMPTED) or outcome.stopped:
-            return outcome.code  # a preemption is the scheduler's to requeue (launching/exits.py)
+            return outcome.code  # a preemption is the scheduler's to requeue (protocol/exits.py)
         why = outcome.failure.line() if outcome.failure else f"the job exited {outcome.code}"
         latest = ckpt.latest_tag(run.checkpoint_dir)
         state.no_progress = state.no_progress + 1 if state.restarts and latest == resumed_from else 0

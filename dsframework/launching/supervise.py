@@ -13,7 +13,7 @@ tears the job down. The trainer gets SIGKILL if the watcher itself is killed (no
 the trainer leaves behind when it dies (a checkpoint writer process) is ended with it, and
 SIGTERM/SIGINT reach the trainer, which checkpoints on SIGTERM.
 
-The watcher also reads the trainer's heartbeat (launching/heartbeat.py, faults.hang_timeout): a
+The watcher also reads the trainer's heartbeat (protocol/heartbeat.py, faults.hang_timeout): a
 trainer that makes no progress for longer than its phase allows (stuck in a collective, stopped,
 deadlocked) is named -- rank, host, phase, step -- and killed, and the watcher exits HUNG_EXIT, so
 the launcher stops the job within seconds instead of at the collective's timeout (30 minutes). The
@@ -31,8 +31,8 @@ import subprocess
 import sys
 from typing import NoReturn
 
-from dsframework.launching.heartbeat import ENV as HEARTBEAT_ENV
-from dsframework.launching.heartbeat import Pulse, Stall
+from dsframework.protocol.heartbeat import ENV as HEARTBEAT_ENV
+from dsframework.protocol.heartbeat import Pulse, Stall
 
 CHILD_MARK = "DSF_RANK_TRAINER"  # set in the trainer's environment: it is the rank, not the watcher
 HUNG_EXIT = 124  # a rank the watcher found hung (timeout(1)'s code for a command that ran out of time)

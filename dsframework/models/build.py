@@ -37,6 +37,7 @@ from dsframework.models.experts import train_router_loss
 from dsframework.models.hf import causal_lm_class, check_causal_lm, skip_transformers_init
 from dsframework.models.lora import check_lora_targets
 from dsframework.models.presets import PRESETS
+from dsframework.types import HFConfig, accelerator
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
@@ -47,7 +48,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 class ModelSource:
     """Where a model comes from: its config, and the pretrained directory when there are weights."""
 
-    config: Any  # transformers.PretrainedConfig
+    config: HFConfig
     pretrained_dir: Path | None = None
     vocab_overridden: bool = False  # model.overrides.vocab_size was given
     router_loss_overridden: bool = False  # model.overrides.output_router_logits was given
@@ -208,7 +209,7 @@ def init_weights_deterministically(model: Any, seed: int) -> None:
             model._init_weights(module)
 
 
-def build_model(source: ModelSource, config: Any, *, seed: int, zero3_ds_config: dict[str, Any] | None = None,
+def build_model(source: ModelSource, config: HFConfig, *, seed: int, zero3_ds_config: dict[str, Any] | None = None,
                 device: Any = None, dtype: Any = None) -> Any:
     """The causal LM, random-init or pretrained; partitioned at construction under ZeRO-3. With
     `device` (and no ZeRO-3), built on the meta device and materialised on `device` in `dtype`
@@ -225,7 +226,8 @@ def build_model(source: ModelSource, config: Any, *, seed: int, zero3_ds_config:
     return build_on_host(source, config, seed=seed, zero3_ds_config=zero3_ds_config)
 
 
-def build_on_host(source: ModelSource, config: Any, *, seed: int, zero3_ds_config: dict[str, Any] | None = None) -> Any:
+def build_on_host(source: ModelSource, config: HFConfig, *, seed: int,
+                  zero3_ds_config: dict[str, Any] | None = None) -> Any:
     """The causal LM whole in fp32 on the host (under ZeRO-3: partitioned as it is built)."""
     import torch
 
@@ -252,7 +254,7 @@ def build_on_host(source: ModelSource, config: Any, *, seed: int, zero3_ds_confi
     return model
 
 
-def build_on_device(source: ModelSource, config: Any, *, seed: int, device: Any, dtype: Any = None) -> Any:
+def build_on_device(source: ModelSource, config: HFConfig, *, seed: int, device: Any, dtype: Any = None) -> Any:
     """The model `build_model` makes, its parameters made on `device` in `dtype` module by module:
     the seeded init (the same values, bit for bit, as the host build then DeepSpeed's cast) or the
     pretrained safetensors read tensor by tensor. A directory `PretrainedSlices` cannot read whole
@@ -291,9 +293,8 @@ def rank_placement(precision: str) -> tuple[Any, Any]:
         rank_placement("bf16")      # (device(type='cuda', index=3), torch.bfloat16) on local rank 3
     """
     import torch
-    from deepspeed.accelerator import get_accelerator
 
-    device = torch.device(get_accelerator().device_name(int(os.environ.get("LOCAL_RANK", "0"))))
+    device = torch.device(accelerator().device_name(int(os.environ.get("LOCAL_RANK", "0"))))
     return device, getattr(torch, PRECISION_DTYPES[precision])
 
 

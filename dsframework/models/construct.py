@@ -45,6 +45,7 @@ from dsframework.errors import UserError
 from dsframework.models.hf import causal_lm_class, count_parameters, skip_transformers_init
 from dsframework.models.tensor_parallel import shard_model
 from dsframework.models.pipeline import stage_module_paths
+from dsframework.types import HFConfig
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_FILE = "model.safetensors"
@@ -78,7 +79,7 @@ def parameters_on_meta():
         nn.Module.register_parameter = original
 
 
-def empty_model(config: Any) -> nn.Module:
+def empty_model(config: HFConfig) -> nn.Module:
     """The causal LM of `config` with its parameters on the meta device, buffers real, fp32."""
     from transformers.initialization import no_init_weights
 
@@ -326,7 +327,7 @@ def converted_at_load(model_type: str) -> bool:
     return bool(get_checkpoint_conversion_mapping(model_type))
 
 
-def check_pretrained_files(directory: Path, config: Any, *, sliced: bool = False) -> None:
+def check_pretrained_files(directory: Path, config: HFConfig, *, sliced: bool = False) -> None:
     """UserError unless the directory's safetensors (one file or an index of shards) hold every
     tensor of `config`'s model at its shape. Reads the files' headers only; run before any rank
     starts, so a broken download is named at once, whatever the layout. (pytorch_model.bin
@@ -351,7 +352,7 @@ def check_pretrained_files(directory: Path, config: Any, *, sliced: bool = False
         reader.close()
 
 
-def reads_every_tensor(directory: Path, config: Any) -> bool:
+def reads_every_tensor(directory: Path, config: HFConfig) -> bool:
     """Whether `PretrainedSlices` reads `config`'s whole model from `directory`: safetensors holding
     every parameter under the model's own names (or names transformers only renames). False for a
     pytorch_model.bin directory and for a type whose stored tensors transformers merges at load
@@ -545,7 +546,7 @@ def zero_group(mpu: Any) -> Any:
     return mpu.get_data_parallel_group()
 
 
-def build_for_layout(source: Any, config: Any, *, seed: int, tp_group: Any = None,
+def build_for_layout(source: Any, config: HFConfig, *, seed: int, tp_group: Any = None,
                      pipeline: tuple[int, int] | None = None, partition_method: str = "parameters",
                      zero3_ds_config: dict[str, Any] | None = None, mpu: Any = None, device: Any = None,
                      dtype: torch.dtype | None = None) -> Built:

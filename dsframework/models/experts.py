@@ -17,10 +17,10 @@ layout before any rank starts (here and `layout.py`), and bridges the installed 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from dsframework.errors import UserError
 from dsframework.models.hf import causal_lm_class
+from dsframework.types import HFConfig
 
 # The config fields transformers' MoE configs name their routed experts and experts per token by.
 EXPERTS_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
@@ -41,7 +41,7 @@ AUTOEP_MODEL_TYPES = frozenset({"mixtral", "qwen3_moe", "qwen2_moe", "qwen3_5_mo
                                 "deepseek_v3", "minimax_m3_vl_text"})
 
 
-def expert_layout(config: Any) -> ExpertLayout | None:
+def expert_layout(config: HFConfig) -> ExpertLayout | None:
     """The routed experts of `config` (None: a dense model, or an MoE config with one expert)."""
     experts = next((getattr(config, f) for f in EXPERTS_FIELDS if isinstance(getattr(config, f, None), int)), None)
     if not experts or experts < 2:
@@ -64,29 +64,40 @@ def autoep_model_types() -> list[str]:
     return sorted({t for preset in PRESET_MODELS.values() for t in preset.hf_model_types})
 
 
-def check_expert_parallel(config: Any, *, ep: int, autoep: bool = False) -> None:
-    """UserError in one line, before any rank starts, when `config` cannot train at ep (or in
-    AutoEP's blocks at ep 1, `autoep`): a dense model, an MoE type DeepSpeed's AutoEP has no preset
-    for, or ep not dividing the experts."""
+def expert_parallel_problem(model_type: str, experts: int, *, ep: int, autoep: bool = False) -> UserError | None:
+    """Why a model of `model_type` with `experts` routed experts (0: dense) cannot train at ep (or in
+    AutoEP's blocks at ep 1, `autoep`), or None: a dense model, an MoE type DeepSpeed's AutoEP has no
+    preset for, or ep not dividing the experts. The one expert-parallel rule of the model, which dsf
+    train's pre-flight applies to the config (`check_expert_parallel`) and the planner to its
+    description (planner/search.py `expert_sizes`); which axes ep composes with is layout.py's."""
     if ep <= 1 and not autoep:
-        return
+        return None
     field, value, off = ("parallel.ep", ep, "parallel.ep=1") if ep > 1 else ("parallel.autoep", True,
                                                                            "parallel.autoep=false")
-    model_type, moe = config.model_type, expert_layout(config)
-    if moe is None:
-        raise UserError(field, value, f"needs a mixture-of-experts model; {model_type!r} has no routed experts",
-                        f"set {off} (dense models train with dp, tp, pp, cp and ZeRO)")
-    if autoep_preset(model_type) is None:
-        raise UserError(field, value, f"cannot split {model_type!r}'s experts: DeepSpeed's AutoEP has no preset "
-                        f"for it (it knows {', '.join(autoep_model_types())})",
-                        f"set {off} (its experts then train as dense weights under ZeRO)")
-    if moe.experts % ep:
-        divisors = [d for d in range(1, moe.experts + 1) if moe.experts % d == 0]
-        raise UserError("parallel.ep", ep, f"does not divide {model_type}'s {moe.experts} experts",
-                        f"choose ep in {{{', '.join(map(str, divisors))}}}")
+    if experts < 2:
+        return UserError(field, value, f"needs a mixture-of-experts model; {model_type!r} has no routed experts",
+                         f"set {off} (dense models train with dp, tp, pp, cp and ZeRO)")
+    if model_type not in AUTOEP_MODEL_TYPES:  # pinned to DeepSpeed's registry by tests/unit/test_experts.py
+        return UserError(field, value, f"cannot split {model_type!r}'s experts: DeepSpeed's AutoEP has no preset "
+                         f"for it (it knows {', '.join(sorted(AUTOEP_MODEL_TYPES))})",
+                         f"set {off} (its experts then train as dense weights under ZeRO)")
+    if experts % ep:
+        divisors = [d for d in range(1, experts + 1) if experts % d == 0]
+        return UserError("parallel.ep", ep, f"does not divide {model_type}'s {experts} experts",
+                         f"choose ep in {{{', '.join(map(str, divisors))}}}")
+    return None
 
 
-def train_router_loss(config: Any) -> bool:
+def check_expert_parallel(config: HFConfig, *, ep: int, autoep: bool = False) -> None:
+    """UserError in one line, before any rank starts, when `config`'s model cannot train at ep
+    (`expert_parallel_problem` with its routed experts)."""
+    moe = expert_layout(config)
+    problem = expert_parallel_problem(config.model_type, moe.experts if moe else 0, ep=ep, autoep=autoep)
+    if problem is not None:
+        raise problem
+
+
+def train_router_loss(config: HFConfig) -> bool:
     """Turn on the router's load-balancing loss for training, as transformers computes it: with
     `output_router_logits` the CausalLM's forward adds `router_aux_loss_coef` x its aux loss to
     the loss (off by default in most MoE configs, which are written for inference). True when it
@@ -101,7 +112,7 @@ ROUTER_LOSS_LAYOUTS = ("ep, dp and ZeRO 0-3 train it with that loss; model.overr
                        "trains it without")
 
 
-def router_loss_problem(config: Any) -> str | None:
+def router_loss_problem(config: HFConfig) -> str | None:
     """Why a layout that splits a micro-batch's routing between ranks (pipeline stages, sequence
     shards) would train another loss than `config`'s model: its forward adds the router's
     load-balancing loss, computed once over every layer's routing of every token of the micro-batch
@@ -114,7 +125,7 @@ def router_loss_problem(config: Any) -> str | None:
             "whole micro-batch at once")
 
 
-def routed_expert_parameters(config: Any) -> tuple[int, int]:
+def routed_expert_parameters(config: HFConfig) -> tuple[int, int]:
     """(all parameters, those of the routed experts) of `config`'s model, counted on the meta device.
     Routed experts are the tensors under an `experts` module (shared experts and routers are not)."""
     import torch
@@ -126,7 +137,7 @@ def routed_expert_parameters(config: Any) -> tuple[int, int]:
     return total, routed
 
 
-def describe_experts(config: Any, *, ep: int) -> str | None:
+def describe_experts(config: HFConfig, *, ep: int) -> str | None:
     """What the run's first line says of its experts (None for a dense model): the parameters a token
     passes through (the dense part and top_k of the routed experts), experts, top-k, experts per rank."""
     moe = expert_layout(config)

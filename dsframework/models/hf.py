@@ -12,16 +12,17 @@ import contextlib
 from typing import Any
 
 from dsframework.errors import UserError
+from dsframework.types import HFConfig
 
 
-def causal_lm_class(config: Any) -> type:
+def causal_lm_class(config: HFConfig) -> type:
     """The AutoModelForCausalLM class for a config, imported now (not lazily inside zero.Init)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
 
 
-def check_causal_lm(config: Any, name: str) -> None:
+def check_causal_lm(config: HFConfig, name: str) -> None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
@@ -63,7 +64,7 @@ def module_path(root: Any, module: Any) -> str:
     return next(path for path, child in root.named_modules() if child is module)
 
 
-def hf_parameter_shapes(config: Any) -> dict[str, Any]:
+def hf_parameter_shapes(config: HFConfig) -> dict[str, Any]:
     """{transformers name: dense shape} of every trainable parameter of `config`'s causal LM, tied
     copies once (built on the meta device: no memory)."""
     import torch

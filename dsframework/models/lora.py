@@ -25,6 +25,7 @@ from dsframework.config import LoraSpec
 from dsframework.errors import UserError, did_you_mean
 from dsframework.models.hf import causal_lm_class
 from dsframework.runtime_facts import ZERO3_PERSISTENCE_THRESHOLD
+from dsframework.types import HFConfig
 
 
 def adaptable_layers(model: Any) -> dict[str, str]:
@@ -65,7 +66,7 @@ def check_target_modules(model: Any, spec: LoraSpec) -> None:
         raise UserError("model.lora.target_modules", target, rule, did_you_mean(target, leaves))
 
 
-def check_lora_targets(config: Any, spec: LoraSpec) -> None:
+def check_lora_targets(config: HFConfig, spec: LoraSpec) -> None:
     """`check_target_modules` on a weightless (meta) model of `config`: called when model.name is
     resolved, before a rank writes anything or joins the process group."""
     import torch
@@ -126,7 +127,7 @@ class LoraCount:
     total: int       # every parameter, the frozen base's and the adapters'
 
 
-def count_lora_parameters(config: Any, spec: LoraSpec) -> LoraCount:
+def count_lora_parameters(config: HFConfig, spec: LoraSpec) -> LoraCount:
     """The adapters `spec` adds to a model of `config`, counted on a weightless (meta) model with
     peft's own LoRA (the same layers `apply_lora` adapts): cheap even for 70B (about a second)."""
     import torch

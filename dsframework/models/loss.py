@@ -149,12 +149,21 @@ def chunked_causal_lm_loss(head: Any, hidden: torch.Tensor, labels: torch.Tensor
     return reduce_loss(total, targets, over=over)
 
 
-def check_chunked_loss_layout(setting: bool | str, *, pp: int) -> None:
-    """train.chunked_loss=true with a pipeline is refused before the run starts (auto stays plain there)."""
+def chunked_loss_problem(setting: bool | str, *, pp: int) -> UserError | None:
+    """train.chunked_loss=true with a pipeline, refused (auto stays plain there): the rule dsf
+    train's pre-flight applies (`check_chunked_loss_layout`) and the planner's search too."""
     if setting is True and pp > 1:
-        raise UserError("train.chunked_loss", True, f"is not offered with parallel.pp={pp}: the pipeline's last "
-                        "stage gets its logits from its head layer (a LayerSpec), not from a loss that calls the "
-                        "head", "set train.chunked_loss=auto (whole logits with pp) or false, or use parallel.tp")
+        return UserError("train.chunked_loss", True, f"is not offered with parallel.pp={pp}: the pipeline's last "
+                         "stage gets its logits from its head layer (a LayerSpec), not from a loss that calls the "
+                         "head", "set train.chunked_loss=auto (whole logits with pp) or false, or use parallel.tp")
+    return None
+
+
+def check_chunked_loss_layout(setting: bool | str, *, pp: int) -> None:
+    """UserError before the run starts when `chunked_loss_problem` has one."""
+    problem = chunked_loss_problem(setting, pp=pp)
+    if problem is not None:
+        raise problem
 
 
 def causal_lm_of(model: Any) -> Any:

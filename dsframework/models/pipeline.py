@@ -64,6 +64,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from dsframework.errors import UserError
+from dsframework.layout import ParallelDims
 from dsframework.models.experts import check_expert_parallel
 from dsframework.models.hf import causal_lm_class, is_tied, module_path
 from dsframework.models.logits import logit_postprocess
@@ -84,6 +85,7 @@ from dsframework.parallel.tensor import (
     VocabParallelLMHead,
 )
 from dsframework.runtime_facts import partition_balanced, partition_uniform
+from dsframework.types import HFConfig
 
 TIED_KEY = "embed"
 
@@ -420,7 +422,7 @@ def pipeline_layer_specs(model_or_config: Any, *, kinds: tuple[type, type] | Non
     return [_spec(embed, label=f"{prefix}.{'+'.join(plan.first)}", hf=embed_hf), *layers, norm, head]
 
 
-def check_stages_reproduce_forward(config: Any) -> None:
+def check_stages_reproduce_forward(config: HFConfig) -> None:
     """UserError unless the stages, run one after the other, give the model's own logits, on a
     tiny random twin of `config` (its flags and layer kinds, tiny sizes; models/tiny.py): the glue
     between the plan's modules (positions, masks, rotary variants, scales) is checked for this
@@ -442,7 +444,7 @@ def check_stages_reproduce_forward(config: Any) -> None:
                                f"{worst:.3g} on a tiny random twin)")
 
 
-def check_model_parallelism(config: Any, dims: Any, *, seq_len: int | None = None) -> None:
+def check_model_parallelism(config: HFConfig, dims: ParallelDims, *, seq_len: int | None = None) -> None:
     """UserError (one line) before any rank starts when `config`'s architecture cannot run at
     dims.tp / dims.pp: no plan, a style dsf lacks, heads tp does not divide (models/plans.py); a
     style applied to a module it cannot split (the plan run on a weightless model, rank 0's

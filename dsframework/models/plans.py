@@ -24,6 +24,7 @@ from typing import Any
 
 from dsframework.errors import UserError
 from dsframework.models.experts import ROUTER_LOSS_LAYOUTS, router_loss_problem
+from dsframework.types import HFConfig
 
 # transformers' style name -> dsframework's layer (models/tensor_parallel.py).
 STYLES: dict[str, str] = {
@@ -126,7 +127,7 @@ def infer_pipeline_plan(children: list[tuple[str, Any]], num_layers: int) -> Pip
                         last=tuple(n for n, _ in children[at + 1:]))
 
 
-def architecture_plan(config: Any) -> ArchitecturePlan:
+def architecture_plan(config: HFConfig) -> ArchitecturePlan:
     """The plans of `config`'s model type (see the module docstring)."""
     model_type = config.model_type
     extra = EXTRA_PLANS.get(model_type, {})
@@ -160,22 +161,34 @@ def pattern_regex(pattern: str) -> re.Pattern:
     return re.compile("^" + re.escape(pattern).replace(r"\*", r"\d+") + "$")
 
 
-def check_architecture(config: Any, *, tp: int = 1, pp: int = 1) -> ArchitecturePlan:
-    """The plan of `config`'s model type; UserError in one line when tp > 1 or pp > 1 cannot run
-    for it (no plan, a style dsframework lacks, heads not divisible by tp), naming what works."""
-    plan = architecture_plan(config)
+def architecture_problem(config: HFConfig, *, tp: int = 1, pp: int = 1,
+                         plan: ArchitecturePlan | None = None) -> UserError | None:
+    """Why tp > 1 or pp > 1 cannot run for `config`'s model type (no plan, a style dsframework lacks,
+    heads not divisible by tp), naming what works; None when both can. dsf train's pre-flight and the
+    planner both meet it: through `check_architecture`, which `shard_model` and
+    `check_model_parallelism` call (the planner counts a tensor rank's share with `shard_model`)."""
+    plan = plan or architecture_plan(config)
     model_type = config.model_type
     if tp > 1 and plan.tp_problem:
-        raise UserError("parallel.tp", tp, f"cannot shard {model_type!r}: it {plan.tp_problem}",
-                        f"use parallel.tp=1 ({plan.working})")
+        return UserError("parallel.tp", tp, f"cannot shard {model_type!r}: it {plan.tp_problem}",
+                         f"use parallel.tp=1 ({plan.working})")
     if tp > 1:
         for field in ("num_attention_heads", "num_key_value_heads"):
             heads = getattr(config, field, None)
             if isinstance(heads, int) and heads % tp:
-                raise UserError("parallel.tp", tp, f"does not divide {model_type}'s {field}={heads}",
-                                f"choose tp among the divisors of {heads}")
+                return UserError("parallel.tp", tp, f"does not divide {model_type}'s {field}={heads}",
+                                 f"choose tp among the divisors of {heads}")
     if pp > 1 and plan.pp_problem:
-        raise pipeline_refusal(model_type, plan.pp_problem, pp=pp, working=plan.working)
+        return pipeline_refusal(model_type, plan.pp_problem, pp=pp, working=plan.working)
+    return None
+
+
+def check_architecture(config: HFConfig, *, tp: int = 1, pp: int = 1) -> ArchitecturePlan:
+    """The plan of `config`'s model type; UserError in one line when `architecture_problem` has one."""
+    plan = architecture_plan(config)
+    problem = architecture_problem(config, tp=tp, pp=pp, plan=plan)
+    if problem is not None:
+        raise problem
     return plan
 
 
@@ -187,7 +200,7 @@ def pipeline_refusal(model_type: str, problem: str, *, pp: int | None = None,
                      f"use parallel.pp=1 ({working})")
 
 
-def sliding_window(config: Any) -> int | None:
+def sliding_window(config: HFConfig) -> int | None:
     """The attention window of the sliding layers, or None when no layer slides (Qwen 2 names a
     window but slides only where `layer_types` / `use_sliding_window` say)."""
     layer_types = getattr(config, "layer_types", None)
@@ -196,26 +209,42 @@ def sliding_window(config: Any) -> int | None:
     return getattr(config, "sliding_window", None)
 
 
-def check_context_parallel(config: Any, *, cp: int, seq_len: int | None) -> None:
-    """UserError when cp > 1 would compute another attention than the model's: dsf's context
-    parallelism (parallel/context.py) runs sdpa, causal over the whole gathered sequence, which
-    knows neither a sliding window shorter than the sequence nor softcapped scores."""
+def context_parallel_layout_problem(model_type: str, *, cp: int, seq_len: int | None, window: int | None,
+                                    softcapped: bool, problem: str | None,
+                                    router_loss: bool = False) -> UserError | None:
+    """Why cp > 1 would compute another attention than the model's, or None: the one context-parallel
+    rule, which dsf train's pre-flight applies to the config (`check_context_parallel`) and the
+    planner to its description of the model (planner/search.py `cp_problem`). dsf's context
+    parallelism (parallel/context.py) runs sdpa, causal over the whole gathered sequence, which knows
+    neither a sliding `window` shorter than the sequence nor `softcapped` scores; `problem` is
+    `context_parallel_problem`'s (a reason at any length), `router_loss` whether the model adds a
+    router loss (what works then is said differently)."""
     if cp <= 1:
-        return
-    window, model_type = sliding_window(config), config.model_type
+        return None
     if window is not None and (seq_len is None or window < seq_len):
-        raise UserError("parallel.cp", cp, f"cannot run {model_type!r}'s sliding-window attention ({window} tokens, "
-                        f"sequences of {seq_len}): the context-parallel attention is causal over the whole sequence",
-                        f"use parallel.cp=1 (tensor and pipeline parallelism, ZeRO), or data.seq_len <= {window}")
-    if getattr(config, "attn_logit_softcapping", None):
-        raise UserError("parallel.cp", cp, f"cannot run {model_type!r}'s softcapped attention scores "
-                        "(attn_logit_softcapping): the context-parallel attention is sdpa's",
-                        "use parallel.cp=1 (tensor and pipeline parallelism, ZeRO)")
-    problem = context_parallel_problem(config)
+        return UserError("parallel.cp", cp, f"cannot run {model_type!r}'s sliding-window attention ({window} tokens, "
+                         f"sequences of {seq_len}): the context-parallel attention is causal over the whole sequence",
+                         f"use parallel.cp=1 (tensor and pipeline parallelism, ZeRO), or data.seq_len <= {window}")
+    if softcapped:
+        return UserError("parallel.cp", cp, f"cannot run {model_type!r}'s softcapped attention scores "
+                         "(attn_logit_softcapping): the context-parallel attention is sdpa's",
+                         "use parallel.cp=1 (tensor and pipeline parallelism, ZeRO)")
     if problem:
-        working = ROUTER_LOSS_LAYOUTS if router_loss_problem(config) else "tensor and pipeline parallelism, ZeRO"
-        raise UserError("parallel.cp", cp, f"cannot split {model_type!r}'s sequences: it {problem}",
-                        f"use parallel.cp=1 ({working})")
+        working = ROUTER_LOSS_LAYOUTS if router_loss else "tensor and pipeline parallelism, ZeRO"
+        return UserError("parallel.cp", cp, f"cannot split {model_type!r}'s sequences: it {problem}",
+                         f"use parallel.cp=1 ({working})")
+    return None
+
+
+def check_context_parallel(config: HFConfig, *, cp: int, seq_len: int | None) -> None:
+    """UserError when cp > 1 would compute another attention than `config`'s model
+    (`context_parallel_layout_problem` with what the config says)."""
+    problem = context_parallel_layout_problem(
+        config.model_type, cp=cp, seq_len=seq_len, window=sliding_window(config),
+        softcapped=bool(getattr(config, "attn_logit_softcapping", None)), problem=context_parallel_problem(config),
+        router_loss=router_loss_problem(config) is not None)
+    if problem is not None:
+        raise problem
 
 
 # layer_types entries that are attention; any other (linear_attention, conv, mamba, hybrid) mixes tokens
@@ -227,7 +256,7 @@ CP_MEASURED_WRONG: dict[str, str] = {
 }
 
 
-def context_parallel_problem(config: Any) -> str | None:
+def context_parallel_problem(config: HFConfig) -> str | None:
     """Why context parallelism (Ulysses: attention sees every token, all else its rank's shard) would
     compute another model than `config`'s, whatever the sequence length; None when it would not."""
     mixers = sorted(set(getattr(config, "layer_types", None) or ()) - ATTENTION_LAYER_TYPES)

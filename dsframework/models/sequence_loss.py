@@ -25,6 +25,7 @@ from dsframework.models.loss import (
     trained_tokens,
     vocab_parallel_token_loss,
 )
+from dsframework.types import Engine, Grid
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ class SequenceShard:
     predicted: int  # tokens with a label in the whole micro-batch, all shards together
 
     @classmethod
-    def of(cls, input_ids: torch.Tensor, grid: Any) -> "SequenceShard":
+    def of(cls, input_ids: torch.Tensor, grid: Grid) -> "SequenceShard":
         """Cut whole sequences [batch, seq_len] (every rank of a context group holds the same)."""
         cp, rank = grid.get_sequence_parallel_world_size(), grid.get_sequence_parallel_rank()
         batch, seq_len = input_ids.shape
@@ -50,7 +51,7 @@ class SequenceShard:
                    predicted=int(trained_tokens(labels)))
 
 
-def sequence_shard_loss(engine: Any, shard: SequenceShard, *, grid: Any, tensor_group: Any = None,
+def sequence_shard_loss(engine: Engine, shard: SequenceShard, *, grid: Grid, tensor_group: Any = None,
                         vocab_size: int, gradient_scale: float = 1.0,
                         chunked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(this rank's share of the micro-batch loss, to backpropagate, times `gradient_scale`

@@ -43,6 +43,7 @@ from dsframework.parallel.tensor import (
     tensor_parallel_rank,
     tensor_parallel_size,
 )
+from dsframework.types import HFConfig
 
 
 def _dense_weight(module: nn.Module, path: str, style: str) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
@@ -214,7 +215,7 @@ def shard_model(model: Any, *, group: Any) -> Any:
 
 # --- merging shards back (dsf export) ------------------------------------------------------------
 
-def shard_layouts(config: Any, tp: int) -> list[dict[str, tuple[int, torch.Tensor, bool]]]:
+def shard_layouts(config: HFConfig, tp: int) -> list[dict[str, tuple[int, torch.Tensor, bool]]]:
     """Per tensor rank, {transformers parameter name: (partition dim, dense index, transposed)}
     of every sharded parameter, found by running the plan on a weightless (meta) model; names
     missing from a rank's dict are replicated. transposed: the dense tensor is stored [in, out]."""

@@ -19,6 +19,7 @@ TYPE_OVERRIDES, one small dict per type, each with the reason. Pure but for tran
 from __future__ import annotations
 
 from typing import Any
+from dsframework.types import HFConfig
 
 HIDDEN, INTERMEDIATE, EXPERT_INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM = 64, 128, 32, 4, 2, 16
 VOCAB, POSITIONS, WINDOW, EXPERTS, TOP_K = 256, 256, 8, 4, 2
@@ -170,7 +171,7 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
     return CONFIG_MAPPING[model_type](**fields)
 
 
-def tiny_twin(config: Any) -> Any:
+def tiny_twin(config: HFConfig) -> Any:
     """`config` itself at the tiny sizes: its own flags and layer kinds kept (sliding windows,
     softcapping, tied embeddings), its sizes shrunk. What a check of the architecture's glue runs on
     before the real model is built (models/pipeline.py `check_stages_reproduce_forward`)."""
@@ -182,7 +183,7 @@ def tiny_twin(config: Any) -> Any:
     return CONFIG_MAPPING[config.model_type](**fields)
 
 
-def tiny_fields(config: Any, *, depth: int | None = None) -> dict[str, Any]:
+def tiny_fields(config: HFConfig, *, depth: int | None = None) -> dict[str, Any]:
     """The constructor keywords that shrink `config` (sub-configs in NESTED shrunk the same way)."""
     fields = config.to_dict()
     depth = depth or _depth(fields)

@@ -27,6 +27,7 @@ from dsframework.models.hf import causal_lm_class, skip_transformers_init
 from dsframework.models.tensor_parallel import shard_model
 from dsframework.models.pipeline import hf_names, pipeline_layer_descriptions
 from dsframework.parallel.tensor import LayoutOnlyGroup
+from dsframework.types import HFConfig
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class TensorShares:
         return max((sizes for sizes, kind in self.items if kind == "layer"), key=sum)
 
 
-def _meta_model(config: Any) -> Any:
+def _meta_model(config: HFConfig) -> Any:
     with torch.device("meta"), skip_transformers_init():
         return causal_lm_class(config)(config)
 
@@ -61,7 +62,7 @@ def _signature(layer: Any) -> tuple:
     return tuple((name, tuple(p.shape)) for name, p in layer.named_parameters())
 
 
-def _shallow_config(config: Any, depth: int) -> Any:
+def _shallow_config(config: HFConfig, depth: int) -> Any:
     shallow = copy.deepcopy(config)
     shallow.num_hidden_layers = depth
     if getattr(shallow, "layer_types", None):
@@ -76,7 +77,7 @@ def _problem(error: Exception) -> str:
 class ModelCounts:
     """A config's parameters, counted (see the module docstring); `model_counts` caches one per config."""
 
-    def __init__(self, config: Any):
+    def __init__(self, config: HFConfig):
         self.config = config
         self.model = _meta_model(config)  # whole depth, unsharded: tp = 1
         self.layers_path, layers = _decoder_layers(self.model)
@@ -178,7 +179,7 @@ def _params_by_path(model: Any) -> dict[str, list[int]]:
 _CACHE: dict[str, ModelCounts] = {}
 
 
-def model_counts(config: Any) -> ModelCounts:
+def model_counts(config: HFConfig) -> ModelCounts:
     """The ModelCounts of `config` (a copy of it), one per distinct config."""
     key = config.to_json_string(use_diff=False)
     if key not in _CACHE:

@@ -22,6 +22,7 @@ from typing import Any, Literal
 from dsframework.models.experts import AUTOEP_MODEL_TYPES, expert_layout
 from dsframework.models.plans import context_parallel_problem, sliding_window
 from dsframework.planner.count import ModelCounts, TensorShares, model_counts
+from dsframework.types import HFConfig
 
 # (Counts are exact, so the planner can be checked against a live engine to the byte.)
 
@@ -128,7 +129,7 @@ class ModelDesc:
         return 6.0 * (self.matrices_unsplit - (self.idle_expert_params if self.experts_unsplit else 0))
 
 
-def _features(config: Any, layer: Any, *, q: int, kv: int, ffn: int) -> dict[str, Any]:
+def _features(config: HFConfig, layer: Any, *, q: int, kv: int, ffn: int) -> dict[str, Any]:
     """What the activation count needs from one decoder layer's modules: a gated MLP (its matrices
     of width ffn or 2 ffn hold 3 x hidden x ffn), a fused q|k|v projection (a matrix q + 2 kv wide), its norms (those of
     the layer itself and, inside attention, q/k norms) and their kind."""
@@ -145,7 +146,7 @@ def _features(config: Any, layer: Any, *, q: int, kv: int, ffn: int) -> dict[str
                 norm="rms" if any("RMS" in kind for kind in layer_norms) else "layer")
 
 
-def _experts(config: Any, model: Any) -> dict[str, Any]:
+def _experts(config: HFConfig, model: Any) -> dict[str, Any]:
     """A mixture of experts' routed experts, top-k and their parameters (on the meta model)."""
     moe = expert_layout(config)
     if moe is None:
@@ -156,14 +157,14 @@ def _experts(config: Any, model: Any) -> dict[str, Any]:
                 autoep=config.model_type in AUTOEP_MODEL_TYPES)
 
 
-def _activation(config: Any) -> str:
+def _activation(config: HFConfig) -> str:
     for field_name in ("hidden_activation", "hidden_act", "activation_function"):
         if getattr(config, field_name, None):
             return getattr(config, field_name)
     return "gelu"
 
 
-def _dropout(config: Any) -> float:
+def _dropout(config: HFConfig) -> float:
     """The largest dropout probability in the layers (residual, attention, hidden)."""
     fields = ("resid_pdrop", "attn_pdrop", "attention_dropout", "hidden_dropout", "residual_dropout")
     return max([float(getattr(config, f, 0.0) or 0.0) for f in fields])
@@ -196,7 +197,7 @@ def _unsplit_matrices(counts: ModelCounts, layers: Any) -> dict[str, Any]:
     return dict(matrices_unsplit=whole, experts_unsplit=experts)
 
 
-def describe_model(config: Any, *, name: str | None = None) -> ModelDesc:
+def describe_model(config: HFConfig, *, name: str | None = None) -> ModelDesc:
     """The ModelDesc of a transformers config (see the module docstring)."""
     name = name or getattr(config, "name_or_path", None) or config.model_type
     counts = model_counts(config)

@@ -7,7 +7,10 @@
                                      # and the splits the model refuses: {"tp=2": "tensor parallelism refused: ..."}
     plan.suggestions                 # when nothing fits: what would
 
-The rules are layout.layout_problem's, the ones dsf train applies (dp * tp * pp * cp = world;
+The rules are the functions dsf train's pre-flight calls: the model's own (models/plans.py
+`architecture_problem`, met through shard_model and the pipeline adapter, and
+`context_parallel_layout_problem`; models/experts.py `expert_parallel_problem`; models/loss.py
+`chunked_loss_problem`) and layout.layout_problem's (dp * tp * pp * cp = world;
 tp divides the attention and key/value heads and stays within a node; cp divides the heads per
 tensor rank and the sequence, and divides or is a multiple of the kv heads; pp <= layers; the
 pipeline only with ZeRO 0/1 and without cp; hpZ only with ZeRO-3, tp = 1, dividing dp * cp), plus
@@ -21,10 +24,14 @@ is ranked with them: `plan.best.knobs.why` says what was chosen and why.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
-from dsframework.layout import ParallelDims, layout_problem
+from dsframework.errors import UserError
+from dsframework.layout import ParallelDims, grid_problem, layout_problem
+from dsframework.models.experts import expert_parallel_problem
+from dsframework.models.loss import chunked_loss_problem
+from dsframework.models.plans import context_parallel_layout_problem
 from dsframework.planner.cluster import Cluster, GiB, resize
 from dsframework.planner.fit import check_fit
 from dsframework.planner.knobs import KnobChoice, with_knobs
@@ -102,14 +109,11 @@ def _divisors(n: int) -> list[int]:
     return sorted(set(small + [n // d for d in small]))
 
 
-def cp_problem(desc: ModelDesc, seq_len: int) -> str | None:
-    """Why context parallelism would change this model's attention (models/plans.py
-    check_context_parallel, the rule dsf train applies), or None."""
-    if desc.sliding_window is not None and desc.sliding_window < seq_len:
-        return f"its sliding window ({desc.sliding_window} tokens) is shorter than the sequence"
-    if desc.attn_softcapping:
-        return "its attention scores are softcapped"
-    return desc.cp_problem
+def cp_problem(desc: ModelDesc, seq_len: int | None) -> UserError | None:
+    """Why context parallelism would change this model's attention, or None: models/plans.py's
+    `context_parallel_layout_problem`, the rule dsf train's pre-flight applies, on the description."""
+    return context_parallel_layout_problem(desc.model_type, cp=2, seq_len=seq_len, window=desc.sliding_window,
+                                           softcapped=desc.attn_softcapping, problem=desc.cp_problem)
 
 
 def unavailable(desc: ModelDesc, cluster: Cluster, *, tp: int | None = None,
@@ -122,17 +126,19 @@ def unavailable(desc: ModelDesc, cluster: Cluster, *, tp: int | None = None,
                and desc.tp_problem(t) is not None}
     if (pp is None or pp > 1) and cluster.world > 1 and desc.layers > 1 and desc.pp_problem is not None:
         refused["pp > 1"] = f"pipeline parallelism refused: {desc.pp_problem}"
-    if seq_len is not None and cluster.world > 1 and cp_problem(desc, seq_len) is not None:
-        refused["cp > 1"] = f"context parallelism refused: {cp_problem(desc, seq_len)}"
+    cp_refusal = cp_problem(desc, seq_len) if seq_len is not None and cluster.world > 1 else None
+    if cp_refusal is not None:
+        refused["cp > 1"] = f"context parallelism refused: {cp_refusal.rule}"
     return refused
 
 
 def expert_sizes(desc: ModelDesc, dims: ParallelDims, ep: int | None) -> list[int]:
-    """The ep sizes of a grid: 1, and for a mixture of experts AutoEP knows, at tp = pp = cp = 1
-    without hpZ, every divisor of the data-parallel ranks that divides the experts (`ep` pins one)."""
-    sizes = [1]
-    if desc.autoep and dims.model_parallel == 1 and dims.zero_hpz == 1:
-        sizes += [e for e in _divisors(dims.dp) if e > 1 and desc.experts % e == 0]
+    """The ep sizes of a grid: 1, and every ep > 1 that the model's expert rule (models/experts.py
+    `expert_parallel_problem`, which dsf train's pre-flight applies) and the grid's (layout.py
+    `grid_problem`: ep divides dp, composes with dp and ZeRO only) allow (`ep` pins one)."""
+    sizes = [1] + [e for e in _divisors(dims.dp) if e > 1
+                   and expert_parallel_problem(desc.model_type, desc.experts, ep=e) is None
+                   and grid_problem(replace(dims, ep=e)) is None]
     return [e for e in sizes if ep is None or e == ep]
 
 
@@ -146,7 +152,8 @@ def enumerate_layouts(desc: ModelDesc, cluster: Cluster, job: Workload, *, tp: i
         if (tp is not None and t != tp) or world % t or (desc.heads % t == 0 and desc.tp_problem(t)):
             continue
         for p in _divisors(world // t):
-            if (pp is not None and p != pp) or (p > 1 and desc.pp_problem):
+            pipeline_refused = p > 1 and (desc.pp_problem or chunked_loss_problem(job.chunked_loss, pp=p))
+            if (pp is not None and p != pp) or pipeline_refused:
                 continue
             for c in _divisors(world // (t * p)):
                 if (cp is not None and c != cp) or (c > 1 and cp_problem(desc, job.seq_len)):

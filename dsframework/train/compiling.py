@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 from dsframework.data import store_cache_dir
+from dsframework.types import Engine
 
 BACKEND = "inductor"  # torch.compile's backend (tests/distributed/workers may patch it)
 EXPECTED_GAIN = 0.14  # share of a step's time compiling saves (1 - 1 / 1.16)
@@ -58,7 +58,7 @@ def use_inductor_cache() -> Path:
     return cache
 
 
-def compile_engine(engine: Any) -> None:
+def compile_engine(engine: Engine) -> None:
     """`engine.compile()` with inductor; the first forward and backward compile (lazily)."""
     use_inductor_cache().mkdir(parents=True, exist_ok=True)
     engine.compile(backend=BACKEND)

@@ -21,6 +21,7 @@ from typing import Any
 
 from dsframework.models.experts import expert_layout
 from dsframework.parallel.host import all_reduce_host
+from dsframework.types import HFConfig
 
 
 class ExpertLoad:
@@ -29,7 +30,7 @@ class ExpertLoad:
         self._reset()
 
     @classmethod
-    def attach(cls, model: Any, config: Any) -> "ExpertLoad | None":
+    def attach(cls, model: Any, config: HFConfig) -> "ExpertLoad | None":
         moe = expert_layout(config)
         if moe is None or not getattr(config, "output_router_logits", False):
             return None

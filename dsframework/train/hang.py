@@ -27,7 +27,7 @@ from collections import deque
 from typing import Any, Callable
 
 from dsframework.errors import UserError
-from dsframework.launching.heartbeat import Beat
+from dsframework.protocol.heartbeat import Beat
 
 AUTO_MIN_S, AUTO_STEPS = 60.0, 10
 LONG_MIN_S = 600.0

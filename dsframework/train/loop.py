@@ -21,8 +21,8 @@ from dsframework.config import RunConfig
 from dsframework.data import BlockSampler
 from dsframework.data.store import describe_store
 from dsframework.errors import UserError
-from dsframework.launching.exits import clear_preempted, mark_preempted
-from dsframework.launching.goodput import record_checkpoint_time
+from dsframework.protocol.exits import clear_preempted, mark_preempted
+from dsframework.protocol.goodput import record_checkpoint_time
 from dsframework.models.experts import describe_experts
 from dsframework.train import step as one_step
 from dsframework.train.compiling import (
@@ -37,6 +37,7 @@ from dsframework.train.setup import Session
 from dsframework.train.step import StepBreakdown
 from dsframework.train.world import mean_over_ranks
 from dsframework.train.throughput import FlopsMeter
+from dsframework.types import accelerator
 
 
 class Preempted(Exception):
@@ -158,8 +159,8 @@ def train_watched(session: Session, sampler: BlockSampler, consumed: int, watch:
     def enter(phase: str) -> None:
         watch.enter("checkpoint" if committing and phase == "optimizer step" else phase)
 
-    step_loss = one_step.train_step(session.engine, batches, pipeline=session.dims.pp_enabled, enter=enter,
-                                    **session.loss_kw)
+    step_loss = one_step.train_step(session.engine, batches, pipeline=session.dims.pp_enabled,
+                                    loss_setup=session.loss_setup, enter=enter)
     for seconds in watch.timer.stop():  # the device's time of the steps it has finished (hang.StepTimer)
         watch.step_done(seconds=seconds)
     watch.trained += 1
@@ -188,7 +189,8 @@ def evaluate(session: Session) -> float:
     """The held-out loss (train/step.py's evaluate) with this session's engine, data and loss."""
     dims = session.dims
     return one_step.evaluate(session.engine, session.eval_blocks, micro_batch=session.batch.micro_batch,
-                             dp_size=dims.dp, dp_rank=session.dp_rank, pipeline=dims.pp_enabled, **session.loss_kw)
+                             dp_size=dims.dp, dp_rank=session.dp_rank, pipeline=dims.pp_enabled,
+                             loss_setup=session.loss_setup)
 
 
 class Window:
@@ -226,7 +228,7 @@ class Window:
         last.update(self.breakdown.read())
         if compiling > 0:
             last["compile_s"] = compiling
-        if self.checkpoint_s > 0:  # what the goodput count (launching/goodput.py) charges to checkpointing
+        if self.checkpoint_s > 0:  # what the goodput count (protocol/goodput.py) charges to checkpointing
             last["checkpoint_s"], self.checkpoint_s = self.checkpoint_s, 0.0
         probe.report_compiled(self.session.rank)
         if run.logging.eval_every and (step % run.logging.eval_every == 0 or done):
@@ -242,9 +244,8 @@ class Window:
 def device_clock() -> float:
     """The host's clock once the device has caught up (a host synchronisation: for the two readings
     of the compile probe, not for every step; on a GPU the host otherwise times its own queueing)."""
-    from deepspeed.accelerator import get_accelerator
 
-    get_accelerator().synchronize()
+    accelerator().synchronize()
     return time.perf_counter()
 
 

@@ -49,13 +49,13 @@ from dsframework.errors import UserError
 from dsframework.jit import AdamChoice, adam_choice, load_adam_op
 from dsframework.layout import ParallelDims, check_model_layout
 from dsframework.models.autoep_compat import bridge_output_capture_registry
-from dsframework.models.build import build_model, built_line, rank_placement, resolve_model
+from dsframework.models.build import ModelSource, build_model, built_line, rank_placement, resolve_model
 from dsframework.models.construct import build_for_layout, check_pretrained_files, host_peak
 from dsframework.models.hf import count_parameters
 from dsframework.models.lora import apply_lora
 from dsframework.models.loss import check_chunked_loss_layout, use_chunked_loss
 from dsframework.models.tensor_parallel import TensorParallelCausalLM
-from dsframework.parallel.context import use_ulysses_attention, zero_gradient_scale
+from dsframework.parallel.context import use_ulysses_attention
 from dsframework.models.pipeline import (
     build_pipeline_module,
     check_model_parallelism,
@@ -67,7 +67,9 @@ from dsframework.runtime_facts import loss_chunking as rank_loss_chunking
 from dsframework.train.compiling import compile_engine, use_inductor_cache
 from dsframework.train.expert_load import ExpertLoad
 from dsframework.train.metrics import check_no_previous_outputs, remove_previous_outputs
+from dsframework.train.step import WHOLE, LossSetup
 from dsframework.train.world import init_distributed
+from dsframework.types import Engine, Grid, HFConfig, accelerator
 
 
 def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False,
@@ -97,7 +99,8 @@ def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False,
     session = Session(run, world.rank, world.dims, world.dp_rank, batch, engine, data.tokenizer, data.train_blocks,
                       data.eval_blocks, model.num_parameters, data.config, built=model.construction,
                       grid=world.grid, loss_chunk_tokens=model.chunk_tokens,
-                      expert_load=None if world.dims.pp_enabled else ExpertLoad.attach(engine.module, data.config))
+                      expert_load=None if world.dims.pp_enabled else ExpertLoad.attach(engine.module, data.config),
+                      loss_setup=loss_setup(world, data.config, chunked=model.chunk_tokens is not None))
     if resume:
         with clock.phase("restore"), closing_writer_on_error(engine):
             restore(session, load_tag)
@@ -165,13 +168,12 @@ def import_libraries() -> None:
 def preflight(run: RunConfig, *, resume: bool, overwrite: bool) -> tuple[ResumePlan | None, Any]:
     """(what a resume starts from, None without --resume; the model's source): everything a user can
     get wrong, checked before the first byte is written or deleted and before the rendezvous."""
-    from deepspeed.accelerator import get_accelerator
 
     resuming = check_output_dir(run, resume=resume, overwrite=overwrite)
     check_chunked_loss_layout(run.train.chunked_loss, pp=run.parallel.pp)
     use_inductor_cache()  # (before DeepSpeed imports inductor; train.compile=auto may compile later)
-    if run.train.precision == "fp16" and not get_accelerator().is_fp16_supported():
-        raise UserError("train.precision", "fp16", f"is not supported on this device ({get_accelerator().device_name()})",
+    if run.train.precision == "fp16" and not accelerator().is_fp16_supported():
+        raise UserError("train.precision", "fp16", f"is not supported on this device ({accelerator().device_name()})",
                         "use train.precision=bf16 or fp32")
     source = resolve_model(run.model)
     # A model or layout that cannot run is named before the process group forms (no rank waits at
@@ -185,10 +187,9 @@ def preflight(run: RunConfig, *, resume: bool, overwrite: bool) -> tuple[ResumeP
 def checked_adam(run: RunConfig) -> AdamChoice:
     """The Adam this run's JSON asks for (jit.adam_choice), its op loaded or built now: a GPU run
     whose optimizer cannot be built stops here in one line, before the rendezvous."""
-    from deepspeed.accelerator import get_accelerator
 
     offload = run.parallel.offload_optimizer != "none"
-    choice = adam_choice(get_accelerator().device_name(), offload=offload)
+    choice = adam_choice(accelerator().device_name(), offload=offload)
     field, value = ("parallel.offload_optimizer", run.parallel.offload_optimizer) if offload else \
         ("train.optimizer", run.train.optimizer)
     load_adam_op(choice, field=field, value=value)
@@ -202,11 +203,11 @@ class World:
     rank: int
     dims: ParallelDims
     topology: Any  # parallel.topology.build_topology
-    grid: Any  # tp or cp: the mpu deepspeed.initialize gets (ZeRO reduces over its data-parallel group)
+    grid: Grid  # tp or cp: the mpu deepspeed.initialize gets (ZeRO reduces over its data-parallel group)
     dp_rank: int
 
 
-def form_world(run: RunConfig, source: Any) -> World:
+def form_world(run: RunConfig, source: ModelSource) -> World:
     """Join the process group and check the layout at the world it reports."""
     rank, world = init_distributed()
     dims = checked_layout(run, source.config, world=world)
@@ -222,10 +223,10 @@ class Data:
     tokenizer: Any
     train_blocks: Any
     eval_blocks: Any
-    config: Any  # the model's transformers config, for this tokenizer
+    config: HFConfig  # the model's transformers config, for this tokenizer
 
 
-def load_data(run: RunConfig, source: Any, world: World, clock: StartupClock, *, resume: bool,
+def load_data(run: RunConfig, source: ModelSource, world: World, clock: StartupClock, *, resume: bool,
               overwrite: bool) -> Data:
     """Texts, tokenizer, token stores, model config; the output directory claimed. Rank 0 first: it
     validates the data, writes the token store and the tokenizer; then the others read them."""
@@ -248,7 +249,8 @@ def load_data(run: RunConfig, source: Any, world: World, clock: StartupClock, *,
     return Data(tokenizer, train_blocks, eval_blocks, config)
 
 
-def claim_outputs(run: RunConfig, config: Any, tokenizer: Any, *, resume: bool, overwrite: bool, rank: int) -> None:
+def claim_outputs(run: RunConfig, config: HFConfig, tokenizer: Any, *, resume: bool, overwrite: bool,
+                  rank: int) -> None:
     """On resume, check the checkpoint holds this run's model; else rank 0 replaces a previous run
     (with --overwrite) and writes the tokenizer, the model config and run.yaml."""
     if resume:
@@ -272,8 +274,8 @@ class Model:
     chunk_tokens: int | None = None  # the causal LM loss in chunks of this many tokens
 
 
-def build_model_for_layout(run: RunConfig, source: Any, config: Any, world: World, ds_config: dict[str, Any],
-                           batch: Batch) -> Model:
+def build_model_for_layout(run: RunConfig, source: ModelSource, config: HFConfig, world: World,
+                           ds_config: dict[str, Any], batch: Batch) -> Model:
     """The model as this rank trains it: its shards, wrapped for its layout and loss."""
     with host_peak() as peak:  # the host's peak resident memory while this rank builds
         model = materialise(run, source, config, world, ds_config)
@@ -286,7 +288,8 @@ def build_model_for_layout(run: RunConfig, source: Any, config: Any, world: Worl
     return model
 
 
-def materialise(run: RunConfig, source: Any, config: Any, world: World, ds_config: dict[str, Any]) -> Model:
+def materialise(run: RunConfig, source: ModelSource, config: HFConfig, world: World,
+                ds_config: dict[str, Any]) -> Model:
     """Under ZeRO-3 the model is built partitioned (no rank holds it whole). With tensor or pipeline
     parallelism it is built on the meta device and each rank materialises only its own shards of
     its own stage (models/construct.py); under ZeRO-3 those are partitioned as they are made."""
@@ -352,7 +355,7 @@ def build_engine(run: RunConfig, model: Any, ds_config: dict[str, Any], world: W
 
 
 @contextmanager
-def closing_writer_on_error(engine: Any) -> Iterator[None]:
+def closing_writer_on_error(engine: Engine) -> Iterator[None]:
     """End checkpoint.writer=decoupled's process if the block raises (a checkpoint that will not load):
     the run ends before train()'s own close, and the writer would otherwise outlive it, waiting for work."""
     try:
@@ -388,7 +391,7 @@ def check_output_dir(run: RunConfig, *, resume: bool, overwrite: bool) -> Resume
     return None
 
 
-def checked_layout(run: RunConfig, config: Any, *, world: int) -> ParallelDims:
+def checked_layout(run: RunConfig, config: HFConfig, *, world: int) -> ParallelDims:
     """tp x pp x cp x dp of `world` ranks, by the rules of parallel.topology for this model config."""
     dims = ParallelDims.of(run.parallel, world=world)
     check_model_layout(dims, config, dp=run.parallel.dp, seq_len=run.data.seq_len,
@@ -397,7 +400,7 @@ def checked_layout(run: RunConfig, config: Any, *, world: int) -> ParallelDims:
     return dims
 
 
-def obtain_tokenizer(run: RunConfig, source: Any, texts: Any, *, resume: bool, rank: int) -> Any:
+def obtain_tokenizer(run: RunConfig, source: ModelSource, texts: Any, *, resume: bool, rank: int) -> Any:
     """The run's tokenizer: the checkpoint's on resume, else the user's or the pretrained model's,
     else one trained on the data by rank 0 (the other ranks load what rank 0 saved)."""
     saved = run.checkpoint_dir / ckpt.TOKENIZER_DIR
@@ -412,7 +415,7 @@ def obtain_tokenizer(run: RunConfig, source: Any, texts: Any, *, resume: bool, r
     return load_tokenizer(saved, field="checkpoint tokenizer")
 
 
-def _check_same_model(run: RunConfig, config: Any) -> None:
+def _check_same_model(run: RunConfig, config: HFConfig) -> None:
     """On resume, the model config must be the checkpoint's (else its weights will not load)."""
     from transformers import AutoConfig
 
@@ -430,7 +433,15 @@ def _check_same_model(run: RunConfig, config: Any) -> None:
                         f"{before.get(key)!r}", "resume with the model settings the run started with")
 
 
-def loss_chunking(run: RunConfig, config: Any, dims: ParallelDims, micro_batch: int) -> int | None:
+def loss_setup(world: World, config: HFConfig, *, chunked: bool) -> LossSetup:
+    """How this rank computes a micro-batch's loss: the model's own, or with context parallelism its
+    share over its slice of the sequences (train/step.py LossSetup)."""
+    if not world.dims.cp_enabled:
+        return WHOLE
+    return LossSetup.context_parallel(world.grid, world.dims, vocab_size=config.vocab_size, chunked=chunked)
+
+
+def loss_chunking(run: RunConfig, config: HFConfig, dims: ParallelDims, micro_batch: int) -> int | None:
     """Tokens per chunk of the causal LM loss (train.chunked_loss), or None for the whole logits:
     runtime_facts.loss_chunking, the decision the planner counts too."""
     return rank_loss_chunking(run.train.chunked_loss, vocab=config.vocab_size, tp=dims.tp, pp=dims.pp, cp=dims.cp,
@@ -447,26 +458,17 @@ class Session:
     dims: ParallelDims
     dp_rank: int
     batch: Batch
-    engine: Any
+    engine: Engine
     tokenizer: Any
     train_blocks: Any
     eval_blocks: Any
     num_parameters: int
-    model_config: Any
+    model_config: HFConfig
     step: int = 0
     consumed_samples: int = 0
     built: Any = None  # tp/pp: what this rank materialised and read (models.construct.Materialized)
-    grid: Any = None  # tp or cp: the mpu deepspeed.initialize got (parallel.topology.build_grid)
+    grid: Grid = None  # tp or cp: the mpu deepspeed.initialize got (parallel.topology.build_grid)
     loss_chunk_tokens: int | None = None  # the causal LM loss in chunks of this many tokens (models/loss.py)
     expert_load: Any = None  # a mixture of experts' router figures (train/expert_load.py), else None
+    loss_setup: LossSetup = WHOLE  # how every micro-batch's loss is computed (train/step.py), set once
 
-    @property
-    def loss_kw(self) -> dict[str, Any]:
-        """How `micro_batch_loss` computes this run's loss (context parallelism, vocab-parallel)."""
-        if not self.dims.cp_enabled:
-            return {}
-
-        return {"grid": self.grid, "context": True, "vocab_size": self.model_config.vocab_size,
-                "tensor_group": self.grid.get_slice_parallel_group() if self.dims.tp_enabled else None,
-                "gradient_scale": zero_gradient_scale(cp=self.dims.cp, zero_stage=self.dims.zero_stage),
-                "chunked": self.loss_chunk_tokens is not None}

@@ -4,6 +4,9 @@ the held-out evaluation (the loop in train/loop.py calls these once per step or 
     batches = step_batches(train_blocks, sampler, consumed)     # this rank's rows of the step
     loss = train_step(engine, batches, pipeline=False)          # forward, backward, optimizer step
     eval_loss = evaluate(engine, eval_blocks, micro_batch=2, dp_size=2, dp_rank=0, pipeline=False)
+    # context parallel: the loss is set up once (train/setup.py) and handed to both
+    loss_setup = LossSetup.context_parallel(grid, dims, vocab_size=32000, chunked=False)
+    loss = train_step(engine, batches, pipeline=False, loss_setup=loss_setup)
 
 The loop looks `train_step` and `step_batches` up in this module at each step, and `train_step`
 and `evaluate` look up `micro_batch_loss` here at each call: the fault and hot-path tests' workers
@@ -11,10 +14,37 @@ replace them in this module (tests/distributed/workers/faults.py, hot_path.py).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from dsframework.data import BlockSampler, eval_shard
+from dsframework.layout import ParallelDims
 from dsframework.models.sequence_loss import SequenceShard, sequence_shard_loss
+from dsframework.parallel.context import zero_gradient_scale
+from dsframework.types import Engine, Grid
+
+
+@dataclass(frozen=True)
+class LossSetup:
+    """How this run computes a micro-batch's loss, decided once at start-up (train/setup.py) and
+    handed to every step and evaluation: the model's own causal LM loss (the default, `WHOLE`), or
+    with context parallelism each rank's share of it over its slice of the sequences
+    (models/sequence_loss.py)."""
+
+    grid: Grid | None = None  # context parallel: the mpu whose sequence group splits each sequence
+    tensor_group: Any = None  # tp x cp: the tensor group the vocab-parallel loss reduces over
+    vocab_size: int = 0  # the model's vocabulary (the vocab-parallel loss's targets are checked against it)
+    gradient_scale: float = 1.0  # what ZeRO's averaging over the sequence ranks must be undone by
+    chunked: bool = False  # the loss in chunks of tokens (models/loss.py use_chunked_loss)
+
+    @classmethod
+    def context_parallel(cls, grid: Grid, dims: ParallelDims, *, vocab_size: int, chunked: bool) -> LossSetup:
+        return cls(grid=grid, vocab_size=vocab_size, chunked=chunked,
+                   tensor_group=grid.get_slice_parallel_group() if dims.tp_enabled else None,
+                   gradient_scale=zero_gradient_scale(cp=dims.cp, zero_stage=dims.zero_stage))
+
+
+WHOLE = LossSetup()
 
 
 def step_batches(blocks: Any, sampler: BlockSampler, consumed: int) -> list:
@@ -30,9 +60,7 @@ def step_batches(blocks: Any, sampler: BlockSampler, consumed: int) -> list:
     return [blocks.micro_batch(indices, weight=weight) for indices in sampler.micro_batches(consumed)]
 
 
-def micro_batch_loss(engine: Any, input_ids: Any, *, grid: Any = None, context: bool = False,
-                     tensor_group: Any = None, vocab_size: int = 0, gradient_scale: float = 1.0,
-                     chunked: bool = False) -> tuple[Any, Any]:
+def micro_batch_loss(engine: Engine, input_ids: Any, loss_setup: LossSetup = WHOLE) -> tuple[Any, Any]:
     """(the loss to backpropagate, the micro-batch's mean loss detached) for whole sequences.
 
     With context parallelism each rank runs its slice of the sequences and backpropagates its
@@ -49,18 +77,20 @@ def micro_batch_loss(engine: Any, input_ids: Any, *, grid: Any = None, context: 
         loss = engine(**batch, use_cache=False, num_items_in_batch=1.0 / input_ids["loss_weight"]).loss
         return loss, loss.detach()
     input_ids = input_ids.to(engine.device)
-    if context:
-        return sequence_shard_loss(engine, SequenceShard.of(input_ids, grid), grid=grid, tensor_group=tensor_group,
-                                   vocab_size=vocab_size, gradient_scale=gradient_scale, chunked=chunked)
+    if loss_setup.grid is not None:
+        return sequence_shard_loss(engine, SequenceShard.of(input_ids, loss_setup.grid), grid=loss_setup.grid,
+                                   tensor_group=loss_setup.tensor_group, vocab_size=loss_setup.vocab_size,
+                                   gradient_scale=loss_setup.gradient_scale, chunked=loss_setup.chunked)
     loss = engine(input_ids=input_ids, labels=input_ids).loss
     return loss, loss.detach()
 
 
-def train_step(engine: Any, micro_batches: list, *, pipeline: bool, enter: Any = None, **loss_kw: Any) -> Any:
+def train_step(engine: Engine, micro_batches: list, *, pipeline: bool, loss_setup: LossSetup = WHOLE,
+               enter: Any = None) -> Any:
     """One optimizer step over this rank's micro-batches; their mean loss (a float64 tensor on the
-    engine's device: nothing here waits for the device). `loss_kw` go to `micro_batch_loss` (looked
-    up in this module at each call: the fault tests' worker wraps it). `enter(phase)` is told each
-    phase as it starts (train/hang.py's heartbeat)."""
+    engine's device: nothing here waits for the device). Each micro-batch's loss is
+    `micro_batch_loss(engine, ids, loss_setup)` (looked up in this module at each call: the fault
+    tests' worker wraps it). `enter(phase)` is told each phase as it starts (train/hang.py's heartbeat)."""
     import torch
 
     enter = enter or _no_phase
@@ -71,7 +101,7 @@ def train_step(engine: Any, micro_batches: list, *, pipeline: bool, enter: Any =
     total = torch.zeros((), dtype=torch.float64, device=engine.device)  # the losses add up where they are
     for input_ids in micro_batches:
         enter("forward")
-        loss, value = micro_batch_loss(engine, input_ids, **loss_kw)
+        loss, value = micro_batch_loss(engine, input_ids, loss_setup)
         enter("backward")
         engine.backward(loss)
         enter("optimizer step")
@@ -84,8 +114,8 @@ def _no_phase(phase: str) -> None:
     pass
 
 
-def evaluate(engine: Any, eval_blocks: Any, *, micro_batch: int, dp_size: int, dp_rank: int,
-              pipeline: bool, **loss_kw: Any) -> float:
+def evaluate(engine: Engine, eval_blocks: Any, *, micro_batch: int, dp_size: int, dp_rank: int,
+             pipeline: bool, loss_setup: LossSetup = WHOLE) -> float:
     """Mean loss over the held-out blocks, every rank running the same number of forwards
     (all micro-batches hold the same number of blocks); with chat / prompt-completion data, the
     mean over every trained token of the held-out rows."""
@@ -101,7 +131,7 @@ def evaluate(engine: Any, eval_blocks: Any, *, micro_batch: int, dp_size: int, d
     with torch.no_grad():
         if eval_blocks.supervised:
             for indices in shard:
-                total += micro_batch_loss(engine, eval_blocks.micro_batch(indices, weight=1.0), **loss_kw)[1].double()
+                total += micro_batch_loss(engine, eval_blocks.micro_batch(indices, weight=1.0), loss_setup)[1].double()
                 count += eval_blocks.trained_tokens(indices)
         elif pipeline:
             batches = [eval_blocks[indices] for indices in shard]
@@ -109,7 +139,7 @@ def evaluate(engine: Any, eval_blocks: Any, *, micro_batch: int, dp_size: int, d
             count += 1.0
         else:
             for indices in shard:
-                total += micro_batch_loss(engine, eval_blocks[indices], **loss_kw)[1].double()
+                total += micro_batch_loss(engine, eval_blocks[indices], loss_setup)[1].double()
                 count += 1.0
     engine.train()
     if not eval_blocks.supervised:  # the mean over ranks of each rank's mean (every rank runs as many)
@@ -132,7 +162,7 @@ class StepBreakdown:
 
     TIMERS = {"forward_ms": "fwd", "backward_ms": "bwd", "allreduce_ms": "bwd_allreduce", "optimizer_ms": "step"}
 
-    def __init__(self, engine: Any, *, enabled: bool) -> None:
+    def __init__(self, engine: Engine, *, enabled: bool) -> None:
         self.engine, self.enabled = engine, enabled
         self.sums: dict[str, float] = {}
         self.steps = 0

@@ -12,15 +12,50 @@ GPU's preset found by its name, else a short matmul that every rank runs at once
 """
 from __future__ import annotations
 
+import statistics
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from dsframework.planner.cluster import cluster_preset, load_cluster, local_gpu_preset
 from dsframework.planner.model import describe_model
-from dsframework.train.calibrate import matmul_flops
 from dsframework.train.world import mean_over_ranks
+from dsframework.types import HFConfig
 
+MATMUL_SIZE = 1024  # dsf calibrate's matmul (commands/calibrate.py)
+REPEATS = 5
 PEAK_MATMUL_SIZE = 512
+
+
+def _seconds(fn, repeats: int = REPEATS) -> float:
+    """Median seconds of `fn()` after one warm-up call (allocations, kernels, JIT)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def matmul_flops(dtype_name: str, *, size: int = MATMUL_SIZE, threads: int | None = None) -> float:
+    """Peak FLOP/s of one size x size matmul at `dtype_name` on this process's device."""
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if threads and device == "cpu":
+        torch.set_num_threads(threads)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+
+    def run():
+        for _ in range(4):
+            a @ b
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    return 4 * 2 * size ** 3 / _seconds(run)
 
 
 def _measured_peak(precision: str) -> float:
@@ -54,7 +89,7 @@ class FlopsMeter:
     peak_source: str
 
     @classmethod
-    def for_run(cls, run: Any, config: Any, *, world: int) -> "FlopsMeter":
+    def for_run(cls, run: Any, config: HFConfig, *, world: int) -> "FlopsMeter":
         peak, source = peak_flops_per_rank(run.logging.cluster, run.train.precision)
         per_token = describe_model(config, name=run.model.name).flops_per_token(run.data.seq_len)
         return cls(per_token, world, peak, source)

@@ -24,13 +24,13 @@ from dsframework.errors import UserError
 from dsframework.jit import pin_build_tools, release_shm_buffers
 from dsframework.parallel.host import all_reduce_host, host_group, make_host_group
 from dsframework.ports import free_port
+from dsframework.types import accelerator
 
 
 def init_distributed() -> tuple[int, int]:
     """(rank, world_size), with a process group up; a plain `dsf train` is a world of one."""
     import deepspeed
     import torch
-    from deepspeed.accelerator import get_accelerator
 
     pin_build_tools()
     if "RANK" not in os.environ:  # not under a launcher: a world of one on a free local port
@@ -38,17 +38,17 @@ def init_distributed() -> tuple[int, int]:
         # checkpoint writer reads CROSS_SIZE)
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", CROSS_RANK="0",
                           CROSS_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    accelerator = get_accelerator()
-    if accelerator.device_name() == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+    device = accelerator()
+    if device.device_name() == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # N CPU ranks on one host would each take every core; share them out instead.
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
-    if accelerator.device_name() != "cpu":
+    if device.device_name() != "cpu":
         # Before the first collective: NCCL binds each rank's communicator to the current device,
         # which would otherwise be device 0 for every rank of the node.
-        accelerator.set_device(local_device(accelerator.device_count()))
+        device.set_device(local_device(device.device_count()))
         debug_host_syncs()
-    deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name(), verbose=False)
+    deepspeed.init_distributed(dist_backend=device.communication_backend_name(), verbose=False)
     make_host_group(separate=torch.distributed.get_backend() != "gloo")
     release_shm_buffers()
     return torch.distributed.get_rank(), torch.distributed.get_world_size()

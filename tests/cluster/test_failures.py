@@ -320,7 +320,7 @@ def test_slurm_restarts_inside_the_allocation_and_leaves_a_twice_failed_node_out
 
 
 def test_slurm_sigterm_checkpoints_the_step(preempted):
-    """... and the batch job exits 143 (launching/exits.py), which `RequeueExit=143` requeues, though
+    """... and the batch job exits 143 (protocol/exits.py), which `RequeueExit=143` requeues, though
     deepspeed's per-node launcher ended with 1."""
     workdir, job, output, took, stopped, latest, exit_code = preempted
     out = workdir / "out"

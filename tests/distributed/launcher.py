@@ -142,8 +142,8 @@ def losses(output_dir: Path) -> dict[int, float]:
 
 def last_logged_step(metrics: Path) -> int:
     """The last step a running job's metrics.jsonl logged (0: none yet); a line the trainer is still
-    writing is skipped, so a poll never fails on it (dsf launch's own poll: launching/goodput.py)."""
-    from dsframework.launching.goodput import last_step
+    writing is skipped, so a poll never fails on it (dsf launch's own poll: protocol/goodput.py)."""
+    from dsframework.protocol.goodput import last_step
 
     return last_step(metrics)
 

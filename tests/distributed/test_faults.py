@@ -199,7 +199,7 @@ def test_crash_during_decoupled_write_keeps_latest_and_its_checkpoints_resume_ex
     assert (ckpts / "latest").read_text().strip() == "global_step6"
     assert not list(ckpts.glob("*.partial"))
     for tag in ("global_step4", "global_step6"):  # every file of every rank, as the manifest lists them
-        assert verify(ckpts, tag)["files"].keys() >= {"zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        assert verify(ckpts, tag).files.keys() >= {"zero_pp_rank_0_mp_rank_00_optim_states.pt",
                                                       "zero_pp_rank_1_mp_rank_00_optim_states.pt",
                                                       "mp_rank_00_model_states.pt", "rng_rank1.pt"}
     stalls = [json.loads(line)["step"] for line in (out / "checkpoint_times.jsonl").read_text().splitlines()]

@@ -82,17 +82,19 @@ def test_a_context_parallel_checkpoint_resumes_at_its_layout_only(tmp_path, now,
     """Refused before anything is converted or loaded (the universal-checkpoint paths are not tested
     with cp's ZeRO groups); zero_hpz may change (its secondary copy is never saved)."""
     from dsframework.config import build_run_config
+    from dsframework.checkpoints.manifest import Manifest
     from dsframework.checkpoints.resume import resume_tag
     from dsframework.errors import UserError
 
     run = build_run_config({}, [f"output_dir={tmp_path}", "parallel.zero_stage=3", f"parallel.cp={now['cp']}"])
     run.checkpoint_dir.mkdir(parents=True)
     (run.checkpoint_dir / "latest").write_text("global_step4")
-    saved = {"world": 4, "tp": 1, "pp": 1, "cp": 2, "dp": 2, "zero_stage": 3, "zero_hpz": 2}
+    saved = Manifest(step=4, layout={"world": 4, "tp": 1, "pp": 1, "cp": 2, "dp": 2, "zero_stage": 3, "zero_hpz": 2},
+                     files={})
     with pytest.raises(UserError, match=match):
-        resume_tag(run, ParallelDims.of(run.parallel, world=now["world"]), {"layout": saved}, config=None)
+        resume_tag(run, ParallelDims.of(run.parallel, world=now["world"]), saved, config=None)
     same = build_run_config({}, [f"output_dir={tmp_path}", "parallel.zero_stage=3", "parallel.cp=2"])
-    assert resume_tag(same, ParallelDims.of(same.parallel, world=4), {"layout": saved}, None) == ("global_step4", False)
+    assert resume_tag(same, ParallelDims.of(same.parallel, world=4), saved, None) == ("global_step4", False)
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["checkpoints", "latest"]
 
 

@@ -1,5 +1,5 @@
 """Hang detection (faults.hang_timeout): the heartbeat a trainer writes and its watcher reads
-(launching/heartbeat.py), the limits each phase gets (train/hang.py), and the watcher's verdict on a
+(protocol/heartbeat.py), the limits each phase gets (train/hang.py), and the watcher's verdict on a
 real child process that stops beating (launching/supervise.py): a stopped process is named at its
 limit, a running one HANG_GRACE_S later, a beating one never. The cluster test (tests/cluster/
 test_failures.py) stops a rank of a real two-node job."""
@@ -16,7 +16,7 @@ import pytest
 from dsframework.config import build_run_config
 from dsframework.errors import UserError
 from dsframework.launching import supervise
-from dsframework.launching.heartbeat import ENV, Beat, Pulse
+from dsframework.protocol.heartbeat import ENV, Beat, Pulse
 from dsframework.train.hang import AUTO_MIN_S, LONG_MIN_S, HangWatch
 
 
@@ -96,7 +96,7 @@ def test_a_negative_setting_is_refused_in_one_line():
 
 CHILD = textwrap.dedent("""
     import os, signal, sys, time
-    from dsframework.launching.heartbeat import Beat
+    from dsframework.protocol.heartbeat import Beat
     beat = Beat.from_env()
     for step in range(1, 4):
         beat.beat("forward", step=step, limit=1.0)

@@ -116,7 +116,7 @@ def test_where_the_wall_time_went(tmp_path):
     """Goodput from a timeline of two attempts: start-up until the first step, restarting from the
     failure to the next first step, steps redone from the last checkpoint to the failure, the
     trainer's checkpoint seconds, the rest training; ETTR = training / total."""
-    from dsframework.launching.goodput import Attempt, Timeline
+    from dsframework.protocol.goodput import Attempt, Timeline
 
     (tmp_path / "checkpoint_times.jsonl").write_text('{"step": 5, "seconds": 1.5, "time": 130}\n'
                                                      '{"step": 10, "seconds": 2.5, "time": 190}\n'

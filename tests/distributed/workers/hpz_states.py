@@ -71,7 +71,7 @@ def measure(run, *, steps: int = 2) -> dict:
     for step in range(steps):
         blocks = [session.train_blocks[step * per_step + i] for i in range(per_step)]
         for i in range(0, per_step, micro):
-            engine.backward(micro_batch_loss(engine, torch.stack(blocks[i:i + micro]), **session.loss_kw)[0])
+            engine.backward(micro_batch_loss(engine, torch.stack(blocks[i:i + micro]), session.loss_setup)[0])
             if not engine.is_gradient_accumulation_boundary():
                 held["grads"] = max(held["grads"], grad_bytes(engine))
             engine.step()

@@ -23,48 +23,16 @@ from __future__ import annotations
 
 import os
 import statistics
-import time
 from typing import Any
 
 from dsframework.planner.model import describe_model
 from dsframework.ports import free_port
+from dsframework.train.throughput import _seconds, matmul_flops
 from dsframework.train.world import init_distributed
+from dsframework.types import accelerator
 
-MATMUL_SIZE = 1024
 ALLREDUCE_BYTES = 16 * 2 ** 20
-REPEATS = 5
 LAYER_PASSES = 10
-
-
-def _seconds(fn, repeats: int = REPEATS) -> float:
-    """Median seconds of `fn()` after one warm-up call (allocations, kernels, JIT)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def matmul_flops(dtype_name: str, *, size: int = MATMUL_SIZE, threads: int | None = None) -> float:
-    """Peak FLOP/s of one size x size matmul at `dtype_name` on this process's device."""
-    import torch
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if threads and device == "cpu":
-        torch.set_num_threads(threads)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
-
-    def run():
-        for _ in range(4):
-            a @ b
-        if device == "cuda":
-            torch.cuda.synchronize()
-
-    return 4 * 2 * size ** 3 / _seconds(run)
 
 
 def copy_bandwidth(nbytes: int = 256 * 2 ** 20) -> float:
@@ -94,7 +62,6 @@ def _rank_worker(rank: int, world: int, port: int, nbytes: int, queue: Any) -> N
     threads = max(1, (os.cpu_count() or 1) // world)
     init_distributed()  # as dsf train: the same build tools, device per rank, shm buffers released
     import deepspeed.comm as dist
-    from deepspeed.accelerator import get_accelerator
 
     dist.barrier()
     flops = {precision: matmul_flops(precision, threads=threads) for precision in ("fp32", "bf16")}
@@ -102,11 +69,11 @@ def _rank_worker(rank: int, world: int, port: int, nbytes: int, queue: Any) -> N
     efficiency = layer_flops() / flops["fp32"]
     dist.barrier()
     torch.set_num_threads(1)
-    tensor = torch.ones(nbytes // 4, dtype=torch.float32, device=get_accelerator().current_device_name())
+    tensor = torch.ones(nbytes // 4, dtype=torch.float32, device=accelerator().current_device_name())
 
     def run():
         dist.all_reduce(tensor)
-        get_accelerator().synchronize()
+        accelerator().synchronize()
         dist.barrier()
 
     seconds = _seconds(run)
@@ -116,7 +83,7 @@ def _rank_worker(rank: int, world: int, port: int, nbytes: int, queue: Any) -> N
     def small_collectives():
         for _ in range(100):
             dist.all_reduce(small)
-        get_accelerator().synchronize()
+        accelerator().synchronize()
 
     latency = _seconds(small_collectives) / 100
     queue.put({"rank": rank, "flops": flops, "bandwidth": bus, "latency": latency, "op": op_overhead(),

@@ -34,6 +34,8 @@ setup(
         "pydantic>=2.11,<3",
         "tqdm>=4.70,<5",
     ],
-    extras_require={"metrics": METRICS, "dev": ["pytest>=8", "pytest-timeout", "hypothesis", "ruff>=0.17,<0.18", *METRICS]},
+    # dev: the tests, ruff and pyright (with its own node.js from a wheel: no download at run time)
+    extras_require={"metrics": METRICS, "dev": ["pytest>=8", "pytest-timeout", "hypothesis", "ruff>=0.17,<0.18",
+                                                "pyright[nodejs]>=1.1.414,<1.2", *METRICS]},
     entry_points={"console_scripts": ["dsf=dsframework.commands.cli:main"]},
 )

@@ -31,88 +31,89 @@ class _Spec(BaseModel):
 class LoraSpec(_Spec):
     """Low-rank adapters through peft: only these are trained, kept in optimizer state and saved."""
 
-    r: int = Field(8, ge=1, description="adapter rank")
-    alpha: float = Field(16.0, gt=0, description="scaling numerator (the update is scaled by alpha / r)")
-    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input")
+    r: int = Field(default=8, ge=1, description="adapter rank")
+    alpha: float = Field(default=16.0, gt=0, description="scaling numerator (the update is scaled by alpha / r)")
+    dropout: float = Field(default=0.0, ge=0, lt=1, description="dropout on the adapter's input")
     target_modules: list[str] | Literal["all-linear"] = Field(
-        "all-linear", description="module names (or name suffixes) to adapt, e.g. [q_proj, v_proj]; "
+        default="all-linear", description="module names (or name suffixes) to adapt, e.g. [q_proj, v_proj]; "
         "all-linear: every linear layer but the output head")
 
 
 class ModelSpec(_Spec):
     """Which model to train."""
 
-    name: str = Field("tiny-llama", description="a preset name (see `dsf presets`), a path to a "
+    name: str = Field(default="tiny-llama", description="a preset name (see `dsf presets`), a path to a "
                       "transformers config.json (random init), or a local pretrained directory")
     overrides: dict[str, Any] = Field(default_factory=dict, description="transformers config "
                                       "fields to change, e.g. {num_hidden_layers: 4}")
-    tokenizer: str | None = Field(None, description="local tokenizer directory; default: the "
+    tokenizer: str | None = Field(default=None, description="local tokenizer directory; default: the "
                                   "pretrained directory's, else one trained locally on the data")
-    lora: LoraSpec | None = Field(None, description="train LoRA adapters (peft) instead of every weight; "
+    lora: LoraSpec | None = Field(default=None, description="train LoRA adapters (peft) instead of every weight; "
                                     "ZeRO 0-3 at tp = pp = cp = 1")
 
 
 class DataSpec(_Spec):
     """What to train on."""
 
-    dataset: str = Field("addition", description="a built-in task (addition, reverse, counting) or a local "
+    dataset: str = Field(default="addition", description="a built-in task (addition, reverse, counting) or a local "
                          "path: a json/jsonl/csv/parquet/txt file, a directory or glob of them (any text "
                          "extension, e.g. 'src/**/*.py', with format text), or a save_to_disk dir")
     format: Literal["text", "chat", "prompt_completion"] = Field(
-        "text", description="text: documents joined by EOS, every token trained; chat: a `messages` column of "
+        default="text", description="text: documents joined by EOS, every token trained; chat: a `messages` column of "
         "{role, content} turns rendered by the tokenizer's chat template; prompt_completion: two columns")
     text_unit: Literal["document", "paragraph", "line"] = Field(
-        "document", description="what one document of a text file is (newlines kept in documents and paragraphs)")
-    text_field: str = Field("text", description="column holding the text in user data (format text); a "
+        default="document", description="what one document of a text file is (newlines kept in documents and "
+        "paragraphs)")
+    text_field: str = Field(default="text", description="column holding the text in user data (format text); a "
                             "dataset with an `input_ids` column is taken as already tokenized")
-    messages_field: str = Field("messages", description="column of {role, content} turns (format chat)")
-    prompt_field: str = Field("prompt", description="prompt column (format prompt_completion)")
-    completion_field: str = Field("completion", description="completion column (format prompt_completion)")
-    train_on_prompt: bool = Field(False, description="chat/prompt_completion: also train on prompt and user "
+    messages_field: str = Field(default="messages", description="column of {role, content} turns (format chat)")
+    prompt_field: str = Field(default="prompt", description="prompt column (format prompt_completion)")
+    completion_field: str = Field(default="completion", description="completion column (format prompt_completion)")
+    train_on_prompt: bool = Field(default=False, description="chat/prompt_completion: also train on prompt and user "
                                   "tokens (default: loss on assistant / completion tokens only)")
-    packing: bool = Field(True, description="chat/prompt_completion: pack whole examples into each row, "
+    packing: bool = Field(default=True, description="chat/prompt_completion: pack whole examples into each row, "
                           "none attending to another; false: one example per row, padded")
-    chat_template: str | None = Field(None, description="a Jinja chat template (the text, or a path to a "
+    chat_template: str | None = Field(default=None, description="a Jinja chat template (the text, or a path to a "
                                       ".jinja file) for a tokenizer without one")
-    num_proc: int | None = Field(None, ge=1, description="processes that tokenize; default: the CPU count "
+    num_proc: int | None = Field(default=None, ge=1, description="processes that tokenize; default: the CPU count "
                                  "(capped at 8) for data over 64 MiB, else 1")
-    seq_len: int = Field(64, ge=8, description="tokens per packed training block")
-    eval_fraction: float = Field(0.05, gt=0, lt=0.5, description="share of blocks held out for eval")
-    num_examples: int = Field(20000, ge=100, description="examples generated for a built-in task")
-    max_digits: int = Field(3, ge=1, le=12, description="operand length of the built-in tasks")
-    tokenizer_vocab_size: int = Field(512, ge=64, description="vocab of a tokenizer trained on user data")
-    seed: int = Field(1234, description="seed for generating, splitting and shuffling the data")
+    seq_len: int = Field(default=64, ge=8, description="tokens per packed training block")
+    eval_fraction: float = Field(default=0.05, gt=0, lt=0.5, description="share of blocks held out for eval")
+    num_examples: int = Field(default=20000, ge=100, description="examples generated for a built-in task")
+    max_digits: int = Field(default=3, ge=1, le=12, description="operand length of the built-in tasks")
+    tokenizer_vocab_size: int = Field(default=512, ge=64, description="vocab of a tokenizer trained on user data")
+    seed: int = Field(default=1234, description="seed for generating, splitting and shuffling the data")
 
 
 class TrainSpec(_Spec):
     """How to optimise. Give any two of micro_batch, grad_accum, global_batch (or one, or none):
     the rest is derived from the data-parallel size when the world is known."""
 
-    steps: int = Field(200, ge=1, description="optimizer steps in total (the lr schedule spans them)")
-    stop_after: int | None = Field(None, ge=1, description="stop with a checkpoint after this step, "
+    steps: int = Field(default=200, ge=1, description="optimizer steps in total (the lr schedule spans them)")
+    stop_after: int | None = Field(default=None, ge=1, description="stop with a checkpoint after this step, "
                                    "e.g. to fit a time slot; --resume goes on to `steps`")
-    micro_batch: int | None = Field(None, ge=1, description="sequences per rank per forward pass")
-    grad_accum: int | None = Field(None, ge=1, description="micro-batches per optimizer step")
-    global_batch: int | None = Field(None, ge=1, description="sequences per optimizer step, all ranks")
+    micro_batch: int | None = Field(default=None, ge=1, description="sequences per rank per forward pass")
+    grad_accum: int | None = Field(default=None, ge=1, description="micro-batches per optimizer step")
+    global_batch: int | None = Field(default=None, ge=1, description="sequences per optimizer step, all ranks")
     optimizer: Literal["adamw", "adam"] = "adamw"
-    lr: float = Field(1e-3, gt=0, description="peak learning rate")
+    lr: float = Field(default=1e-3, gt=0, description="peak learning rate")
     betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = Field(1e-8, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    grad_clip: float = Field(1.0, ge=0, description="max global gradient norm; 0 disables clipping")
+    eps: float = Field(default=1e-8, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    grad_clip: float = Field(default=1.0, ge=0, description="max global gradient norm; 0 disables clipping")
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    warmup_steps: int = Field(0, ge=0)
-    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final lr / peak lr (cosine)")
+    warmup_steps: int = Field(default=0, ge=0)
+    min_lr_ratio: float = Field(default=0.1, ge=0, le=1, description="final lr / peak lr (cosine)")
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    seed: int = Field(42, description="seed for weight init and dropout")
+    seed: int = Field(default=42, description="seed for weight init and dropout")
     compile: bool | Literal["auto"] = Field(
-        "auto", description="torch.compile the model (inductor; kernels cached beside the run): true, false, or "
-        "auto: time the first eager steps, then compile when the steps left would win back the compile time")
+        default="auto", description="torch.compile the model (inductor; kernels cached beside the run): true, "
+        "false, or auto: time the first eager steps, then compile when the steps left would win back the compile time")
     chunked_loss: bool | Literal["auto"] = Field(
-        "auto", description="compute the causal LM loss over chunks of tokens so the whole micro-batch's fp32 "
+        default="auto", description="compute the causal LM loss over chunks of tokens so the whole micro-batch's fp32 "
         "logits never exist at once (forward and backward); auto: when they would exceed one chunk")
     loss_chunk_tokens: int | None = Field(
-        None, ge=1, description="tokens per loss chunk; default: as many as keep a chunk's fp32 logits "
+        default=None, ge=1, description="tokens per loss chunk; default: as many as keep a chunk's fp32 logits "
         "to 256 MiB (runtime_facts.loss_chunk_tokens)")
 
     @field_validator("warmup_steps")
@@ -130,18 +131,18 @@ class ZeroKnobsSpec(_Spec):
     plan leaves free (planner/knobs.py); `--set parallel.zero_knobs.prefetch_bucket=2e7` sets one."""
 
     persistence_threshold: int | None = Field(
-        None, ge=0, description="ZeRO-3 stage3_param_persistence_threshold: tensors of at most this many elements "
-        "stay whole on every rank and are never gathered (default 1e5)")
+        default=None, ge=0, description="ZeRO-3 stage3_param_persistence_threshold: tensors of at most this many "
+        "elements stay whole on every rank and are never gathered (default 1e5)")
     prefetch_bucket: int | None = Field(
-        None, ge=0, description="ZeRO-3 stage3_prefetch_bucket_size: elements gathered ahead of the layer that "
+        default=None, ge=0, description="ZeRO-3 stage3_prefetch_bucket_size: elements gathered ahead of the layer that "
         "needs them; 0 turns prefetching off (default 5e7)")
     max_live_parameters: int | None = Field(
-        None, ge=1, description="ZeRO-3 stage3_max_live_parameters: gathered elements beyond which prefetching "
+        default=None, ge=1, description="ZeRO-3 stage3_max_live_parameters: gathered elements beyond which prefetching "
         "stops (default: DeepSpeed's 1e9)")
     reduce_bucket: int | None = Field(
-        None, ge=1, description="ZeRO 1-3 reduce_bucket_size: gradient elements per reduce (default 5e7)")
+        default=None, ge=1, description="ZeRO 1-3 reduce_bucket_size: gradient elements per reduce (default 5e7)")
     allgather_bucket: int | None = Field(
-        None, ge=2, multiple_of=2, description="ZeRO 1-2 allgather_bucket_size: updated-weight elements per "
+        default=None, ge=2, multiple_of=2, description="ZeRO 1-2 allgather_bucket_size: updated-weight elements per "
         "all-gather, even (DeepSpeed's rule; default 5e7)")
 
 
@@ -155,27 +156,28 @@ class ParallelSpec(_Spec):
 
     zero_stage: Literal[0, 1, 2, 3] = 0
     offload_optimizer: Literal["none", "cpu", "nvme"] = "none"
-    offload_param: Literal["none", "cpu", "nvme"] = Field("none", description="ZeRO-3 only")
-    nvme_path: str = Field("/local_nvme", description="directory for nvme offload")
-    tp: int = Field(1, ge=1, description="tensor-parallel size (Megatron-style layers)")
-    pp: int = Field(1, ge=1, description="pipeline stages (DeepSpeed's pipeline engine)")
-    cp: int = Field(1, ge=1, description="context-parallel size (DeepSpeed Ulysses): each rank of a group "
+    offload_param: Literal["none", "cpu", "nvme"] = Field(default="none", description="ZeRO-3 only")
+    nvme_path: str = Field(default="/local_nvme", description="directory for nvme offload")
+    tp: int = Field(default=1, ge=1, description="tensor-parallel size (Megatron-style layers)")
+    pp: int = Field(default=1, ge=1, description="pipeline stages (DeepSpeed's pipeline engine)")
+    cp: int = Field(default=1, ge=1, description="context-parallel size (DeepSpeed Ulysses): each rank of a group "
                     "holds seq_len / cp tokens of the same sequences; divides the heads and seq_len")
-    dp: int | None = Field(None, ge=1, description="data-parallel size; default: world / (tp * pp * cp)")
-    ep: int = Field(1, ge=1, description="expert-parallel size (DeepSpeed AutoEP, mixture-of-experts models): "
+    dp: int | None = Field(default=None, ge=1, description="data-parallel size; default: world / (tp * pp * cp)")
+    ep: int = Field(default=1, ge=1, description="expert-parallel size (DeepSpeed AutoEP, mixture-of-experts models): "
                     "each group of ep data-parallel ranks splits the experts; divides dp and the experts")
-    autoep: bool = Field(False, description="at ep 1 too, train the experts in DeepSpeed AutoEP's blocks (every "
-                         "rank holds all of them, no all-to-all): a resume at ep 1 from a checkpoint saved at "
+    autoep: bool = Field(default=False, description="at ep 1 too, train the experts in DeepSpeed AutoEP's blocks "
+                         "(every rank holds all of them, no all-to-all): a resume at ep 1 from a checkpoint saved at "
                          "ep > 1 turns it on; start with it to resume at ep > 1 later")
-    zero_hpz: int = Field(1, ge=1, description="ZeRO-3 hierarchical partitioning (ZeRO++ hpZ): a secondary copy "
-                          "of the weight shards within each group of this many ranks (a node), so the backward "
+    zero_hpz: int = Field(default=1, ge=1, description="ZeRO-3 hierarchical partitioning (ZeRO++ hpZ): a secondary "
+                          "copy of the weight shards within each group of this many ranks (a node), so the backward "
                           "all-gathers stay on the node's links")
     zero_quantized: Literal["none", "weights", "gradients", "both"] = Field(
-        "none", description="ZeRO++ quantized weights/gradients: not offered (see docs/parallel-layouts.md: they do not run here)")
-    partition_method: str = Field("parameters", description="pipeline partition: parameters, "
+        default="none", description="ZeRO++ quantized weights/gradients: not offered (see docs/parallel-layouts.md: "
+        "they do not run here)")
+    partition_method: str = Field(default="parameters", description="pipeline partition: parameters, "
                                   "uniform or type:<regex>")
     activation_checkpointing: Literal["none", "full"] = Field(
-        "none", description="recompute activations in the backward pass: none or full (every layer)")
+        default="none", description="recompute activations in the backward pass: none or full (every layer)")
     zero_knobs: ZeroKnobsSpec = Field(default_factory=ZeroKnobsSpec, description="ZeRO's bucket, persistence and "
                                       "prefetch sizes (elements); unset: dsf's defaults")
 
@@ -242,10 +244,10 @@ class ParallelSpec(_Spec):
 class CheckpointSpec(_Spec):
     """When to save (under <output_dir>/checkpoints)."""
 
-    every: int = Field(100, ge=0, description="save every N steps; 0: only at the end")
+    every: int = Field(default=100, ge=0, description="save every N steps; 0: only at the end")
     save_final: bool = True
     writer: Literal["sync", "decoupled"] = Field(
-        "sync", description="sync: the training loop waits while the checkpoint is written; decoupled: "
+        default="sync", description="sync: the training loop waits while the checkpoint is written; decoupled: "
         "DeepSpeed's background writer (checkpoint.writer.decoupled) writes it while the next step runs, the "
         "loop waits only to hand the state over and, at that step's optimizer step, for what is left to write")
 
@@ -270,8 +272,8 @@ class FaultsSpec(_Spec):
     (protocol/heartbeat.py) and stops the job, naming the rank, when it makes no progress."""
 
     hang_timeout: float | Literal["auto"] = Field(
-        "auto", description="seconds a rank may go without progress in a training phase (data, forward, backward, "
-        "optimizer step) before the job stops as hung; auto: max(60, 10 x the measured step time); 0 or off: "
+        default="auto", description="seconds a rank may go without progress in a training phase (data, forward, "
+        "backward, optimizer step) before the job stops as hung; auto: max(60, 10 x the measured step time); 0 or off: "
         "not watched. The first step, the step after compiling, checkpoints and evaluation get max(600, 10 x it)")
 
     @field_validator("hang_timeout", mode="before")
@@ -287,11 +289,11 @@ class FaultsSpec(_Spec):
 class WandbSpec(_Spec):
     """A Weights & Biases run, written offline (no network, no login); `wandb sync` uploads it later."""
 
-    project: str = Field("dsframework", min_length=1, description="W&B project the run is filed under")
-    name: str | None = Field(None, description="run name; default: W&B's own (runs are grouped by the "
+    project: str = Field(default="dsframework", min_length=1, description="W&B project the run is filed under")
+    name: str | None = Field(default=None, description="run name; default: W&B's own (runs are grouped by the "
                              "output_dir's name)")
-    dir: str | None = Field(None, description="directory that gets wandb/offline-run-*; default: output_dir")
-    mode: Literal["offline"] = Field("offline", description="offline only: upload with `wandb sync "
+    dir: str | None = Field(default=None, description="directory that gets wandb/offline-run-*; default: output_dir")
+    mode: Literal["offline"] = Field(default="offline", description="offline only: upload with `wandb sync "
                                      "DIR/wandb/offline-run-*`")
 
     @field_validator("mode", mode="before")
@@ -311,17 +313,18 @@ class WandbSpec(_Spec):
 class LoggingSpec(_Spec):
     """What to report, and where: metrics.jsonl always, plus TensorBoard, CSV and W&B when set."""
 
-    every: int = Field(10, ge=1, description="log loss, lr and tokens/s every N steps")
-    eval_every: int = Field(50, ge=0, description="evaluate every N steps (and at the end); 0: never")
-    progress: bool = Field(True, description="progress bar on rank 0")
-    cluster: str | None = Field(None, description="peak FLOP/s for MFU: a cluster preset or a dsf calibrate "
+    every: int = Field(default=10, ge=1, description="log loss, lr and tokens/s every N steps")
+    eval_every: int = Field(default=50, ge=0, description="evaluate every N steps (and at the end); 0: never")
+    progress: bool = Field(default=True, description="progress bar on rank 0")
+    cluster: str | None = Field(default=None, description="peak FLOP/s for MFU: a cluster preset or a dsf calibrate "
                                 "profile; default: the GPU's preset, else a matmul measured at start")
-    breakdown: bool = Field(False, description="forward/backward/all-reduce/optimizer ms per step from "
+    breakdown: bool = Field(default=False, description="forward/backward/all-reduce/optimizer ms per step from "
                             "DeepSpeed's timers (they synchronise the device: a little slower)")
-    tensorboard: str | None = Field(None, description="directory for TensorBoard event files of the same "
+    tensorboard: str | None = Field(default=None, description="directory for TensorBoard event files of the same "
                                     "metrics (one run's own: tensorboard --logdir its parent compares runs)")
-    csv: str | None = Field(None, description="directory that gets metrics.csv, the same metrics as a spreadsheet")
-    wandb: WandbSpec | None = Field(None, description="an offline W&B run of the same metrics; `true` for "
+    csv: str | None = Field(default=None, description="directory that gets metrics.csv, the same metrics as a "
+                                                      "spreadsheet")
+    wandb: WandbSpec | None = Field(default=None, description="an offline W&B run of the same metrics; `true` for "
                                     "the defaults")
 
     @field_validator("tensorboard")
@@ -361,7 +364,7 @@ class RunConfig(_Spec):
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     logging: LoggingSpec = Field(default_factory=LoggingSpec)
     faults: FaultsSpec = Field(default_factory=FaultsSpec)
-    output_dir: str = Field("runs/default", description="metrics, checkpoints and tokenizer go here")
+    output_dir: str = Field(default="runs/default", description="metrics, checkpoints and tokenizer go here")
 
     @model_validator(mode="after")
     def _workflow_fits_layout(self) -> "RunConfig":

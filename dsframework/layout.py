@@ -77,7 +77,7 @@ class ParallelDims:
                 "autoep": self.autoep_blocks}
 
     @classmethod
-    def from_dict(cls, data: dict[str, int], *, zero_stage: int = 0) -> "ParallelDims":
+    def from_dict(cls, data: dict[str, Any], *, zero_stage: int = 0) -> "ParallelDims":
         """A manifest's layout (`as_dict`), also in its older forms: {world, tp, pp, dp} only, later
         with cp, zero_stage and zero_hpz; an axis a manifest lacks is 1, and a stage it lacks is
         `zero_stage` (the caller's: the resuming run's).

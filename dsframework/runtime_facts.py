@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
@@ -102,8 +103,9 @@ class Knobs:
     def of(cls, spec: object) -> "Knobs":
         """From a config.ZeroKnobsSpec (or anything with its fields); a field left None keeps the default."""
         default = cls()
-        return cls(**{name: getattr(spec, name, None) if getattr(spec, name, None) is not None
-                      else getattr(default, name) for name in cls.__dataclass_fields__})
+        fields = {name: getattr(spec, name, None) if getattr(spec, name, None) is not None
+                  else getattr(default, name) for name in cls.__dataclass_fields__}
+        return cls(**cast("dict[str, int]", fields))  # None was replaced by the default
 
     def changed(self, zero_stage: int) -> dict[str, int]:
         """The knobs that differ from the defaults and that `zero_stage` uses, as parallel.zero_knobs

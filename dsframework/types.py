@@ -14,25 +14,42 @@ without torch, deepspeed or transformers). Annotations only: never `isinstance` 
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine as Engine  # the pipeline engine is one too
-    from deepspeed.accelerator.abstract_accelerator import DeepSpeedAccelerator
+    from deepspeed.runtime.pipe.engine import PipelineEngine  # pp > 1: train_batch / eval_batch
     from deepspeed.runtime.pipe.topology import PipelineParallelGrid as Grid  # parallel/topology.build_grid
     from torch.nn import Module as HFModel  # a transformers model, or the Megatron-layer one built for tp
     from transformers import PreTrainedConfig as HFConfig
 else:
-    Engine = Grid = HFModel = HFConfig = Any
+    Engine = PipelineEngine = Grid = HFModel = HFConfig = Any
 
-__all__ = ["Engine", "Grid", "HFConfig", "HFModel", "accelerator"]
+__all__ = ["Accelerator", "Engine", "Grid", "HFConfig", "HFModel", "PipelineEngine", "accelerator"]
 
 
-def accelerator() -> DeepSpeedAccelerator:
+class Accelerator(Protocol):
+    """What dsframework calls on DeepSpeed's accelerator (deepspeed/accelerator/abstract_accelerator.py).
+    Its abstract class names `device_index` without the default that CUDA's and the CPU's
+    accelerators give it (None: the current device), which is how dsframework calls them."""
+
+    def device_name(self, device_index: int | None = None) -> str: ...
+    def current_device_name(self) -> str: ...
+    def device_count(self) -> int: ...
+    def set_device(self, device_index: int) -> None: ...
+    def synchronize(self, device_index: int | None = None) -> None: ...
+    def communication_backend_name(self) -> str: ...
+    def get_rng_state(self, device_index: int | None = None) -> Any: ...
+    def set_rng_state(self, new_state: Any, device_index: int | None = None) -> None: ...
+    def is_fp16_supported(self) -> bool: ...
+    def create_op_builder(self, class_name: str) -> Any: ...
+    def export_envs(self) -> list[str]: ...
+
+
+def accelerator() -> Accelerator:
     """DeepSpeed's accelerator of this process (`get_accelerator()`: CUDA on a GPU, the CPU
     accelerator here), typed: DeepSpeed's function leaves its return type to inference, which
     includes the None its cache starts as, so every call would read as possibly None."""
     from deepspeed.accelerator import get_accelerator
 
-    return get_accelerator()  # type: ignore[return-value]  # never None once called
-
+    return cast(Accelerator, get_accelerator())

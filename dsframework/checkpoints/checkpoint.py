@@ -44,7 +44,7 @@ from argparse import Namespace
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, cast
 
 from dsframework.checkpoints.manifest import MANIFEST, Manifest
 from dsframework.errors import UserError, raised_in
@@ -52,7 +52,7 @@ from dsframework.files import written_then_renamed
 from dsframework.layout import ParallelDims
 from dsframework.models.lora import has_frozen_parameters
 from dsframework.parallel.host import all_reduce_host, host_group
-from dsframework.types import accelerator
+from dsframework.types import Engine, HFConfig, HFModel, accelerator
 
 TOKENIZER_DIR = "tokenizer"
 HF_CONFIG_DIR = "hf_config"
@@ -80,7 +80,7 @@ def step_of(tag: str) -> int:
     return int(number) if number.isdigit() else -1
 
 
-def save_run_files(ckpt_dir: Path, *, config: Any, run_yaml: str) -> None:
+def save_run_files(ckpt_dir: Path, *, config: HFConfig, run_yaml: str) -> None:
     """The transformers config and run config, saved once beside the checkpoints (rank 0)."""
     config.save_pretrained(str(ckpt_dir / HF_CONFIG_DIR))
     (ckpt_dir / RUN_YAML).write_text(run_yaml)
@@ -119,7 +119,7 @@ def set_latest(ckpt_dir: Path, tag: str) -> None:
     _write_atomically(Path(ckpt_dir) / "latest", tag)
 
 
-def _frozen_and_trainable(engine: Any) -> tuple[bool, dict[str, list[int]]]:
+def _frozen_and_trainable(engine: Engine) -> tuple[bool, dict[str, list[int]]]:
     """(whether some of the model's parameters are frozen, {name: shape} of those that train; a ZeRO-3
     partitioned parameter's whole shape), over every rank: a pipeline stage holds its own layers, and
     a stage without a frozen parameter still saves and loads as the others do (a collective). The
@@ -128,9 +128,10 @@ def _frozen_and_trainable(engine: Any) -> tuple[bool, dict[str, list[int]]]:
     import torch
     import torch.distributed as dist
 
+    module = cast(HFModel, engine.module)  # (DeepSpeed's engine types it through nn.Module's __getattr__)
     trainable = {name: list(getattr(param, "ds_shape", param.shape))
-                 for name, param in engine.module.named_parameters() if param.requires_grad}
-    frozen = has_frozen_parameters(engine.module)
+                 for name, param in module.named_parameters() if param.requires_grad}
+    frozen = has_frozen_parameters(module)
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return frozen, trainable
     anywhere = torch.tensor([int(frozen)])  # host: a flag for the host group
@@ -142,7 +143,7 @@ def _frozen_and_trainable(engine: Any) -> tuple[bool, dict[str, list[int]]]:
     return True, {name: shape for names in everyone for name, shape in names.items()}
 
 
-def write_shards(engine: Any, partial: Path, *, client_state: dict[str, Any], exclude_frozen: bool) -> None:
+def write_shards(engine: Engine, partial: Path, *, client_state: dict[str, Any], exclude_frozen: bool) -> None:
     """This rank's part of a checkpoint into the folder `partial`: DeepSpeed's model/optimizer shards
     (with `client_state`; frozen parameters left out when `exclude_frozen`) and its RNG states."""
     import torch
@@ -252,6 +253,20 @@ def writer_spared_by_sigterm(decoupled: bool) -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def use_decoupled_writer(engine: Any) -> bool:
+    """With checkpoint.writer=decoupled, wrap DeepSpeed's decoupled checkpoint engine in
+    `DecoupledWriter` (once, after deepspeed.initialize); whether it did."""
+    if not engine.checkpoint_engine.is_decoupled():
+        return False
+    engine.checkpoint_engine = DecoupledWriter(engine.checkpoint_engine)
+    return True
+
+
+def writer_waited(engine: Any) -> float:
+    """The seconds the trainer waited for the decoupled writer since last asked (0 with the sync one)."""
+    return engine.checkpoint_engine.take_waited() if is_decoupled(engine) else 0.0
+
+
 def is_decoupled(engine: Any) -> bool:
     """Whether `engine` writes checkpoints in the background (checkpoint.writer=decoupled)."""
     return bool(engine.checkpoint_engine.is_decoupled())
@@ -277,13 +292,13 @@ class Pending:
     seconds: float  # the trainer's seconds spent on it so far
 
 
-def save(engine: Any, ckpt_dir: Path, *, step: int, consumed_samples: int, layout: ParallelDims) -> str:
+def save(engine: Engine, ckpt_dir: Path, *, step: int, consumed_samples: int, layout: ParallelDims) -> str:
     """Save a checkpoint of every rank at `step` (all ranks call it) and commit it; returns its tag.
     Frozen parameters are left out (the manifest's `trainable` names what is in)."""
     return commit(engine, start_save(engine, ckpt_dir, step=step, consumed_samples=consumed_samples, layout=layout))
 
 
-def start_save(engine: Any, ckpt_dir: Path, *, step: int, consumed_samples: int, layout: ParallelDims) -> Pending:
+def start_save(engine: Engine, ckpt_dir: Path, *, step: int, consumed_samples: int, layout: ParallelDims) -> Pending:
     """Write (sync writer) or queue (decoupled writer) every rank's shards of `step` into `<tag>.partial`;
     `commit` finishes it. Between the two the model and optimizer must not step unless DeepSpeed commits
     its writer first (its engine.step() does; the pipeline engine's train_batch does not)."""
@@ -314,7 +329,7 @@ def start_save(engine: Any, ckpt_dir: Path, *, step: int, consumed_samples: int,
     return Pending(ckpt_dir, tag, step, layout, trainable if frozen else None, time.perf_counter() - started)
 
 
-def commit(engine: Any, pending: Pending) -> str:
+def commit(engine: Engine, pending: Pending) -> str:
     """Make `pending` the latest checkpoint (all ranks call it); returns its tag. With the decoupled
     writer it first waits until DeepSpeed's writer has finished this rank's files (at once if DeepSpeed
     committed them at an optimizer step since). Then, once every rank's files are on disk, rank 0 writes
@@ -322,10 +337,11 @@ def commit(engine: Any, pending: Pending) -> str:
     import torch.distributed as dist
 
     started = time.perf_counter()
-    if is_decoupled(engine):
-        info = engine.checkpoint_engine.get_commit_info()
+    writer = engine.checkpoint_engine
+    if writer is not None and writer.is_decoupled():  # checkpoint.writer=decoupled (`DecoupledWriter`)
+        info = writer.get_commit_info()
         if info is not None:  # not yet committed by an optimizer step
-            engine.checkpoint_engine.commit(info)
+            writer.commit(info)
     dist.barrier()  # every rank's files are on disk
     if dist.get_rank() == 0:
         _publish(pending)
@@ -426,8 +442,9 @@ def check_same_adapters(ckpt_dir: Path, lora: Any) -> None:
         raise UserError("model.lora", None, f"is not set, but {ckpt_dir} holds a LoRA run's adapters "
                         f"(r={saved.get('r')}, target_modules={saved.get('target_modules')})",
                         "resume with the model.lora the run started with")
-    if saved is None:
+    if saved is None or lora is None:  # (both None: a run without adapters, saved and resumed)
         return
+
     def as_set(value: Any) -> Any:  # a list of names in any order; a YAML list when printed
         return f"[{', '.join(sorted(value))}]" if isinstance(value, list) else value
 
@@ -438,7 +455,7 @@ def check_same_adapters(ckpt_dir: Path, lora: Any) -> None:
                             "(a resume keeps the adapters)", f"resume with model.lora.{key}={as_set(saved[key])}")
 
 
-def _check_trainable(engine: Any, ckpt_dir: Path, tag: str) -> bool:
+def _check_trainable(engine: Engine, ckpt_dir: Path, tag: str) -> bool:
     """Whether the engine has frozen parameters; UserError unless the checkpoint holds exactly the
     parameters that train now (the same adapters, or every weight of a run without them)."""
     frozen, trainable = _frozen_and_trainable(engine)
@@ -471,7 +488,7 @@ DAMAGED_CHECKPOINT = (RuntimeError, EOFError, OSError, pickle.UnpicklingError, K
 LOADERS = ("torch", "deepspeed")
 
 
-def load(engine: Any, ckpt_dir: Path, *, tag: str | None = None) -> dict[str, int]:
+def load(engine: Engine, ckpt_dir: Path, *, tag: str | None = None) -> dict[str, int]:
     """Load the latest checkpoint (or `tag`) into `engine`; returns the dsf client state."""
     import torch
 

@@ -32,6 +32,7 @@ import torch
 
 from dsframework.errors import UserError
 from dsframework.models.hf import hf_parameter_shapes
+from dsframework.types import HFConfig
 
 _EXPERT_FILE = re.compile(r"layer_(\d+)_expert_(\d+)_mp_rank_00_model_states\.pt$")
 _ZERO_FILE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_00_(?:model|optim)_states\.pt$")
@@ -141,8 +142,12 @@ def _stitched(found: dict[str, dict[int, dict[int, torch.Tensor]]], shapes: dict
 
 def _rank_files(tag_dir: Path, kind: str) -> dict[int, Path]:
     """{data-parallel rank: its zero_pp_rank_<r>_mp_rank_00_<kind>_states.pt}."""
-    return {int(_ZERO_FILE.match(path.name).group(1)): path
-            for path in tag_dir.glob(f"zero_pp_rank_*_mp_rank_00_{kind}_states.pt")}
+    files = {}
+    for path in tag_dir.glob(f"zero_pp_rank_*_mp_rank_00_{kind}_states.pt"):
+        match = _ZERO_FILE.match(path.name)
+        assert match is not None, path  # the glob's names are the pattern's
+        files[int(match.group(1))] = path
+    return files
 
 
 def _zero12_entries(tag_dir: Path, layers: list[dict]) -> dict[str, Any]:
@@ -225,7 +230,7 @@ def _zero0_entries(tag_dir: Path) -> dict[str, Any]:
     return entries
 
 
-def expert_checkpoint_entries(ckpt_dir: Path, tag: str, config: Any) -> dict[str, Any]:
+def expert_checkpoint_entries(ckpt_dir: Path, tag: str, config: HFConfig) -> dict[str, Any]:
     """{transformers name: tensor (memory-mapped) or unread tensor (`.contiguous()` reads it)} of an
     AutoEP checkpoint (any ZeRO stage; see the module docstring)."""
     tag_dir = ckpt_dir / tag
@@ -239,7 +244,7 @@ def expert_checkpoint_entries(ckpt_dir: Path, tag: str, config: Any) -> dict[str
     return transformers_entries(raw, layers, config)
 
 
-def transformers_entries(raw: dict[str, Any], layers: list[dict], config: Any) -> dict[str, Any]:
+def transformers_entries(raw: dict[str, Any], layers: list[dict], config: HFConfig) -> dict[str, Any]:
     """{transformers name: unread tensor} from {AutoEP's name: unread tensor}: the router renamed
     (`router.gate` -> `gate`, its alias `gate.gate` dropped), each block's w1 | w3 and w2 joined into
     transformers' fused experts. A name AutoEP added that has no transformers counterpart is left in,

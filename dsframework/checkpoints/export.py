@@ -49,7 +49,7 @@ import mmap
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, cast
 
 from dsframework.checkpoints import checkpoint as ckpt
 from dsframework.checkpoints.experts import autoep_layers, expert_checkpoint_entries
@@ -61,6 +61,7 @@ from dsframework.models.hf import causal_lm_class
 from dsframework.models.lora import apply_lora, merge_lora, trainable_names
 from dsframework.models.tensor_parallel import merge_tensor_parallel_tensor, shard_layouts
 from dsframework.models.pipeline import _LAYER_FILE, pipeline_layer_specs, pipeline_state_dict_to_hf
+from dsframework.types import HFConfig
 
 MODEL_STATES = "mp_rank_00_model_states.pt"  # ZeRO 0-2; ZeRO-3 writes zero_pp_rank_*_<this> per rank
 
@@ -224,7 +225,7 @@ class TensorReader:
 class TensorParallelReader:
     """The tp ranks' readers as one: `read(name)` merges that parameter's parts (only they are held)."""
 
-    def __init__(self, ranks: list[TensorReader], config: Any):
+    def __init__(self, ranks: list[TensorReader], config: HFConfig):
         self.ranks, self.layouts = ranks, shard_layouts(config, len(ranks))
         self.names = set.intersection(*(rank.names for rank in ranks))
 
@@ -242,7 +243,7 @@ def _one_tensor_rank(tag_dir: Path, rank: int, scratch: Path) -> Path:
     return view
 
 
-def _pipeline_entries(tag_dir: Path, config: Any, *, tensor_rank: int | None) -> dict[str, _LayerTensor]:
+def _pipeline_entries(tag_dir: Path, config: HFConfig, *, tensor_rank: int | None) -> dict[str, _LayerTensor]:
     """{HF name: that tensor of a layer file} from the pipeline's layer_XX-model_YY files: each file's
     keys are read (its pickle, no data), and its tensors one file at a time when written."""
     import torch
@@ -296,7 +297,7 @@ def _zero12_entries(tag_dir: Path) -> dict[str, Any]:
     return entries
 
 
-def _rank_reader(ckpt_dir: Path, tag: str, config: Any, *, tensor_rank: int | None, scratch: Path) -> TensorReader:
+def _rank_reader(ckpt_dir: Path, tag: str, config: HFConfig, *, tensor_rank: int | None, scratch: Path) -> TensorReader:
     """One tensor rank's weights (or the whole model's at tp=1) under transformers names, unread."""
     import torch
 
@@ -312,7 +313,8 @@ def _rank_reader(ckpt_dir: Path, tag: str, config: Any, *, tensor_rank: int | No
         if any(view.glob("zero_pp_rank_*_model_states.pt")):  # ZeRO-3: one model states file per rank
             from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-            entries = get_fp32_state_dict_from_zero_checkpoint(str(view.parent), tag=tag, lazy_mode=True)
+            # (lazy_mode returns its dict of unread tensors; DeepSpeed's function is unannotated)
+            entries = cast(dict, get_fp32_state_dict_from_zero_checkpoint(str(view.parent), tag=tag, lazy_mode=True))
         else:
             entries = _zero12_entries(view)
     else:
@@ -324,7 +326,7 @@ def _rank_reader(ckpt_dir: Path, tag: str, config: Any, *, tensor_rank: int | No
     return TensorReader(entries, mapped=mapped)
 
 
-def open_checkpoint(ckpt_dir: Path, tag: str, config: Any, *, tp: int = 1,
+def open_checkpoint(ckpt_dir: Path, tag: str, config: HFConfig, *, tp: int = 1,
                     scratch: Path) -> TensorReader | TensorParallelReader:
     """A reader of the checkpoint's tensors under transformers names, whatever its ZeRO stage,
     pipeline split or tensor-parallel size (`scratch`: a directory for per-tensor-rank views, kept
@@ -413,7 +415,7 @@ def lora_run(ckpt_dir: Path) -> Any:
     return run if run.model.lora is not None else None
 
 
-def lora_model(ckpt_dir: Path, tag: str, run: Any, config: Any, *, scratch: Path) -> Any:
+def lora_model(ckpt_dir: Path, tag: str, run: Any, config: HFConfig, *, scratch: Path) -> Any:
     """The peft model of a LoRA checkpoint: the base rebuilt from model.name and train.seed as training
     built it, with the adapters' trained values read from the checkpoint (which holds nothing else)."""
     import torch
@@ -444,7 +446,7 @@ def lora_model(ckpt_dir: Path, tag: str, run: Any, config: Any, *, scratch: Path
     return model
 
 
-def _write_lora(ckpt_dir: Path, tag: str, run: Any, config: Any, staging: Path, *, scratch: Path,
+def _write_lora(ckpt_dir: Path, tag: str, run: Any, config: HFConfig, staging: Path, *, scratch: Path,
                 adapter_only: bool, max_shard_size: int) -> None:
     """The merged model (or the adapter alone) of a LoRA checkpoint, written into `staging`."""
     model = lora_model(ckpt_dir, tag, run, config, scratch=scratch)

@@ -79,6 +79,7 @@ from dsframework.layout import ParallelDims
 from dsframework.models.hf import hf_parameter_shapes
 from dsframework.models.tensor_parallel import merge_tensor_parallel_tensor, shard_layouts
 from dsframework.models.pipeline import hf_names, pipeline_layer_specs
+from dsframework.types import HFConfig
 
 States = dict[str, torch.Tensor]  # state name ("fp32", "exp_avg", ...) -> tensor
 
@@ -90,7 +91,7 @@ def universal_tag(tag: str, dims: ParallelDims) -> str:
 
 # --- names: one layout's parameter names <-> transformers names ---------------------------------
 
-def _pipeline_paths(config: Any) -> dict[str, str]:
+def _pipeline_paths(config: HFConfig) -> dict[str, str]:
     """{PipelineModule module path: transformers module path}: '3.layer' -> 'model.layers.2',
     'tied_modules.embed.embed_tokens' -> 'model.embed_tokens' (the copy on either end stage)."""
     paths = {}
@@ -115,7 +116,7 @@ def _swap_prefix(name: str, table: dict[str, str]) -> str:
 class LayoutNames:
     """A layout's parameter names (as its DeepSpeed engine names them) <-> transformers names."""
 
-    def __init__(self, config: Any, dims: ParallelDims):
+    def __init__(self, config: HFConfig, dims: ParallelDims):
         self.tp_wrapped = dims.tp_enabled and not dims.pp_enabled  # TensorParallelCausalLM(.model)
         self.to_hf_paths = _pipeline_paths(config) if dims.pp_enabled else {}
         self.from_hf_paths = {hf: path for path, hf in self.to_hf_paths.items()}
@@ -131,7 +132,7 @@ class LayoutNames:
         return "model." + name if self.tp_wrapped else name
 
 
-def _tensor_layouts(config: Any, tp: int) -> list[dict[str, tuple[int, torch.Tensor, bool]]]:
+def _tensor_layouts(config: HFConfig, tp: int) -> list[dict[str, tuple[int, torch.Tensor, bool]]]:
     """Per tensor rank, {transformers name: (partition dim, dense index, transposed)} of every
     sharded parameter (models.tensor_parallel.shard_layouts); [{}] at tp 1."""
     if tp == 1:
@@ -265,7 +266,7 @@ class Conversion:
     """What converting a parameter needs: the saved partitions, each transformers parameter's saved
     names (one per tensor rank) and shape, and both layouts' tensor shards and names."""
 
-    def __init__(self, config: Any, saved: ParallelDims, target: ParallelDims, partitions: SavedPartitions, *,
+    def __init__(self, config: HFConfig, saved: ParallelDims, target: ParallelDims, partitions: SavedPartitions, *,
                  where: Path, fix: str):
         self.partitions, self.where, self.fix = partitions, where, fix
         self.saved_layouts, self.target_layouts = _tensor_layouts(config, saved.tp), _tensor_layouts(config, target.tp)
@@ -348,7 +349,7 @@ class Resharding:
         self.out, self.tmp = ckpt_dir / name, ckpt_dir / (name + PARTIAL)
 
     @classmethod
-    def plan(cls, ckpt_dir: str | Path, tag: str, config: Any, *, target: ParallelDims,
+    def plan(cls, ckpt_dir: str | Path, tag: str, config: HFConfig, *, target: ParallelDims,
              saved: ParallelDims | None = None) -> "Resharding | None":
         """The conversion of `tag` for `target`, or None when its universal tag is already whole.
         `config`: the checkpoint's transformers config; `saved`: its layout (its manifest's when None)."""
@@ -390,7 +391,7 @@ class Resharding:
         return self.name
 
 
-def reshard(ckpt_dir: str | Path, tag: str, config: Any, *, target: ParallelDims,
+def reshard(ckpt_dir: str | Path, tag: str, config: HFConfig, *, target: ParallelDims,
             saved: ParallelDims | None = None) -> str:
     """Write `tag` (ZeRO-1/2) as a universal checkpoint for `target`, once, in this process alone;
     returns its tag. `config`: the transformers config of the model (the checkpoint's); `saved`: the

@@ -26,6 +26,7 @@ from dsframework.config import RunConfig
 from dsframework.errors import UserError
 from dsframework.layout import ParallelDims
 from dsframework.parallel.host import host_group, rank_zero_first
+from dsframework.types import HFConfig
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ class ResumePlan:
     def keep_expert_blocks(self, run: RunConfig) -> RunConfig:
         return keep_expert_blocks(run, self.manifest)
 
-    def load_tag(self, run: RunConfig, dims: ParallelDims, config: Any) -> tuple[str, bool]:
+    def load_tag(self, run: RunConfig, dims: ParallelDims, config: HFConfig) -> tuple[str, bool]:
         """(tag to load, whether it is universal) at `dims`, converted first if need be (every rank)."""
         return resume_tag(run, dims, self.manifest, config, tag=self.tag)
 
@@ -67,7 +68,7 @@ def keep_expert_blocks(run: RunConfig, manifest: Manifest | None) -> RunConfig:
     return run.model_copy(update={"parallel": run.parallel.model_copy(update={"autoep": True})})
 
 
-def resume_tag(run: RunConfig, dims: ParallelDims, manifest: Manifest | None, config: Any, *,
+def resume_tag(run: RunConfig, dims: ParallelDims, manifest: Manifest | None, config: HFConfig, *,
                tag: str | None = None) -> tuple[str, bool]:
     """(tag to load, whether it is a universal checkpoint) for resuming at `dims`.
 
@@ -83,6 +84,7 @@ def resume_tag(run: RunConfig, dims: ParallelDims, manifest: Manifest | None, co
     change; zero_hpz may).
     """
     tag = tag or ckpt.latest_tag(run.checkpoint_dir)
+    assert tag is not None, f"{run.checkpoint_dir} holds no checkpoint (ResumePlan.read refuses that first)"
     # (a manifest from before the ZeRO stage was recorded: taken to be this run's)
     was = ckpt.saved_layout(manifest, zero_stage=dims.zero_stage)
     if was is None:  # written before manifests: its layout is unknown, taken to be this one
@@ -122,7 +124,7 @@ def resume_tag(run: RunConfig, dims: ParallelDims, manifest: Manifest | None, co
     return target, True
 
 
-def convert(ckpt_dir: Path, tag: str, config: Any, *, was: ParallelDims, dims: ParallelDims, into: str) -> None:
+def convert(ckpt_dir: Path, tag: str, config: HFConfig, *, was: ParallelDims, dims: ParallelDims, into: str) -> None:
     """`tag` (saved at `was`) converted into the universal tag `into` for `dims`: by rank 0 with
     DeepSpeed's ds_to_universal for a dp-only change, else by every rank, a share each."""
     import torch
@@ -152,7 +154,7 @@ def check_same_stage_and_cp(was: ParallelDims, dims: ParallelDims) -> None:
                         f"resume with parallel.cp={was.cp}")
 
 
-def reshard_in_shares(ckpt_dir: Path, tag: str, config: Any, *, saved: ParallelDims, target: ParallelDims) -> str:
+def reshard_in_shares(ckpt_dir: Path, tag: str, config: HFConfig, *, saved: ParallelDims, target: ParallelDims) -> str:
     """Convert `tag` for `target` with every rank (each calls this); returns the universal tag."""
     import torch.distributed as dist
 

@@ -141,10 +141,11 @@ def measure_ranks(ranks: int, *, nbytes: int = ALLREDUCE_BYTES) -> dict[str, Any
     """Matmul FLOP/s per precision (the slowest rank's), all-reduce bus bandwidth (inf for one
     rank), small-collective latency and operator overhead, measured in `ranks` local processes."""
     import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import start_processes  # what torch.multiprocessing re-exports
 
     queue = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_rank_worker, args=(ranks, free_port(), nbytes, queue), nprocs=ranks, join=True,
-                       start_method="spawn")
+    start_processes(_rank_worker, args=(ranks, free_port(), nbytes, queue), nprocs=ranks, join=True,
+                    start_method="spawn")
     reports = [queue.get() for _ in range(ranks)]
     return {"peak_flops": {p: min(r["flops"][p] for r in reports) for p in reports[0]["flops"]},
             "intra_node_bandwidth": min(r["bandwidth"] for r in reports),

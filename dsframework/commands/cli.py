@@ -24,6 +24,7 @@ import sys
 import traceback
 from dataclasses import replace
 from pathlib import Path
+from typing import Literal, cast
 
 import click
 
@@ -93,7 +94,7 @@ def config_cmd(world_size: int | None, output: Path | None, force: bool, auto_kn
     from dsframework.dsconfig import build_ds_config, dumps, validate_ds_config
     from dsframework.layout import ParallelDims, grid_problem
 
-    _check_config_flags(world_size, flags["global_batch"], auto_knobs=auto_knobs,
+    _check_config_flags(world_size, cast("int | None", flags["global_batch"]), auto_knobs=auto_knobs,
                         needed=(("--model", model_name), ("--cluster", cluster_name), ("--seq-len", seq_len),
                                 ("--world-size", world_size)))
     train_keys = ("micro_batch", "grad_accum", "global_batch", "optimizer", "lr", "weight_decay",
@@ -112,7 +113,8 @@ def config_cmd(world_size: int | None, output: Path | None, force: bool, auto_kn
         if problem is not None:
             raise problem
         notes: list[str] = []
-        if auto_knobs:
+        if auto_knobs:  # _check_config_flags saw --model, --cluster and --seq-len given
+            assert model_name is not None and cluster_name is not None and seq_len is not None
             notes = _auto_knobs(sections, run, dims, model_name=model_name, cluster_name=cluster_name,
                                 seq_len=seq_len, gpus_per_node=gpus_per_node)
             run = build_run_config(sections)
@@ -219,8 +221,8 @@ def _flag_for(field: str) -> str:
               help="write ds_config.json and run.yaml of the best layout here")
 @click.option("--force", is_flag=True, help="replace files already in --output-dir")
 def plan_cmd(model_name: str, cluster_name: str, nodes: int, gpus_per_node: int, seq_len: int, global_batch: int,
-             precision: str, top: int, tp: int | None, pp: int | None, cp: int | None, ep: int | None,
-             zero_stage: int | None, as_json: bool, output_dir: Path | None, force: bool) -> None:
+             precision: Literal["fp32", "bf16", "fp16"], top: int, tp: int | None, pp: int | None, cp: int | None,
+             ep: int | None, zero_stage: int | None, as_json: bool, output_dir: Path | None, force: bool) -> None:
     """Rank the layouts that fit MODEL on the cluster by predicted tokens/s, with memory per GPU."""
     from dsframework.config import ModelSpec
     from dsframework.models.build import resolve_model

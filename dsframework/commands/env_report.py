@@ -101,7 +101,7 @@ def _jit_ops() -> Section:
     ninja = shutil.which("ninja")
     rows = [("extensions folder", str(folder)),
             ("ninja", ninja or "not found: ops cannot be JIT-built (pip install ninja)")]
-    prebuilt = accelerator_name == accelerator()._name
+    prebuilt = accelerator_name == getattr(accelerator(), "_name")  # as ds_report does; private: not in the protocol
     for name, builder in ALL_OPS.items():
         if name == "deepspeed_not_implemented":
             continue

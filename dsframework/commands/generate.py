@@ -28,12 +28,13 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, cast
 
 from dsframework.checkpoints.export import export_checkpoint, locate
 from dsframework.data import load_tokenizer
 from dsframework.errors import UserError
 from dsframework.models.build import WEIGHT_FILES  # what from_pretrained loads
+from dsframework.types import HFModel
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,8 @@ def load(directory: str | Path, *, device: str | None = None) -> tuple[Any, Any]
     from transformers import AutoModelForCausalLM
 
     tokenizer = load_tokenizer(directory, field="DIR")
-    model = AutoModelForCausalLM.from_pretrained(str(directory), local_files_only=True)
+    # as an nn.Module: transformers wraps PreTrainedModel.to (functools.wraps), which pyright reads as unbound
+    model = cast(HFModel, AutoModelForCausalLM.from_pretrained(str(directory), local_files_only=True))
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     return model.to(device).eval(), tokenizer
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import glob
 import sysconfig
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from dsframework.config import DataSpec
 from dsframework.data.tasks import BUILTIN_TASKS, generate_task
@@ -66,7 +66,7 @@ def data_files(spec: DataSpec) -> tuple[str, list[str]]:
                         "is neither a built-in task nor a data file, directory, glob or saved dataset",
                         f"use one of {sorted(BUILTIN_TASKS)}, a .jsonl/.json/.csv/.parquet/.txt path, or a glob "
                         "such as 'src/**/*.py' with data.format=text")
-    kinds = {builders[f] for f in files}
+    kinds = cast("set[str]", {builders[f] for f in files})  # files: those with a builder
     if len(kinds) > 1:
         raise UserError("data.dataset", spec.dataset, f"mixes formats {sorted(kinds)}",
                         "point to files of one format")

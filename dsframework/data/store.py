@@ -120,6 +120,7 @@ class TokenStore:
 
         if not self.supervised:
             return self[indices]
+        assert self._trained is not None and self._positions is not None  # a supervised store maps both
         indices = _as_list(indices, self.num_rows)
         input_ids = torch.from_numpy(self._ids.take(indices).astype(np.int64))
         labels = input_ids.masked_fill(torch.from_numpy(self._trained.take(indices) == 0), IGNORE_INDEX)
@@ -165,7 +166,8 @@ def _write_stream(documents: Any, path: Path, *, dtype: np.dtype, vocab_size: in
     tokens = 0
     with open(path, "wb") as f:
         for table in documents.with_format("arrow").iter(batch_size=8192):
-            flat = pc.list_flatten(table["input_ids"]).to_numpy(zero_copy_only=False)
+            flat = pc.list_flatten(  # pyright: ignore[reportAttributeAccessIssue]  pyarrow.compute makes it at import
+                table["input_ids"]).to_numpy(zero_copy_only=False)
             if flat.size and (flat.max() >= vocab_size or flat.min() < 0):
                 bad = int(flat.max() if flat.max() >= vocab_size else flat.min())
                 raise UserError(field, bad, f"is an input_ids value outside the tokenizer's vocabulary "
@@ -343,6 +345,6 @@ def token_stores(rows: Any, tokenizer: Any, spec: DataSpec, *, cache_dir: Path) 
 
 def store_cache_dir() -> Path:
     """Beside datasets' own cache (HF_DATASETS_CACHE / HF_HOME)."""
-    import datasets
+    import datasets.config
 
     return Path(datasets.config.HF_DATASETS_CACHE) / "dsframework-stores"

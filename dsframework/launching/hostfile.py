@@ -97,7 +97,7 @@ def select_resources(resources: "OrderedDict[str, int]", *, include: str = "", e
     return apply_num_nodes_and_gpus(active, num_nodes, num_gpus)
 
 
-def world_info(active: "OrderedDict[str, list[int]]") -> str:
+def world_info(active: Mapping[str, list[int]]) -> str:
     """deepspeed.launcher.launch's --world_info: base64 of the {host: slots} JSON (deepspeed's)."""
     from deepspeed.launcher.runner import encode_world_info
 

@@ -31,7 +31,7 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar, Iterator, Mapping
+from typing import ClassVar, Iterator, Mapping, cast
 
 import click
 
@@ -272,6 +272,7 @@ class RunnerLauncher(Launcher):
                 yield f"{host}: {hostfiles.shell_line(argv, job.explicit if self.runner is None else None)}"
         if self.runner is None:
             return
+        assert self.env_file is not None  # set with the runner: a remote start
         old, new = self.env_file_texts()
         home = hostfiles.env_file_path(home=True)  # read first, as deepspeed's runner does
         files = [home.read_text()] if home.is_file() and home.resolve() != self.env_file.resolve() else []
@@ -284,6 +285,7 @@ class RunnerLauncher(Launcher):
 
     def env_file_texts(self) -> tuple[str, str]:
         """(the .deepspeed_env as it is, ending in a newline when not empty; the lines dsf appends)."""
+        assert self.env_file is not None  # a remote start's (dry_run, start)
         old = self.env_file.read_text() if self.env_file.is_file() else ""
         old += "\n" if old and not old.endswith("\n") else ""
         return old, "".join(f"{k}={v}\n" for k, v in self.env_new.items())
@@ -297,6 +299,7 @@ class RunnerLauncher(Launcher):
                                     "backend not found)", "install it, or choose another --launcher (no_ssh, slurm)")
             self.check_quietly(job)
         if self.env_new:  # append, never rewrite: the user's lines stay as they are
+            assert self.env_file is not None  # env_new is set with it: a remote start
             old = self.env_file.read_text() if self.env_file.is_file() else ""
             with self.env_file.open("a") as out:
                 out.write(("\n" if old and not old.endswith("\n") else "") + self.env_file_texts()[1])
@@ -446,7 +449,7 @@ class Slurm(NoSsh):
                 raise UserError("--launcher", "slurm", f"{name} {why}",
                                 "run inside the allocation: sbatch launch/slurm.sbatch, or salloc")
         argv = self.srun(job, labelled=watched)
-        argv[0] = shutil.which("srun")
+        argv[0] = cast(str, shutil.which("srun"))  # on PATH: missing_tools said so just above
         if not watched:
             return run_mapped(argv, {**os.environ, **job.explicit}, job)
         started = time.time()

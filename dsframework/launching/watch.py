@@ -230,6 +230,7 @@ def watch_srun(argv: list[str], *, env: Mapping[str, str], hosts: list[str]) -> 
 
 def _pump(proc: subprocess.Popen, out: "queue.Queue[str | None]") -> None:
     """Pass every line on to our stdout as it comes, and to the watcher."""
+    assert proc.stdout is not None  # both callers start it with stdout=PIPE
     for line in proc.stdout:
         sys.stdout.write(line)
         sys.stdout.flush()

@@ -51,6 +51,7 @@ def bridge_output_capture_registry() -> bool:
         dict.__setitem__(self, _key(model_or_key), value)
 
     get.dsf_bridge = True
-    _CanRecordRegistry.get = get
-    _CanRecordRegistry.__setitem__ = setitem
+    # setattr: a patch of the class, whose methods now take a class-name key as well as transformers' model
+    setattr(_CanRecordRegistry, "get", get)
+    setattr(_CanRecordRegistry, "__setitem__", setitem)
     return True

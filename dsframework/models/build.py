@@ -236,7 +236,7 @@ def build_on_host(source: ModelSource, config: HFConfig, *, seed: int,
         keep_alive = None
         if zero3_ds_config is not None:
             # transformers loads under zero.Init, shard by shard, while this object is alive.
-            from transformers.integrations import HfDeepSpeedConfig
+            from transformers.integrations.deepspeed import HfDeepSpeedConfig
 
             keep_alive = HfDeepSpeedConfig(zero3_ds_config)
         model = cls.from_pretrained(source.pretrained_dir, config=config, local_files_only=True,

@@ -36,7 +36,7 @@ import json
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, cast
 
 import torch
 from torch import nn
@@ -46,6 +46,9 @@ from dsframework.models.hf import causal_lm_class, count_parameters, skip_transf
 from dsframework.models.tensor_parallel import shard_model
 from dsframework.models.pipeline import stage_module_paths
 from dsframework.types import HFConfig
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_FILE = "model.safetensors"
@@ -63,14 +66,15 @@ def parameters_on_meta():
     same; dsframework does not depend on accelerate.)"""
     original = nn.Module.register_parameter
 
-    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        original(module, name, param)
+    def register(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(self, name, param)
         if param is not None and param.device.type != "meta":
             kwargs = param.__dict__
-            module._parameters[name] = type(param)(param.to("meta"), requires_grad=param.requires_grad)
-            module._parameters[name].__dict__.update(kwargs)
+            meta = self._parameters[name] = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+            vars(meta).update(kwargs)  # vars: torch's stubs type a tensor's __dict__ as read-only
             if param.numel() <= CONSTRUCTOR_VALUES_UP_TO:  # e.g. xIELU's alphas (Apertus): set here, not by
-                module._parameters[name].constructor_value = param.detach().clone()  # transformers' init
+                # transformers' init; metadata on the Parameter, as Megatron sets it: not in torch's stubs
+                setattr(meta, "constructor_value", param.detach().clone())
 
     nn.Module.register_parameter = register
     try:
@@ -120,11 +124,11 @@ def _cut(read: Callable[[int, int, int], torch.Tensor], param: nn.Parameter, den
     zero), transposed back when the dense tensor is stored [in, out] (GPT-2's Conv1D)."""
     if not getattr(param, "tensor_model_parallel", False):  # replicated: all of it
         return read(0, 0, dense_shape[0])
-    dim = param.partition_dim
+    dim = getattr(param, "partition_dim")  # metadata on the Parameter (shard_model): not in torch's stubs
     transposed = getattr(param, "dense_transposed", False)
     stored_dim = (1 - dim) if transposed else dim
     parts = []
-    for start, stop, pad in _runs(param.dense_index):
+    for start, stop, pad in _runs(getattr(param, "dense_index")):
         if pad:
             shape = list(param.shape)
             shape[dim] = stop - start
@@ -157,7 +161,8 @@ class SeededInit:
     time), seeded by the module's name, initialised by transformers' `_init_weights`."""
 
     def __init__(self, model: nn.Module, *, seed: int):
-        self.init_weights, self.seed = model._init_weights, seed
+        self.init_weights = cast(Callable[[nn.Module], None], model._init_weights)  # a PreTrainedModel's
+        self.seed = seed
         self.bytes_read = 0
 
     def values(self, path: str, template: nn.Module, module: nn.Module) -> dict[str, torch.Tensor]:
@@ -171,7 +176,7 @@ class SeededInit:
         with torch.no_grad():
             for param in twin._parameters.values():
                 if param is not None:
-                    param._is_hf_initialized = False  # transformers skips tensors flagged as done
+                    setattr(param, "_is_hf_initialized", False)  # transformers skips tensors flagged as done
                     param.fill_(float("nan"))  # what transformers' init leaves alone stays NaN
             torch.manual_seed((self.seed * 1_000_003 + zlib.crc32(path.encode())) % (2**63))
             self.init_weights(twin)
@@ -182,7 +187,9 @@ class SeededInit:
         for name, param in module._parameters.items():
             if param is None:
                 continue
-            dense = twin._parameters[name].detach()
+            dense_param = twin._parameters[name]
+            assert dense_param is not None  # the dense twin of `module`: the same parameters
+            dense = dense_param.detach()
             out[name] = _cut(lambda dim, a, b, dense=dense: _part(dense, dim, a, b), param, dense.shape)
         return out
 
@@ -215,7 +222,7 @@ class PretrainedSlices:
 
             reader = PretrainedSlices.for_model(pretrained_dir, empty_model(config))
         """
-        reader = cls(directory, aliases=tied_aliases(model), prefix=model.base_model_prefix)
+        reader = cls(directory, aliases=tied_aliases(model), prefix=cast(str, model.base_model_prefix))
         reader.renamed = renamed_at_load(model, reader.where)
         return reader
 
@@ -276,13 +283,16 @@ class PretrainedSlices:
         for name, param in module._parameters.items():
             if param is None:
                 continue
-            dense_shape = template._parameters[name].shape
+            dense_param = template._parameters[name]
+            assert dense_param is not None  # the dense twin of `module`: the same parameters
+            dense_shape = dense_param.shape
             tensor_slice = self.stored(f"{path}.{name}", dense_shape)
+            dtype = param.dtype
 
             def read(dim: int, start: int, stop: int, tensor_slice=tensor_slice) -> torch.Tensor:
                 piece = tensor_slice[start:stop] if dim == 0 else tensor_slice[:, start:stop]
                 self.bytes_read += piece.numel() * piece.element_size()
-                return piece.to(param.dtype)
+                return piece.to(dtype)
 
             out[name] = _cut(read, param, dense_shape)
         return out
@@ -303,7 +313,8 @@ def renamed_at_load(model: nn.Module, stored_keys: Iterable[str]) -> dict[str, s
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
-    transforms = get_model_conversion_mapping(model)
+    hf_model = cast("PreTrainedModel", model)  # a transformers model (its skeleton)
+    transforms = get_model_conversion_mapping(hf_model)
     renamings = [t for t in transforms if type(t) is WeightRenaming]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     if not renamings or len(renamings) + len(converters) < len(transforms):
@@ -311,7 +322,7 @@ def renamed_at_load(model: nn.Module, stored_keys: Iterable[str]) -> dict[str, s
     names = {name: True for name, _ in model.named_parameters(remove_duplicate=False)}
     renamed = {}
     for key in stored_keys:
-        name, converted_by = rename_source_key(key, renamings, converters, base_model_prefix=model.base_model_prefix,
+        name, converted_by = rename_source_key(key, renamings, converters, base_model_prefix=hf_model.base_model_prefix,
                                                meta_state_dict=names)
         if converted_by is None and name != key and name in names:
             renamed[name] = key
@@ -503,8 +514,9 @@ def materialize(model: nn.Module, templates: dict[str, nn.Module], source: Any, 
         new_params = []
         for name in todo:
             old = module._parameters[name]
+            assert old is not None  # in `todo`: a meta parameter
             new = nn.Parameter(placed(values[name], device, dtype).contiguous(), requires_grad=old.requires_grad)
-            new.__dict__.update({k: v for k, v in old.__dict__.items() if k != "_is_hf_initialized"})
+            vars(new).update({k: v for k, v in old.__dict__.items() if k != "_is_hf_initialized"})
             module._parameters[name] = new
             replaced[id(old)] = (old, new)
             new_params.append(new)

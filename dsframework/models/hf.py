@@ -9,7 +9,7 @@ transformers only inside functions (the planner imports this module).
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, cast
 
 from dsframework.errors import UserError
 from dsframework.types import HFConfig
@@ -19,7 +19,8 @@ def causal_lm_class(config: HFConfig) -> type:
     """The AutoModelForCausalLM class for a config, imported now (not lazily inside zero.Init)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    # cast: the mapping is typed for its (slow, fast) tokenizer pairs too; a model mapping's value is a class
+    return cast(type, MODEL_FOR_CAUSAL_LM_MAPPING[type(config)])
 
 
 def check_causal_lm(config: HFConfig, name: str) -> None:

@@ -83,8 +83,9 @@ def lora_config(spec: LoraSpec) -> Any:
     from peft import LoraConfig
 
     targets = spec.target_modules if isinstance(spec.target_modules, str) else list(spec.target_modules)
-    return LoraConfig(task_type="CAUSAL_LM", r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
-                      target_modules=targets, bias="none")
+    return LoraConfig(task_type="CAUSAL_LM", r=spec.r, lora_dropout=spec.dropout, target_modules=targets, bias="none",
+                      # peft annotates lora_alpha as int, but only divides by it (scaling = lora_alpha / r)
+                      lora_alpha=spec.alpha)  # pyright: ignore[reportArgumentType]  a float alpha: see above
 
 
 def apply_lora(model: Any, spec: LoraSpec, *, seed: int) -> Any:

@@ -57,7 +57,7 @@ import functools
 import inspect
 import re
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, TypeVar, cast
 
 import torch
 from torch import nn
@@ -190,7 +190,7 @@ def _skeleton(base: nn.Module, plan: PipelinePlan, *, keep: tuple[str, ...]) -> 
         if name == plan.layers:
             tuples = _layers_return_tuples(type(base), name)
             skeleton._modules[name] = nn.ModuleList(_LayerStub(i, stub_plan, layer, tuples)
-                                                    for i, layer in enumerate(child))
+                                                    for i, layer in enumerate(cast(nn.ModuleList, child)))
         elif name not in keep and _has_parameters(child):
             skeleton._modules[name] = _ShapeStub(child)
     return skeleton, stub_plan
@@ -215,6 +215,9 @@ def _parameterless_children(base: nn.Module) -> dict[str, nn.Module]:
 
 class _StagePart(nn.Module):
     """What the stage modules share: the base model's children they hold, its skeleton."""
+
+    skeleton: nn.Module  # set by _hold, outside nn.Module's bookkeeping
+    stub_plan: dict
 
     def _hold(self, base: nn.Module, plan: PipelinePlan, names: tuple[str, ...]) -> None:
         for name, child in _parameterless_children(base).items():
@@ -287,6 +290,8 @@ class LMHeadPipe(nn.Module):
     """The untied output projection: hidden states -> logits, post-processed as the model's own
     forward does (models/logits.py)."""
 
+    post: Callable[[torch.Tensor], torch.Tensor] | None  # set outside nn.Module's bookkeeping
+
     def __init__(self, config: _Ref, lm_head: _Ref, post: _Ref):
         super().__init__()
         self.lm_head = lm_head.obj
@@ -297,14 +302,14 @@ class LMHeadPipe(nn.Module):
         return logits if self.post is None else self.post(logits)
 
 
-def tied_lm_head(embedding: nn.Module, hidden_states: torch.Tensor, post: Any = None) -> torch.Tensor:
+def tied_lm_head(embedding: EmbeddingPipe, hidden_states: torch.Tensor, post: Any = None) -> torch.Tensor:
     """The tied head's forward_fn: logits = hidden @ token_embedding.weight^T (as nn.Linear);
     with a vocab-parallel embedding, this rank's vocab slice of them (VocabParallelLMHead); then
     the model's own post-processing `post` (models/logits.py), if any."""
     if isinstance(embedding.token_embedding, VocabParallelEmbedding):
         logits = VocabParallelLMHead.tied_to(embedding.token_embedding)(hidden_states)
     else:
-        logits = F.linear(hidden_states, embedding.token_embedding.weight)
+        logits = F.linear(hidden_states, cast(torch.Tensor, embedding.token_embedding.weight))
     return logits if post is None else post(logits)
 
 
@@ -628,14 +633,17 @@ def hf_names(spec: Any) -> dict[str, tuple[str, ...]]:
     return spec.hf_names
 
 
-def pipeline_state_dict_to_hf(layer_states: Mapping[int, Mapping[str, torch.Tensor]],
-                              specs: list) -> dict[str, torch.Tensor]:
+Value = TypeVar("Value")  # what a state dict maps names to
+
+
+def pipeline_state_dict_to_hf(layer_states: Mapping[int, Mapping[str, Value]], specs: list) -> dict[str, Value]:
     """HF state dict from per-layer state dicts ({layer index: that layer's state_dict}).
 
     E.g. layer 3's `layer.self_attn.q_proj.weight` -> `model.layers.2.self_attn.q_proj.weight`;
     a tied embedding's `embed_tokens.weight` -> `model.embed_tokens.weight` and `lm_head.weight`.
+    The values go through as they are (tensors; or the keys, to map names only: checkpoints/export.py).
     """
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, Value] = {}
     for idx, state in sorted(layer_states.items()):
         names = hf_names(specs[idx])
         for key, tensor in state.items():

@@ -13,7 +13,7 @@ DeepSpeed's reduction then makes the step that of one process seeing the whole s
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from deepspeed import comm as dist
@@ -26,6 +26,9 @@ from dsframework.models.loss import (
     vocab_parallel_token_loss,
 )
 from dsframework.types import Engine, Grid
+
+if TYPE_CHECKING:
+    from dsframework.parallel.context import ContextParallelGrid
 
 
 @dataclass(frozen=True)
@@ -41,7 +44,8 @@ class SequenceShard:
     @classmethod
     def of(cls, input_ids: torch.Tensor, grid: Grid) -> "SequenceShard":
         """Cut whole sequences [batch, seq_len] (every rank of a context group holds the same)."""
-        cp, rank = grid.get_sequence_parallel_world_size(), grid.get_sequence_parallel_rank()
+        cp_grid = cast("ContextParallelGrid", grid)  # cp > 1: build_grid's grid, with a sequence group
+        cp, rank = cp_grid.get_sequence_parallel_world_size(), cp_grid.get_sequence_parallel_rank()
         batch, seq_len = input_ids.shape
         local = seq_len // cp
         labels = shift_labels(input_ids)
@@ -72,5 +76,5 @@ def sequence_shard_loss(engine: Engine, shard: SequenceShard, *, grid: Grid, ten
                       else vocab_parallel_token_loss(group=tensor_group, vocab_size=vocab_size))
         share = causal_lm_loss(logits, shifted=shard.labels, token_loss=token_loss, over=shard.predicted)
     mean = share.detach().clone()
-    dist.all_reduce(mean, group=grid.get_sequence_parallel_group())
+    dist.all_reduce(mean, group=cast("ContextParallelGrid", grid).get_sequence_parallel_group())  # build_grid's, cp > 1
     return share * gradient_scale if gradient_scale != 1.0 else share, mean

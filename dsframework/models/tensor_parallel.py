@@ -23,7 +23,7 @@ never gathered (the plan's own `lm_head: colwise_gather_output` would gather the
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence, cast
 
 import torch
 from torch import nn
@@ -73,11 +73,12 @@ def _split_linear(module: nn.Module, path: str, kind: str, style: str, *, group:
     else:
         layer = RowParallelLinear.from_dense_weight(weight, bias, group=group, input_is_parallel=kind == "row")
     if transposed:
-        layer.weight.dense_transposed = True  # export writes the Conv1D's [in, out] back
+        # export writes the Conv1D's [in, out] back; metadata on the Parameter, as Megatron's: not in torch's stubs
+        setattr(layer.weight, "dense_transposed", True)
     return layer
 
 
-def _vocab_embedding(module: nn.Module, *, group: Any) -> VocabParallelEmbedding:
+def _vocab_embedding(module: nn.Embedding, *, group: Any) -> VocabParallelEmbedding:
     """The embedding split by vocabulary; a scaled embedding (Gemma 3's `embed_scale`) keeps its scale."""
     sharded = VocabParallelEmbedding.from_dense(module, group=group)
     scale = getattr(module, "embed_scale", None)
@@ -101,12 +102,12 @@ def _all_reduce_gradients(module: nn.Module, *, group: Any) -> None:
         for param in mod.parameters(recurse=False):
             if param.requires_grad and not getattr(param, "grad_summed_over_tensor_ranks", False):
                 param.register_hook(sum_over_tensor_ranks)
-                param.grad_summed_over_tensor_ranks = True
+                setattr(param, "grad_summed_over_tensor_ranks", True)
 
     if tensor_parallel_size(group) > 1:
         module.register_forward_pre_hook(install)
     for param in module.parameters(recurse=False):
-        param.replicated_grad_allreduce = True
+        setattr(param, "replicated_grad_allreduce", True)
 
 
 def _set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
@@ -125,7 +126,8 @@ def _apply_plan(base: nn.Module, plan: Any, *, group: Any) -> None:
             if kind == "grad_allreduce":
                 _all_reduce_gradients(module, group=group)
             elif kind == "vocab_embedding":
-                _set_submodule(base, path, _vocab_embedding(module, group=group))
+                # the style transformers' plans give the token embedding: an nn.Embedding
+                _set_submodule(base, path, _vocab_embedding(cast(nn.Embedding, module), group=group))
             elif kind != "replicated":
                 _set_submodule(base, path, _split_linear(module, path, kind, style, group=group,
                                                          parts=plan.parts_of(pattern)))

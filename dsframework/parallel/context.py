@@ -23,12 +23,11 @@ How the pieces fit (DeepSpeed 0.19's "Arctic Long Sequence Training" components)
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from typing import Any, cast
 
 import torch
 from deepspeed import comm as dist
 from deepspeed.runtime.pipe.topology import PipelineParallelGrid
-
 
 
 class ContextParallelGrid(PipelineParallelGrid):
@@ -133,9 +132,9 @@ def use_ulysses_attention(model: Any, grid: ContextParallelGrid, *, micro_batch:
         attn=core, batch_size=micro_batch, attn_head_count=heads // tp,
         attn_head_size=getattr(config, "head_dim", None) or config.hidden_size // heads,
         kv_head_count=kv_heads // tp, num_hidden_layers=config.num_hidden_layers,
-        process_group=grid.get_sequence_parallel_group(), seq_length_is_variable=False,
+        process_group=cast(dist.ProcessGroup, grid.get_sequence_parallel_group()), seq_length_is_variable=False,
         local_seq_length=seq_len // cp, global_seq_length=seq_len)
-    attention.core_attn_implementation = "sdpa"
+    setattr(attention, "core_attn_implementation", "sdpa")  # as DeepSpeed's register sets it (typed None there)
 
     def ulysses(module, query, key, value, attention_mask, *args, **kwargs):
         # The model built no mask for the local shard (see above); sdpa's causal flag covers the

@@ -258,11 +258,17 @@ def _mark_tensor_parallel(param: nn.Parameter, *, partition_dim: int,
     """Tag a sharded parameter the way DeepSpeed/Megatron read it (gradient-norm accounting), and
     with `dense_index`: for each of its slices along `partition_dim`, that slice's index in the
     dense tensor (-1: vocab padding). Merging shards back (export) needs nothing else."""
-    param.tensor_model_parallel = True
-    param.partition_dim = partition_dim
-    param.partition_stride = 1
-    param.dense_index = dense_index.detach().to("cpu", torch.long)
+    # metadata on the Parameter, as Megatron sets it (setattr: not in torch's stubs)
+    setattr(param, "tensor_model_parallel", True)
+    setattr(param, "partition_dim", partition_dim)
+    setattr(param, "partition_stride", 1)
+    setattr(param, "dense_index", dense_index.detach().to("cpu", torch.long))
     return param
+
+
+def dense_index_of(param: nn.Parameter) -> torch.Tensor:
+    """The `dense_index` `_mark_tensor_parallel` set on a sharded parameter."""
+    return getattr(param, "dense_index")
 
 
 def _vocab_index(start: int, end: int, num_embeddings: int) -> torch.Tensor:
@@ -506,7 +512,7 @@ class VocabParallelEmbedding(nn.Module):
                     padding_idx=padding_idx, device="meta", dtype=weight.dtype)
         layer.weight = _mark_tensor_parallel(nn.Parameter(
             _vocab_shard(weight, layer.vocab_start, layer.vocab_end), requires_grad=weight.requires_grad),
-            partition_dim=0, dense_index=layer.weight.dense_index)
+            partition_dim=0, dense_index=dense_index_of(layer.weight))
         return layer
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -562,7 +568,7 @@ class VocabParallelLMHead(nn.Module):
         if linear.bias is not None:
             bias = _mark_tensor_parallel(nn.Parameter(
                 _vocab_shard(linear.bias.unsqueeze(1), shard.vocab_start, shard.vocab_end).squeeze(1),
-                requires_grad=linear.bias.requires_grad), partition_dim=0, dense_index=shard.weight.dense_index)
+                requires_grad=linear.bias.requires_grad), partition_dim=0, dense_index=dense_index_of(shard.weight))
         return cls(shard, bias)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -144,7 +144,9 @@ def load_cluster(name: str, *, nodes: int = 1, gpus_per_node: int = 1, field: st
         raise UserError(field, name, "is neither a preset nor a file", "pass a preset or a dsf calibrate profile")
     try:
         data = json.loads(path.read_text())
-    except ValueError as err:
+    except json.JSONDecodeError as err:
         raise UserError(field, name, f"is not valid JSON ({err.msg} at line {err.lineno})",
                         "write it again with dsf calibrate") from None
+    except UnicodeDecodeError:
+        raise UserError(field, name, "is not a text file (not UTF-8)", "pass a profile written by dsf calibrate") from None
     return resize(Cluster.from_dict(data, origin=f"{field} {name}"), nodes=nodes, gpus_per_node=gpus_per_node)

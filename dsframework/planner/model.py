@@ -17,7 +17,7 @@ function, dropout. No torch.distributed, no disk.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from dsframework.models.experts import AUTOEP_MODEL_TYPES, expert_layout
 from dsframework.models.plans import context_parallel_problem, sliding_window
@@ -90,14 +90,19 @@ class ModelDesc:
     @property
     def pp_problem(self) -> str | None:
         """None when the pipeline cuts this model into stages, else why not."""
+        assert self.counts is not None  # describe_model sets it
         return self.counts.pipeline_problem
 
     def tp_problem(self, tp: int) -> str | None:
         """None when tensor parallelism splits this model over `tp` ranks, else why not."""
-        return None if tp == 1 else self.counts.tp_problem(tp)
+        if tp == 1:
+            return None
+        assert self.counts is not None  # describe_model sets it
+        return self.counts.tp_problem(tp)
 
     def shares(self, tp: int) -> TensorShares:
         """One tensor rank's tensors at `tp`, per pipeline layer (planner/count.py)."""
+        assert self.counts is not None  # describe_model sets it
         return self.counts.shares(tp)
 
     @property
@@ -199,7 +204,7 @@ def _unsplit_matrices(counts: ModelCounts, layers: Any) -> dict[str, Any]:
 
 def describe_model(config: HFConfig, *, name: str | None = None) -> ModelDesc:
     """The ModelDesc of a transformers config (see the module docstring)."""
-    name = name or getattr(config, "name_or_path", None) or config.model_type
+    name = name or cast("str | None", getattr(config, "name_or_path", None)) or config.model_type
     counts = model_counts(config)
     model = counts.model
     h, heads = config.hidden_size, config.num_attention_heads

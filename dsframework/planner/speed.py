@@ -222,9 +222,10 @@ def _pipeline(layout: Layout, cluster: Cluster, step: _Step, compute: float) -> 
     sent across stages."""
     dims = layout.dims
     bubble = compute * (dims.pp - 1) / step.micro_batches if dims.pp > 1 else 0.0
-    if cluster.is_cpu and cluster.gpus_per_node > cluster.cores_per_node:
+    cores = cluster.cores_per_node  # set for CPU ranks only (cluster.is_cpu)
+    if cores is not None and cluster.gpus_per_node > cores:
         # CPU ranks sharing cores: in the bubble the busy ranks get the idle ones' share.
-        bubble /= cluster.gpus_per_node / cluster.cores_per_node
+        bubble /= cluster.gpus_per_node / cores
     pp_comm = 0.0
     if dims.pp > 1:
         pp_bw = _bandwidth(cluster, dims.tp * dims.dp * 2)

@@ -127,7 +127,7 @@ def commit_checkpoint(run: RunConfig, session: Session, pending: ckpt.Pending, *
     watch.enter("checkpoint")
     ckpt.commit(session.engine, pending)
     engine = session.engine
-    seconds = pending.seconds + (engine.checkpoint_engine.take_waited() if ckpt.is_decoupled(engine) else 0.0)
+    seconds = pending.seconds + ckpt.writer_waited(engine)
     window.checkpoint_s += seconds
     if session.rank == 0:  # what dsf launch's goodput count charges to checkpointing (a resume keeps it)
         record_checkpoint_time(run.output_dir, step=pending.step, seconds=seconds)

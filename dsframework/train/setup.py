@@ -31,7 +31,7 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, cast
 
 from dsframework.checkpoints import checkpoint as ckpt
 from dsframework.checkpoints.resume import ResumePlan
@@ -55,7 +55,7 @@ from dsframework.models.hf import count_parameters
 from dsframework.models.lora import apply_lora
 from dsframework.models.loss import check_chunked_loss_layout, use_chunked_loss
 from dsframework.models.tensor_parallel import TensorParallelCausalLM
-from dsframework.parallel.context import use_ulysses_attention
+from dsframework.parallel.context import ContextParallelGrid, use_ulysses_attention
 from dsframework.models.pipeline import (
     build_pipeline_module,
     check_model_parallelism,
@@ -101,7 +101,7 @@ def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False,
                       grid=world.grid, loss_chunk_tokens=model.chunk_tokens,
                       expert_load=None if world.dims.pp_enabled else ExpertLoad.attach(engine.module, data.config),
                       loss_setup=loss_setup(world, data.config, chunked=model.chunk_tokens is not None))
-    if resume:
+    if load_tag is not None:  # on resume (pre-flight read the checkpoint)
         with clock.phase("restore"), closing_writer_on_error(engine):
             restore(session, load_tag)
     if world.rank == 0:
@@ -135,7 +135,7 @@ class StartupClock:
               "deepspeed.initialize", "restore")
 
     def __init__(self, *, age: float | None = None) -> None:
-        self.seconds = dict.fromkeys(self.PHASES, 0.0)
+        self.seconds: dict[str, float] = dict.fromkeys(self.PHASES, 0.0)
         self.seconds["imports"] = process_age() if age is None else age
 
     @contextmanager
@@ -203,8 +203,14 @@ class World:
     rank: int
     dims: ParallelDims
     topology: Any  # parallel.topology.build_topology
-    grid: Grid  # tp or cp: the mpu deepspeed.initialize gets (ZeRO reduces over its data-parallel group)
+    grid: Grid | None  # tp or cp: the mpu deepspeed.initialize gets (ZeRO reduces over its data-parallel group)
     dp_rank: int
+
+    @property
+    def layout_grid(self) -> Grid:
+        """`grid`, asked for with tp or cp only (form_world builds it then)."""
+        assert self.grid is not None, f"no grid at {self.dims}: form_world builds one for tp or cp"
+        return self.grid
 
 
 def form_world(run: RunConfig, source: ModelSource) -> World:
@@ -298,7 +304,7 @@ def materialise(run: RunConfig, source: ModelSource, config: HFConfig, world: Wo
     if dims.tp_enabled or dims.pp_enabled:
         built = build_for_layout(
             source, config, seed=run.train.seed,
-            tp_group=world.grid.get_slice_parallel_group() if dims.tp_enabled else None,
+            tp_group=world.layout_grid.get_slice_parallel_group() if dims.tp_enabled else None,
             pipeline=(dims.pp, world.topology.get_coord(world.rank).pipe) if dims.pp_enabled else None,
             partition_method=run.parallel.partition_method, zero3_ds_config=zero3,
             mpu=world.grid)
@@ -326,9 +332,10 @@ def wrap_for_layout(run: RunConfig, model: Any, world: World, batch: Batch) -> A
     if checkpointing:  # non-reentrant: works with ZeRO-3's parameter hooks and frozen inputs
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if dims.tp_enabled:
-        model = TensorParallelCausalLM(model, group=world.grid.get_slice_parallel_group())
-    if dims.cp_enabled:
-        use_ulysses_attention(model, world.grid, micro_batch=batch.micro_batch, seq_len=run.data.seq_len, tp=dims.tp)
+        model = TensorParallelCausalLM(model, group=world.layout_grid.get_slice_parallel_group())
+    if dims.cp_enabled:  # (build_grid's ContextParallelGrid)
+        use_ulysses_attention(model, cast(ContextParallelGrid, world.layout_grid), micro_batch=batch.micro_batch,
+                              seq_len=run.data.seq_len, tp=dims.tp)
     return model
 
 
@@ -342,10 +349,10 @@ def build_engine(run: RunConfig, model: Any, ds_config: dict[str, Any], world: W
     # A PipelineModule brings its own grid (DeepSpeed refuses an mpu beside it).
     with ckpt.writer_spared_by_sigterm(run.checkpoint.writer == "decoupled"):  # it may spawn the writer
         engine, _, _, _ = deepspeed.initialize(
-            model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config,
-            mpu=None if world.dims.pp_enabled else world.grid)
-    if engine.checkpoint_engine.is_decoupled():  # checkpoint.writer=decoupled (checkpoints/checkpoint.py)
-        engine.checkpoint_engine = ckpt.DecoupledWriter(engine.checkpoint_engine)
+            model=model, config=ds_config, mpu=None if world.dims.pp_enabled else world.grid,
+            # (DeepSpeed annotates model_parameters as a Module; it takes the parameters, as passed here)
+            model_parameters=[p for p in model.parameters() if p.requires_grad])  # pyright: ignore[reportArgumentType]
+    if ckpt.use_decoupled_writer(engine):  # checkpoint.writer=decoupled (checkpoints/checkpoint.py)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
         sharded_over = world.dims.zero_ranks if world.dims.zero_stage else 1
         ckpt.check_shm_for_snapshot(ckpt.snapshot_bytes(engine.module, zero_ranks=sharded_over), ranks_per_node=local)
@@ -438,7 +445,7 @@ def loss_setup(world: World, config: HFConfig, *, chunked: bool) -> LossSetup:
     share over its slice of the sequences (train/step.py LossSetup)."""
     if not world.dims.cp_enabled:
         return WHOLE
-    return LossSetup.context_parallel(world.grid, world.dims, vocab_size=config.vocab_size, chunked=chunked)
+    return LossSetup.context_parallel(world.layout_grid, world.dims, vocab_size=config.vocab_size, chunked=chunked)
 
 
 def loss_chunking(run: RunConfig, config: HFConfig, dims: ParallelDims, micro_batch: int) -> int | None:
@@ -467,7 +474,7 @@ class Session:
     step: int = 0
     consumed_samples: int = 0
     built: Any = None  # tp/pp: what this rank materialised and read (models.construct.Materialized)
-    grid: Grid = None  # tp or cp: the mpu deepspeed.initialize got (parallel.topology.build_grid)
+    grid: Grid | None = None  # tp or cp: the mpu deepspeed.initialize got (parallel.topology.build_grid)
     loss_chunk_tokens: int | None = None  # the causal LM loss in chunks of this many tokens (models/loss.py)
     expert_load: Any = None  # a mixture of experts' router figures (train/expert_load.py), else None
     loss_setup: LossSetup = WHOLE  # how every micro-batch's loss is computed (train/step.py), set once

@@ -15,13 +15,13 @@ replace them in this module (tests/distributed/workers/faults.py, hot_path.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from dsframework.data import BlockSampler, eval_shard
 from dsframework.layout import ParallelDims
 from dsframework.models.sequence_loss import SequenceShard, sequence_shard_loss
 from dsframework.parallel.context import zero_gradient_scale
-from dsframework.types import Engine, Grid
+from dsframework.types import Engine, Grid, PipelineEngine
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ def train_step(engine: Engine, micro_batches: list, *, pipeline: bool, loss_setu
     if pipeline:  # DeepSpeed's pipeline engine runs the 1F1B schedule over all micro-batches
         enter("pipeline schedule")
         data = iter([(ids, ids) for ids in micro_batches])
-        return engine.train_batch(data_iter=data).detach().double()
+        return cast(PipelineEngine, engine).train_batch(data_iter=data).detach().double()
     total = torch.zeros((), dtype=torch.float64, device=engine.device)  # the losses add up where they are
     for input_ids in micro_batches:
         enter("forward")
@@ -135,7 +135,9 @@ def evaluate(engine: Engine, eval_blocks: Any, *, micro_batch: int, dp_size: int
                 count += eval_blocks.trained_tokens(indices)
         elif pipeline:
             batches = [eval_blocks[indices] for indices in shard]
-            total += engine.eval_batch(iter([(ids, ids) for ids in batches]), num_micro_batches=len(batches)).double()
+            pipe = cast(PipelineEngine, engine)  # (eval_batch returns the loss without return_logits)
+            total += cast(torch.Tensor, pipe.eval_batch(iter([(ids, ids) for ids in batches]),
+                                                        num_micro_batches=len(batches))).double()
             count += 1.0
         else:
             for indices in shard:

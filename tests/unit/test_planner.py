@@ -9,11 +9,12 @@ import torch
 from click.testing import CliRunner
 
 from dsframework.commands.cli import cli
+from dsframework.errors import UserError
 from dsframework.config import ModelSpec, load_run_config
 from dsframework.layout import ParallelDims
 from dsframework.models.build import build_model, resolve_model
 from dsframework.models.hf import causal_lm_class
-from dsframework.planner.cluster import GiB, cluster_preset
+from dsframework.planner.cluster import GiB, cluster_preset, load_cluster
 from dsframework.planner.memory import Workload, Layout, memory_per_rank, stage_shapes
 from dsframework.planner.model import describe_model
 from dsframework.planner.search import enumerate_layouts, search
@@ -179,3 +180,11 @@ def test_dsf_plan_pins_a_dimension():
     data = json.loads(_plan("--model", "llama-7b", "--cluster", "h100-80gb", "--seq-len", "2048",
                             "--global-batch", "64", "--tp", "2", "--zero-stage", "1", "--json").stdout)
     assert {(c["tp"], c["zero_stage"]) for c in data["candidates"]} == {(2, 1)}
+
+
+@pytest.mark.parametrize("content, said", [(b'{"name": "cpu", ', "is not valid JSON"),
+                                           (b"\xff\xfe\x00\x01", "is not a text file (not UTF-8)")])
+def test_a_cluster_profile_that_is_not_json_is_one_line(tmp_path, content, said):
+    (tmp_path / "cpu.json").write_bytes(content)
+    with pytest.raises(UserError, match=r"--cluster=.*cpu\.json.*" + said.replace("(", r"\(").replace(")", r"\)")):
+        load_cluster(str(tmp_path / "cpu.json"))

@@ -151,10 +151,11 @@ def test_resume_from_transformers_experts_into_autoep_is_refused_in_one_line(tra
     is refused before any conversion, naming the way that works."""
     from dsframework.errors import UserError
     from dsframework.layout import ParallelDims
+    from dsframework.checkpoints.manifest import MANIFEST, Manifest
     from dsframework.checkpoints.resume import keep_expert_blocks, resume_tag
 
     run = build_run_config({}, run_overrides(trained / "stopped", overrides(trained, *RESUMED)))
-    dense = {"layout": ParallelDims(world=WORLD, zero_stage=3).as_dict()}
+    dense = Manifest(step=5, layout=ParallelDims(world=WORLD, zero_stage=3).as_dict(), files={})
     assert keep_expert_blocks(run, dense) is run
     with pytest.raises(UserError, match=r"parallel.ep=2: cannot resume at tp 1 x pp 1 x cp 1 x dp 4, ep 2 from a "
                                         r"checkpoint saved at tp 1 x pp 1 x cp 1 x dp 4: experts move to another ep "
@@ -162,7 +163,7 @@ def test_resume_from_transformers_experts_into_autoep_is_refused_in_one_line(tra
                                         r"parallel.ep=1 \(start at ep 1 with parallel.autoep=true"):
         resume_tag(run, ParallelDims(world=WORLD, zero_stage=3, ep=2), dense, None)
     at_ep1 = run.model_copy(update={"parallel": run.parallel.model_copy(update={"ep": 1})})
-    saved = json.loads((trained / "stopped" / "checkpoints" / "global_step5" / "dsf_manifest.json").read_text())
+    saved = Manifest.read(trained / "stopped" / "checkpoints" / "global_step5" / MANIFEST)
     assert keep_expert_blocks(at_ep1, saved).parallel.autoep
 
 

@@ -425,7 +425,14 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def world_results(tmp_path_factory) -> dict[int, dict[str, list[str]]]:
     out_dir = tmp_path_factory.mktemp("tp_layers")
-    mp.spawn(_rank_main, args=(WORLD, free_port(), str(out_dir)), nprocs=WORLD, join=True)
+    try:
+        mp.spawn(_rank_main, args=(WORLD, free_port(), str(out_dir)), nprocs=WORLD, join=True)
+    except mp.ProcessExitedException:
+        # gloo's teardown can still abort a rank after every rank wrote its results and passed the
+        # barrier (a pair thread left joinable; seen in CI, not reproduced here): the results are
+        # what the tests judge, so a rank that died before writing them fails the tests.
+        if not all((out_dir / f"rank{rank}.json").is_file() for rank in range(WORLD)):
+            raise
     return {rank: json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(WORLD)}
 
 

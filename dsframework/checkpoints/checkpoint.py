@@ -253,6 +253,8 @@ def writer_spared_by_sigterm(decoupled: bool) -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+# (engine: Any in the four below: they put or read dsf's DecoupledWriter in engine.checkpoint_engine,
+# which DeepSpeed's annotation types as one of its own checkpoint engines)
 def use_decoupled_writer(engine: Any) -> bool:
     """With checkpoint.writer=decoupled, wrap DeepSpeed's decoupled checkpoint engine in
     `DecoupledWriter` (once, after deepspeed.initialize); whether it did."""

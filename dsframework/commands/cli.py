@@ -24,7 +24,7 @@ import sys
 import traceback
 from dataclasses import replace
 from pathlib import Path
-from typing import Literal, cast
+from typing import cast
 
 import click
 
@@ -202,14 +202,18 @@ def _flag_for(field: str) -> str:
 # --- dsf plan -----------------------------------------------------------------------------------
 
 @cli.command("plan")
-@click.option("--model", "model_name", required=True, help="preset, config.json or pretrained directory")
+@click.option("--model", "model_name", help="preset, config.json or pretrained directory (required without --run; "
+              "with it, default: the run's model.name)")
 @click.option("--cluster", "cluster_name", required=True,
               help="a100-40gb, a100-80gb, h100-80gb, h200-141gb, cpu-local, or a dsf calibrate profile")
 @click.option("--nodes", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--gpus-per-node", type=click.IntRange(min=1), default=8, show_default=True)
-@click.option("--seq-len", type=click.IntRange(min=1), required=True)
-@click.option("--global-batch", type=click.IntRange(min=1), required=True)
-@click.option("--precision", type=click.Choice(["fp32", "bf16", "fp16"]), default="bf16", show_default=True)
+@click.option("--seq-len", type=click.IntRange(min=1), help="tokens per sequence (required without --run; "
+              "with it, default: the run's data.seq_len)")
+@click.option("--global-batch", type=click.IntRange(min=1), help="sequences per step (required without --run; "
+              "with it, default: the run's train.global_batch)")
+@click.option("--precision", type=click.Choice(["fp32", "bf16", "fp16"]),
+              help="default: the --run config's train.precision, else bf16")
 @click.option("--top", type=click.IntRange(min=1), default=5, show_default=True)
 @click.option("--tp", type=click.IntRange(min=1), help="pin the tensor-parallel size")
 @click.option("--pp", type=click.IntRange(min=1), help="pin the pipeline size")
@@ -217,33 +221,36 @@ def _flag_for(field: str) -> str:
 @click.option("--ep", type=click.IntRange(min=1), help="pin the expert-parallel size (mixture-of-experts models)")
 @click.option("--zero-stage", type=click.IntRange(0, 3), help="pin the ZeRO stage")
 @click.option("--json", "as_json", is_flag=True, help="every candidate as JSON (schema in docs/planner.md)")
+@click.option("--run", "run_yaml", type=click.Path(dir_okay=False, path_type=Path),
+              help="plan this run config (its model, overrides, data format, LoRA); -o writes it back with only "
+              "the plan's fields changed (layout, batch split, ZeRO settings), every other line as it is")
 @click.option("-o", "--output-dir", type=click.Path(file_okay=False, path_type=Path),
-              help="write ds_config.json and run.yaml of the best layout here")
+              help="write run.yaml, ds_config.json and README.txt of the best layout here")
 @click.option("--force", is_flag=True, help="replace files already in --output-dir")
-def plan_cmd(model_name: str, cluster_name: str, nodes: int, gpus_per_node: int, seq_len: int, global_batch: int,
-             precision: Literal["fp32", "bf16", "fp16"], top: int, tp: int | None, pp: int | None, cp: int | None,
-             ep: int | None, zero_stage: int | None, as_json: bool, output_dir: Path | None, force: bool) -> None:
+def plan_cmd(model_name: str | None, cluster_name: str, nodes: int, gpus_per_node: int, seq_len: int | None,
+             global_batch: int | None, precision: str | None, top: int, tp: int | None, pp: int | None,
+             cp: int | None, ep: int | None, zero_stage: int | None, as_json: bool, run_yaml: Path | None,
+             output_dir: Path | None, force: bool) -> None:
     """Rank the layouts that fit MODEL on the cluster by predicted tokens/s, with memory per GPU."""
-    from dsframework.config import ModelSpec
-    from dsframework.models.build import resolve_model
     from dsframework.planner.cluster import load_cluster
-    from dsframework.planner.memory import Workload
-    from dsframework.planner.model import describe_model
     from dsframework.planner.report import plan_table
     from dsframework.planner.search import search
 
+    user = _UserRun.read(run_yaml) if run_yaml is not None else None
     cluster = load_cluster(cluster_name, nodes=nodes, gpus_per_node=gpus_per_node)
     if output_dir is not None and not force:
-        taken = [name for name in ("ds_config.json", "run.yaml") if (output_dir / name).exists()]
+        taken = [name for name in PLAN_FILES if (output_dir / name).exists()]
         if taken:
             raise UserError("--output-dir", str(output_dir), f"already holds {taken[0]}",
                             "choose another directory or pass --force")
-    desc = describe_model(resolve_model(ModelSpec(name=model_name)).config, name=model_name)
-    plan = search(desc, cluster, Workload(seq_len=seq_len, global_batch=global_batch, precision=precision),
-                  tp=tp, pp=pp, cp=cp, ep=ep, zero_stage=zero_stage)
+    flags = {"--model": model_name, "--seq-len": seq_len, "--global-batch": global_batch, "--precision": precision}
+    desc, job, pins = _plan_job(flags, user)
+    pinned = {**pins, **{name: size for name, size in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)) if size}}
+    plan = search(desc, cluster, job, tp=pinned.get("tp"), pp=pinned.get("pp"), cp=pinned.get("cp"),
+                  ep=pinned.get("ep"), zero_stage=zero_stage)
     if as_json:
-        click.echo(json.dumps({"model": model_name, "cluster": cluster.to_dict(), "seq_len": seq_len,
-                               "global_batch": global_batch, "precision": precision,
+        click.echo(json.dumps({"model": desc.name, "cluster": cluster.to_dict(), "seq_len": job.seq_len,
+                               "global_batch": job.global_batch, "precision": job.precision,
                                "candidates": [c.as_dict() for c in plan.candidates]}, indent=1))
     else:
         click.echo(plan_table(plan, top=top))
@@ -251,26 +258,121 @@ def plan_cmd(model_name: str, cluster_name: str, nodes: int, gpus_per_node: int,
         if plan.best is None:
             raise UserError("--output-dir", str(output_dir), "has nothing to hold: no layout fits",
                             "follow the advice above (more GPUs, offload, smaller micro-batch)")
-        _write_plan_files(plan, output_dir, model_name=model_name)
+        _write_plan_files(plan, output_dir, model_name=desc.name, cluster_name=cluster_name, user=user)
 
 
-def _write_plan_files(plan, output_dir: Path, *, model_name: str) -> None:
-    from dsframework.config import build_run_config, dump_run_config
+PLAN_FILES = ("ds_config.json", "run.yaml", "README.txt")
+
+
+class _UserRun:
+    """`dsf plan --run`'s run config: its text, its raw mapping, its validated dump (RunConfig)."""
+
+    def __init__(self, path: Path, text: str, written: dict, run) -> None:
+        self.path, self.text, self.written, self.run = path, text, written, run
+        self.current = run.model_dump(mode="json")
+
+    @classmethod
+    def read(cls, path: Path) -> "_UserRun":
+        from dsframework.config import build_run_config, read_yaml
+
+        written = read_yaml(path)  # the run-config loader's own errors: one line naming the field
+        return cls(path, path.read_text(), written, build_run_config(written))
+
+
+def _plan_job(flags: dict, user: "_UserRun | None"):
+    """(the model described, the Workload, pinned sizes) of `dsf plan`: from the flags, and with --run
+    from the run config too (its model and overrides; its loss chunk; LoRA's adapters, at tp = pp = cp
+    = ep = 1; a chat or prompt/completion format at pp = cp = 1)."""
+    from dsframework.config import ModelSpec
+    from dsframework.models.build import resolve_model
+    from dsframework.planner.files import job_values
+    from dsframework.planner.memory import Workload
+    from dsframework.planner.model import describe_model
+
+    run = user.run if user is not None else None
+    values = (job_values(flags, written=user.written, current=user.current, source=str(user.path)) if user
+              else job_values(flags, written=None, current=None, source=None))
+    spec = (run.model.model_copy(update={"name": values["--model"]}) if run is not None
+            else ModelSpec(name=values["--model"]))
+    config = resolve_model(spec).config
+    job = Workload(seq_len=values["--seq-len"], global_batch=values["--global-batch"],
+                   precision=values["--precision"], loss_chunk_tokens=run.train.loss_chunk_tokens if run else None)
+    pins: dict[str, int] = {}
+    if run is not None and run.data.format != "text":
+        pins.update(pp=1, cp=1)
+    if run is not None and run.model.lora is not None:
+        from dsframework.models.lora import count_lora_parameters
+
+        count = count_lora_parameters(config, run.model.lora)
+        job = replace(job, trainable_params=count.trainable, trainable_persistent=count.persistent)
+        pins.update(tp=1, pp=1, cp=1, ep=1)
+    return describe_model(config, name=values["--model"]), job, pins
+
+
+def _write_plan_files(plan, output_dir: Path, *, model_name: str, cluster_name: str, user: "_UserRun | None") -> None:
+    """run.yaml (the defaults' placeholders marked, or --run's file with the plan's fields set),
+    ds_config.json (DeepSpeed's plain JSON) and README.txt (what each is; how to run it)."""
+    from dsframework.config import build_run_config
     from dsframework.dsconfig import build_ds_config, dumps, validate_ds_config
-    from dsframework.planner.report import run_config_dict
+    from dsframework.planner.files import readme_text, start_lines
 
-    best, job = plan.best, plan.job
-    run = build_run_config(run_config_dict(best, model_name=model_name, seq_len=job.seq_len,
-                                           global_batch=job.global_batch, precision=job.precision,
-                                           output_dir=str(output_dir / "run"), plan=plan))
+    best = plan.best
+    cluster_field = cluster_name if not Path(cluster_name).suffix else str(Path(cluster_name).resolve())
+    if user is not None:
+        text, data, run_note, said = _merged_run(plan, user, model_name=model_name, cluster_field=cluster_field)
+    else:
+        text, data, run_note, said = _placeholder_run(plan, output_dir, model_name=model_name,
+                                                      cluster_field=cluster_field)
+    run = build_run_config(data)
     ds = build_ds_config(run.train, run.parallel, dp_size=best.layout.dims.dp)
     validate_ds_config(ds, dp_size=best.layout.dims.dp)
+    start = start_lines(plan.cluster, world=best.layout.dims.world, run_yaml=str(output_dir / "run.yaml"),
+                        cluster_field=cluster_field)
     output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "run.yaml").write_text(text)
     (output_dir / "ds_config.json").write_text(dumps(ds))
-    (output_dir / "run.yaml").write_text(dump_run_config(run))
-    click.echo(f"dsf: wrote {output_dir / 'ds_config.json'} and {output_dir / 'run.yaml'} "
-               f"(run: deepspeed --num_gpus {best.layout.dims.world} $(which dsf) train {output_dir / 'run.yaml'})",
+    (output_dir / "README.txt").write_text(readme_text(plan, model_name=model_name, run_note=run_note, start=start))
+    for name, what in (("run.yaml", said),
+                       ("ds_config.json", "DeepSpeed's JSON as dsf train builds it from run.yaml, to read or for your "
+                        "own deepspeed.initialize; plain JSON, no comments; dsf train does not read it"),
+                       ("README.txt", "what each file is, and how to run it")):
+        click.echo(f"dsf: wrote {output_dir / name} ({what})", err=True)
+    click.echo(f"dsf: train it {f'on {plan.cluster.nodes} nodes' if plan.cluster.nodes > 1 else 'on one node'}:",
                err=True)
+    for line in start:
+        click.echo(f"  {line}", err=True)
+
+
+def _placeholder_run(plan, output_dir: Path, *, model_name: str, cluster_field: str):
+    """(run.yaml's text, its mapping, a note) without --run: dsf's defaults, the plan's fields set,
+    the rest marked `# placeholder`."""
+    from dsframework.config import build_run_config
+    from dsframework.planner.files import RUN_YAML_PLACEHOLDERS, placeholder_run_yaml, plan_fields, run_yaml_header
+
+    chosen = plan_fields(plan.best, plan, model_name=model_name, cluster_field=cluster_field)
+    nested: dict = {"output_dir": str(output_dir / "run")}
+    for field, value in chosen.items():
+        section, key = field.split(".")
+        nested.setdefault(section, {})[key] = value
+    data = build_run_config(nested).model_dump(mode="json")
+    header = run_yaml_header(plan, model_name=model_name, source=None)
+    said = "the run config: lines marked `# placeholder` are dsf's defaults, not chosen by the plan: set your data, "\
+        "steps and lr"
+    return placeholder_run_yaml(data, chosen, header=header), data, RUN_YAML_PLACEHOLDERS, said
+
+
+def _merged_run(plan, user: "_UserRun", *, model_name: str, cluster_field: str):
+    """(run.yaml's text, its mapping, a note) with --run: the user's file with only the plan's fields set."""
+    from dsframework.planner.files import changed_fields, merged_data, merged_run_yaml, plan_fields, run_yaml_header
+
+    fields = plan_fields(plan.best, plan, model_name=model_name, cluster_field=cluster_field, written=user.written)
+    changes = changed_fields(fields, user.current)
+    source = str(user.path)
+    said = f"{source} with the plan's fields set, lines marked `# dsf plan`: {', '.join(changes) or 'none'}"
+    note = f"{said}; every other field as {source} has it."
+    header = run_yaml_header(plan, model_name=model_name, source=source)
+    text = merged_run_yaml(user.text, user.written, changes, header=header)
+    return text, merged_data(user.written, changes), note, said
 
 
 # --- dsf calibrate ------------------------------------------------------------------------------

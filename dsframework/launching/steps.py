@@ -23,7 +23,7 @@ from dsframework.layout import ParallelDims, check_model_layout
 from dsframework.models.build import resolve_model
 from dsframework.models.lora import count_lora_parameters
 from dsframework.models.pipeline import check_model_parallelism
-from dsframework.planner.cluster import GiB, load_cluster
+from dsframework.planner.cluster import GiB, load_cluster, local_gpu_preset
 from dsframework.planner.fit import check_fit, run_job, run_layout
 from dsframework.planner.model import describe_model
 
@@ -47,6 +47,16 @@ def layout(run, active):
                        ranks_per_node=min(len(slots) for slots in active.values()))
     check_model_parallelism(config, dims, seq_len=run.data.seq_len)
     return dims, config
+
+
+def plan_cluster(cluster_name: str | None, run_cluster: str | None, *, on_gpu: bool) -> tuple[str, bool]:
+    """The --cluster `dsf plan` should get in memory_check's fix, and whether it is a guess: `dsf launch
+    --cluster`, else the run's own (logging.cluster, which `dsf plan -o` writes), else this node's GPU
+    preset, else a placeholder (a node without a GPU, such as a login node, says nothing of the workers)."""
+    if cluster_name or run_cluster:
+        return str(cluster_name or run_cluster), False
+    found = local_gpu_preset() if on_gpu else None
+    return (found[0], False) if found else ("<your GPU preset, e.g. h100-80gb>", True)
 
 
 def memory_check(run, config, dims, active, cluster_name: str | None, *, force: bool) -> str:
@@ -73,16 +83,19 @@ def memory_check(run, config, dims, active, cluster_name: str | None, *, force: 
                f"host {fit.host_need / GiB:.2f} GiB of {fit.host_available / GiB:.1f} GiB per node{lora}")
     if fit.fits:
         return summary
-    preset = cluster_name or ("cpu-local" if cluster.name == "cpu-local" else "CLUSTER")
+    preset, guessed = plan_cluster(cluster_name, run.logging.cluster, on_gpu=cluster.name == "local-gpu")
     plan = (f"dsf plan --model {run.model.name} --cluster {preset} --nodes {len(active)} "
             f"--gpus-per-node {ranks_per_node} --seq-len {job.seq_len} --global-batch {job.global_batch} "
             f"--precision {job.precision}")
+    budget = ("" if cluster_name or cluster.name == "local-gpu" else
+              f"; this node has no GPU, so its RAM was the budget: launching for GPU nodes, pass --cluster "
+              f"{preset if not guessed else '<their preset>'} to dsf launch")
     error = UserError("memory per rank" if fit.need > fit.available else "host memory per node", None,
                       f"{fit.why_not} ({source}) for {layout.dims}, "
                       f"ZeRO-{layout.dims.zero_stage}, micro-batch {layout.micro_batch}",
                       f"find a layout that fits with `{plan}`"
                       + (" (it plans full fine-tuning: LoRA needs less)" if lora else "")
-                      + ", or pass --force to launch anyway")
+                      + budget + ", or pass --force to launch anyway")
     if not force:
         raise error
     click.echo(f"dsf: warning: {error}; launching anyway (--force)", err=True)

@@ -20,8 +20,8 @@ from dsframework.errors import UserError, did_you_mean
 
 GiB = 1024 ** 3
 GB = 1e9
-MATMUL_EFFICIENCY = 0.45  # a transformer layer's achieved / peak FLOP/s on a GPU (good-run MFU);
-#                           the default of Cluster.matmul_efficiency, which `dsf calibrate` measures
+MATMUL_EFFICIENCY = 0.75  # a large GEMM's achieved / peak FLOP/s on a GPU; the default of
+#                           Cluster.matmul_efficiency, which each preset sets and `dsf calibrate` measures
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,11 @@ class Cluster:
     host_to_device_bandwidth: float = 25 * GB  # PCIe: what CPU offload pays per GPU
     op_overhead_s: float = 8e-6  # fixed cost of one kernel / operator call (launch, dispatch)
     collective_latency_s: float = 30e-6  # fixed cost of one small collective (NCCL in a node)
-    matmul_efficiency: float = MATMUL_EFFICIENCY  # a transformer layer's achieved / peak FLOP/s
+    matmul_efficiency: float = MATMUL_EFFICIENCY  # a large GEMM's achieved / peak FLOP/s (planner/speed.py
+    #                                               prices each GEMM's shape and the memory-bound work on top)
+    hbm_bandwidth: float = 2.0e12  # device memory bytes/s (datasheet); a CPU profile: its memory copy rate
+    gemm_tile: int = 1  # a GEMM's output block per SM (128 on NVIDIA GPUs' cuBLAS kernels); 1: no quantisation
+    sm_count: int = 1  # blocks that run at once (streaming multiprocessors); 1: no wave quantisation
     cores_per_node: int | None = None  # set for CPU ranks only (cpu-local, `dsf calibrate` on a CPU):
     #                                    when ranks outnumber cores, idle ranks lend theirs
 
@@ -78,22 +82,33 @@ class Cluster:
         return cls(**data)
 
 
-# Dense peak FLOP/s (no sparsity), NVLink per GPU one direction, 200-400 Gb/s NICs per GPU.
+# Dense peak FLOP/s (no sparsity), HBM bytes/s and SMs from NVIDIA's datasheets (A100: "NVIDIA A100
+# Tensor Core GPU" datasheet; H100/H200: the H100 and H200 SXM datasheets; B200: the DGX/HGX B200 datasheet,
+# per GPU = the 8-GPU figure / 8). Links are what NCCL reaches, not the wire rate: intra-node the
+# all-reduce bus bandwidth nccl-tests reports on the DGX of that generation (NVLink 3 / NVSwitch: ~230-240
+# GB/s of 300 per direction; NVLink 4: ~450 of 450 with NVLink SHARP; NVLink 5: 900 per direction, taken
+# at 800 until measured), inter-node one 200 Gb/s (A100: HDR, Selene's 8 per node) or 400 Gb/s (NDR) NIC
+# per GPU at ~90%. matmul_efficiency: a large bf16 GEMM's achieved / peak (cuBLAS, 8192^3: A100 ~0.8 of
+# 312; H100 SXM ~0.75 of 989; H200 ~790 of 989, its higher memory bandwidth and power; B200 estimated).
 _A100 = dict(peak_flops={"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12},
-             intra_node_bandwidth=300 * GB, inter_node_bandwidth=25 * GB, cpu_memory_per_node=1024 * GiB,
-             host_to_device_bandwidth=25 * GB)
-_HOPPER = dict(peak_flops={"fp32": 67e12, "tf32": 495e12, "bf16": 989e12, "fp16": 989e12},
-               intra_node_bandwidth=450 * GB, inter_node_bandwidth=50 * GB, cpu_memory_per_node=2048 * GiB,
-               host_to_device_bandwidth=55 * GB)
+             intra_node_bandwidth=235 * GB, inter_node_bandwidth=22.5 * GB, cpu_memory_per_node=1024 * GiB,
+             host_to_device_bandwidth=25 * GB, matmul_efficiency=0.7, gemm_tile=128, sm_count=108)
+_HOPPER = dict(peak_flops={"fp32": 67e12, "tf32": 495e12, "bf16": 989e12, "fp16": 989e12, "fp8": 1979e12},
+               intra_node_bandwidth=450 * GB, inter_node_bandwidth=45 * GB, cpu_memory_per_node=2048 * GiB,
+               host_to_device_bandwidth=55 * GB, gemm_tile=128, sm_count=132)
 _GPU_PRESETS: dict[str, dict[str, Any]] = {
-    "a100-40gb": dict(memory_per_gpu=40 * GiB, **_A100),
-    "a100-80gb": dict(memory_per_gpu=80 * GiB, **_A100),
-    "h100-80gb": dict(memory_per_gpu=80 * GiB, **_HOPPER),
-    "h200-141gb": dict(memory_per_gpu=141 * GB, **_HOPPER),
+    "a100-40gb": dict(memory_per_gpu=40 * GiB, hbm_bandwidth=1.555e12, **_A100),
+    "a100-80gb": dict(memory_per_gpu=80 * GiB, hbm_bandwidth=2.039e12, **_A100),
+    "h100-80gb": dict(memory_per_gpu=80 * GiB, hbm_bandwidth=3.35e12, matmul_efficiency=0.75, **_HOPPER),
+    "h200-141gb": dict(memory_per_gpu=141 * GB, hbm_bandwidth=4.8e12, matmul_efficiency=0.8, **_HOPPER),
+    "b200-180gb": dict(memory_per_gpu=180 * GB, hbm_bandwidth=8.0e12, matmul_efficiency=0.7,
+                       peak_flops={"fp32": 75e12, "tf32": 1.1e15, "bf16": 2.25e15, "fp16": 2.25e15, "fp8": 4.5e15},
+                       intra_node_bandwidth=800 * GB, inter_node_bandwidth=45 * GB, cpu_memory_per_node=2048 * GiB,
+                       host_to_device_bandwidth=55 * GB, gemm_tile=128, sm_count=148),
     # This kind of machine (2 cores, 24 GiB), one CPU rank per core; `dsf calibrate` measures it.
     "cpu-local": dict(memory_per_gpu=10 * GiB, peak_flops={"fp32": 50e9, "bf16": 100e9},
                       intra_node_bandwidth=2 * GB, inter_node_bandwidth=1 * GB,
-                      cpu_memory_per_node=24 * GiB, host_to_device_bandwidth=10 * GB,
+                      cpu_memory_per_node=24 * GiB, host_to_device_bandwidth=10 * GB, hbm_bandwidth=10 * GB,
                       op_overhead_s=20e-6, collective_latency_s=200e-6, matmul_efficiency=0.8,
                       cores_per_node=2),
 }
@@ -109,7 +124,7 @@ def cluster_preset(name: str, *, nodes: int = 1, gpus_per_node: int = 8) -> Clus
 
 
 # Substrings of torch.cuda.get_device_name() -> preset ("a100": 40 or 80 GB by the card's memory).
-_GPU_NAMES = (("H200", "h200-141gb"), ("H100", "h100-80gb"), ("A100", "a100"))
+_GPU_NAMES = (("B200", "b200-180gb"), ("H200", "h200-141gb"), ("H100", "h100-80gb"), ("A100", "a100"))
 
 
 def local_gpu_preset() -> tuple[str, str] | None:

@@ -4,6 +4,7 @@
     records = [c.as_dict() for c in plan.candidates]          # --json
     run_config_dict(plan.best, model_name="llama-7b", seq_len=4096, global_batch=512, precision="bf16")
     knobs_lines(plan.best)                                    # ZeRO's knobs the plan chose, and why
+    headroom_line(plan, plan.best)    # one line when its peak leaves under 10% of the usable memory free
 
 The table ends with the best layout and its knobs:
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from dsframework.planner.cluster import GiB
+from dsframework.planner.fit import usable_gpu_memory
 from dsframework.planner.memory import loss_chunk
 from dsframework.planner.search import Candidate, Plan, family_of
 
@@ -84,8 +86,32 @@ def plan_table(plan: Plan, *, top: int = 5) -> str:
                            f"{flat.tokens_per_s:,.0f} tokens/s ({flat.tokens_per_s / best.tokens_per_s:.0%} of the best)")
         if best.layout.dims.ep > 1:
             out.append(expert_parallel_reason(plan, best))
+        tight = headroom_line(plan, best)
+        if tight:
+            out.append(tight)
         out += knobs_lines(best)
     return "\n".join(out)
+
+
+TIGHT_HEADROOM = 0.10  # below this share of the usable memory left free, the plan says so
+
+
+def headroom_line(plan: Plan, candidate: Candidate) -> str | None:
+    """One line when `candidate`'s predicted peak leaves under 10% of the usable memory per GPU free
+    (the fit rule's 10% margin is on the peak, so a first choice can come this close): the figures, and
+    what to try if the first steps run out of memory. None otherwise."""
+    usable, peak, lay = usable_gpu_memory(plan.cluster), candidate.memory.total, candidate.layout
+    headroom = 1 - peak / usable
+    if headroom >= TIGHT_HEADROOM:
+        return None
+    tries = [f"a smaller micro-batch (train.micro_batch {lay.micro_batch // 2}, the global batch kept)"
+             ] if lay.micro_batch > 1 else []
+    if lay.activation_checkpointing == "none":
+        tries.append("activation checkpointing (parallel.activation_checkpointing full)")
+    tries.append("the next layout of the table")
+    return (f"  under {TIGHT_HEADROOM:.0%} memory headroom: predicted peak {_gib(peak)} GiB of {_gib(usable)} GiB "
+            f"usable per GPU ({headroom:.1%} free); if the first steps run out of memory, try "
+            + (", ".join(tries[:-1]) + " or " if len(tries) > 1 else "") + tries[-1])
 
 
 def expert_parallel_reason(plan: Plan, best: Candidate) -> str:

@@ -31,10 +31,27 @@ from dsframework.planner.memory import Workload, Layout, StageShape, layer_gathe
 from dsframework.planner.model import ModelDesc
 from dsframework.runtime_facts import STAGE0_ALLREDUCE_BUCKET
 
-# (Achieved / peak FLOP/s is the cluster's `matmul_efficiency`: a preset's default, or measured.)
-REPLICATED_FRACTION = 0.15  # of a layer's time that tensor parallelism does not split (norms,
-#                             residual adds, rotary, the loss: every tensor rank does all of it)
+# Compute. A matmul runs at the cluster's `matmul_efficiency` (a large GEMM's achieved / peak FLOP/s,
+# a preset's figure or `dsf calibrate`'s) times what its shape leaves of it: its output is cut into
+# `gemm_tile` x `gemm_tile` blocks run `sm_count` at a time (a partial last block, a partial last wave
+# do no useful work), and a GEMM moves its operands through HBM, so a thin one is bandwidth-bound
+# (roofline). Memory-bound work (norms, residual adds, rotary, the activation function, the loss's
+# softmax) moves bytes at `hbm_bandwidth` x HBM_EFFICIENCY. Without sequence parallelism (dsf's
+# tensor parallelism today) the norms and residual adds run whole on every tensor rank.
 RECOMPUTE_FACTOR = 4 / 3  # full checkpointing runs the forward twice: 4 passes instead of 3
+HBM_EFFICIENCY = 0.8  # elementwise kernels' achieved / datasheet HBM bandwidth (STREAM-like copies: 80-90%)
+ATTENTION_EFFICIENCY = 0.7  # flash attention's FLOP/s (forward + backward) over a large GEMM's: FlashAttention-2
+#                             reaches 50-73% of A100 peak forward and backward (Dao 2023, Fig. 4-6)
+CAUSAL_ATTENTION_WORK = 0.5  # a causal flash kernel skips the masked half of QK^T and AV (CPU's sdpa: not)
+NORM_ELEMENTS = 2  # per norm and token: read and write `hidden` elements
+RESIDUAL_ELEMENTS = 3  # per residual add: read two, write one
+ACTIVATION_ELEMENTS_GATED = 3  # act(gate) * up: read 2 ffn, write 1 ffn (of a tensor rank's share)
+ACTIVATION_ELEMENTS = 2  # act(fc): read and write ffn
+ROTARY_ELEMENTS = 2  # per query and key element: read and write
+BACKWARD_BYTES = 2  # elementwise backward moves about twice the forward's bytes (inputs, grads in and out)
+LOSS_BYTES_PER_LOGIT = 16  # the loss over a logit: bf16 write, fp32 softmax read/write, its gradient (~4 x 4 B)
+EAGER_SCORE_PASSES = 4  # eager attention's s x s scores, forward: QK^T written, softmax read and written, AV read
+DROPOUT_SCORE_PASSES = 2  # ... and attention dropout's mask applied (read, write)
 DP_OVERLAP = 0.5  # share of ZeRO's gradient reduction hidden behind the backward pass
 ZERO3_GATHER_OVERLAP = 0.5  # share of ZeRO-3's parameter all-gathers hidden by prefetching a whole layer
 TP_OVERLAP = 0.0  # Megatron TP all-reduces sit on the critical path
@@ -53,7 +70,7 @@ ZERO3_OPS_PER_MODULE_PASS = 150  # ZeRO-3's Python hooks on every module, forwar
 
 @dataclass(frozen=True)
 class StepTime:
-    compute: float
+    compute: float  # matmuls and attention
     tp_comm: float
     dp_comm: float
     pp_bubble: float
@@ -62,11 +79,12 @@ class StepTime:
     overhead: float = 0.0  # operator calls and ZeRO-3 fetch bookkeeping, independent of size
     cp_comm: float = 0.0  # Ulysses' all-to-alls
     ep_comm: float = 0.0  # expert parallelism's all-to-alls (tokens to their experts' ranks and back)
+    memory_bound: float = 0.0  # norms, residual adds, rotary, the activation function, the loss: bytes at HBM speed
 
     @property
     def total(self) -> float:
-        return (self.compute + self.tp_comm + self.cp_comm + self.dp_comm + self.pp_bubble + self.pp_comm
-                + self.offload + self.overhead + self.ep_comm)
+        return (self.compute + self.memory_bound + self.tp_comm + self.cp_comm + self.dp_comm + self.pp_bubble
+                + self.pp_comm + self.offload + self.overhead + self.ep_comm)
 
 
 def _ring(bytes_: float, ranks: int, bandwidth: float, *, all_reduce: bool, latency: float) -> float:
@@ -125,26 +143,89 @@ def step_time(desc: ModelDesc, layout: Layout, job: Workload, cluster: Cluster) 
     step = _Step(busiest=max(stages, key=lambda s: s.params), micro_batches=layout.grad_accum,
                  local_tokens=local_tokens, activation_bytes=local_tokens * desc.hidden * w, w=w,
                  lat=cluster.collective_latency_s, recompute=layout.activation_checkpointing == "full")
-    compute = _compute(desc, layout, job, cluster)
-    bubble, pp_comm = _pipeline(layout, cluster, step, compute)
-    return StepTime(compute=compute, tp_comm=_tp_comm(layout, cluster, step),
-                    dp_comm=_dp_comm(desc, layout, cluster, step), pp_bubble=bubble, pp_comm=pp_comm,
+    compute, memory_bound = _compute(desc, layout, job, cluster), _memory_bound(desc, layout, job, cluster)
+    bubble, pp_comm = _pipeline(layout, cluster, step, compute + memory_bound)
+    return StepTime(compute=compute, memory_bound=memory_bound, tp_comm=_tp_comm(layout, cluster, step),
+                    dp_comm=_dp_comm(desc, layout, cluster, step, compute + memory_bound), pp_bubble=bubble,
+                    pp_comm=pp_comm,
                     offload=_offload(layout, cluster, step), overhead=_overhead(desc, layout, cluster, step, compute),
                     cp_comm=_cp_comm(desc, layout, cluster, step), ep_comm=_ep_comm(desc, layout, cluster, step))
 
 
 def _compute(desc: ModelDesc, layout: Layout, job: Workload, cluster: Cluster) -> float:
-    """The model's flops on each rank's share of the tokens, at the cluster's matmul efficiency."""
-    tokens_per_rank = job.global_batch * job.seq_len / (layout.dims.dp * layout.dims.cp)  # each rank's share
-    per_token = desc.flops_per_token(job.seq_len)
-    unsplit = desc.unsplit_flops_per_token() if layout.dims.tp > 1 else 0.0  # matrices each tensor rank runs whole
-    flops = (per_token - unsplit) * tokens_per_rank / (layout.dims.tp * layout.dims.pp)
-    if layout.dims.tp > 1:  # the part every tensor rank repeats in full
-        flops *= (1 - REPLICATED_FRACTION) + REPLICATED_FRACTION * layout.dims.tp
-    flops += unsplit * tokens_per_rank / layout.dims.pp
-    if layout.activation_checkpointing == "full":
-        flops *= RECOMPUTE_FACTOR
-    return flops / (cluster.flops(job.precision) * cluster.matmul_efficiency)
+    """Seconds of matmuls and attention on the busiest rank: the model's FLOPs on its share of the
+    tokens, each matmul at `matmul_efficiency` x what its shape leaves (`shape_efficiency`), attention
+    at ATTENTION_EFFICIENCY of that (and half its work when causal kernels skip the masked half)."""
+    dims = layout.dims
+    tokens_per_rank = job.global_batch * job.seq_len / (dims.dp * dims.cp)  # each rank's share
+    attention = 3.0 * 4 * desc.layers * job.seq_len * desc.hidden  # of flops_per_token: QK^T and AV
+    unsplit = desc.unsplit_flops_per_token() if dims.tp > 1 else 0.0  # matrices each tensor rank runs whole
+    matmul = (desc.flops_per_token(job.seq_len) - attention - unsplit) / dims.tp + unsplit
+    recompute = RECOMPUTE_FACTOR if layout.activation_checkpointing == "full" else 1.0
+    peak = cluster.flops(job.precision) * cluster.matmul_efficiency
+    local_tokens = layout.micro_batch * job.seq_len / dims.cp
+    matmul_s = matmul / (peak * shape_efficiency(desc, local_tokens, dims.tp, cluster, job))
+    flash = not (cluster.is_cpu or desc.eager_attention)  # eager: the whole QK^T and AV, as batched GEMMs
+    causal, kernel = (CAUSAL_ATTENTION_WORK, ATTENTION_EFFICIENCY) if flash else (1.0, 1.0)
+    attention_s = attention / dims.tp * causal / (peak * kernel)
+    return recompute * (matmul_s + attention_s) * tokens_per_rank / dims.pp
+
+
+def layer_gemms(desc: ModelDesc, tp: int) -> list[tuple[float, float]]:
+    """(K, N) of a decoder layer's forward matmuls on one tensor rank, [tokens x K] @ [K x N]:
+    q|k|v, the attention output, the MLP's up (and gate), its down projection."""
+    qkv = (desc.heads + 2 * desc.kv_heads) * desc.head_dim / tp
+    up = (2 if desc.gated_mlp else 1) * desc.ffn / tp
+    return [(desc.hidden, qkv), (desc.heads * desc.head_dim / tp, desc.hidden), (desc.hidden, up),
+            (desc.ffn / tp, desc.hidden)]
+
+
+def shape_efficiency(desc: ModelDesc, tokens: float, tp: int, cluster: Cluster, job: Workload) -> float:
+    """Of `matmul_efficiency`, what a decoder layer's matmuls reach for `tokens` rows (a micro-batch's
+    on one rank) at `tp`, forward and backward: each GEMM's output quantised to tiles and waves, and
+    bounded by the bytes it moves (the roofline); FLOP-weighted over the layer's GEMMs."""
+    flops = seconds = 0.0  # seconds x the peak FLOP/s: FLOPs at 100%
+    peak, element_bytes = cluster.matmul_efficiency, job.param_bytes
+    flops_per_byte = cluster.flops(job.precision) / (cluster.hbm_bandwidth * HBM_EFFICIENCY)
+    for k, n in layer_gemms(desc, tp):
+        # forward Y[m,n] = X[m,k] W[k,n]; backward dX[m,k] = dY W^T and dW[k,n] = X^T dY
+        for rows, cols, inner in ((tokens, n, k), (tokens, k, n), (k, n, tokens)):
+            work = 2.0 * rows * cols * inner
+            moved = element_bytes * (rows * inner + inner * cols + rows * cols)
+            compute = work / (peak * _tile_waves(rows, cols, cluster))
+            memory = moved * flops_per_byte
+            flops, seconds = flops + work, seconds + max(compute, memory)
+    return flops / (seconds * peak) if seconds else 1.0
+
+
+def _tile_waves(rows: float, cols: float, cluster: Cluster) -> float:
+    """Useful share of a GEMM's blocks: its [rows x cols] output cut into gemm_tile-square blocks, run
+    sm_count at a time; 1 where the cluster has no tiles (CPU ranks)."""
+    tile, units = cluster.gemm_tile, cluster.sm_count
+    if tile <= 1 or units <= 1:
+        return 1.0
+    blocks = math.ceil(rows / tile) * math.ceil(cols / tile)
+    return rows * cols / (math.ceil(blocks / units) * units * tile * tile)
+
+
+def _memory_bound(desc: ModelDesc, layout: Layout, job: Workload, cluster: Cluster) -> float:
+    """Seconds of the elementwise work of the busiest rank: per token and layer the norms and residual
+    adds (whole on every tensor rank), rotary on queries and keys and the MLP's activation (a tensor
+    rank's share), forward (again with recompute) and backward; the loss over the vocabulary's logits
+    (a tensor rank's share) on the last stage."""
+    dims, w = layout.dims, job.param_bytes
+    whole = desc.layer_norms * NORM_ELEMENTS * desc.hidden + 2 * RESIDUAL_ELEMENTS * desc.hidden
+    activation = ACTIVATION_ELEMENTS_GATED if desc.gated_mlp else ACTIVATION_ELEMENTS
+    split = (activation * desc.ffn + ROTARY_ELEMENTS * (desc.heads + desc.kv_heads) * desc.head_dim) / dims.tp
+    forwards = 1 + (layout.activation_checkpointing == "full")
+    if desc.eager_attention:  # the scores are materialised: heads / tp x the sequence per token (cp or not)
+        passes = EAGER_SCORE_PASSES + (DROPOUT_SCORE_PASSES if desc.dropout else 0)
+        split += passes * desc.heads / dims.tp * job.seq_len
+    per_token_layer = (whole + split) * w * (forwards + BACKWARD_BYTES)
+    tokens_per_rank = job.global_batch * job.seq_len / (dims.dp * dims.cp)
+    layers = math.ceil(desc.layers / dims.pp)
+    loss = desc.vocab / dims.tp * LOSS_BYTES_PER_LOGIT
+    return tokens_per_rank * (per_token_layer * layers + loss) / (cluster.hbm_bandwidth * HBM_EFFICIENCY)
 
 
 def _tp_comm(layout: Layout, cluster: Cluster, step: _Step) -> float:
@@ -183,10 +264,13 @@ def _ep_comm(desc: ModelDesc, layout: Layout, cluster: Cluster, step: _Step) -> 
     return (1 - EP_OVERLAP) * 2 * (2 + step.recompute) * one * step.busiest.layers * step.micro_batches
 
 
-def _dp_comm(desc: ModelDesc, layout: Layout, cluster: Cluster, step: _Step) -> float:
+def _dp_comm(desc: ModelDesc, layout: Layout, cluster: Cluster, step: _Step, compute: float) -> float:
     """Data parallel: ZeRO's group is data x context; its ranks sit tp apart (tensor ranks are
     innermost), and an hpZ group is zero_hpz consecutive ranks. One latency per bucket: bigger
-    buckets, fewer collectives."""
+    buckets, fewer collectives. What overlaps (DP_OVERLAP of the gradient reduction, ZeRO-3's
+    prefetched share of its gathers) hides behind compute, never more than the compute itself: at
+    scale, with few sequences per rank, ZeRO-3's gathers are mostly exposed. The pipeline engine
+    reduces after its schedule: nothing overlaps there."""
     dims, knobs, busiest, lat, micro_batches = layout.dims, layout.knobs, step.busiest, step.lat, step.micro_batches
     d = dims.zero_ranks
     dp_bw = _bandwidth(cluster, d * dims.tp)
@@ -194,17 +278,19 @@ def _dp_comm(desc: ModelDesc, layout: Layout, cluster: Cluster, step: _Step) -> 
     held = busiest.params - desc.routed_params + desc.routed_params // dims.ep if dims.ep > 1 else busiest.params
     grad_bytes = held * step.w
     reduce_lat = lat * _buckets(held, knobs.reduce_bucket)
+    hidden_share = 0.0 if dims.pp_enabled else DP_OVERLAP
     if dims.zero_stage == 0:  # one all-reduce, bucketed behind the backward pass
         reduce = _ring(grad_bytes, d, dp_bw, all_reduce=True, latency=lat * _buckets(held,
                                                                                      STAGE0_ALLREDUCE_BUCKET))
-        gather = 0.0
+        gather = hidden_gather = 0.0
     elif dims.zero_stage in (1, 2):  # gradients reduced to their owners, updated params gathered after
         reduce = _ring(grad_bytes, d, dp_bw, all_reduce=False, latency=reduce_lat)
         if dims.zero_stage == 2:  # reduce-scattered at every micro-batch
             reduce *= micro_batches
         gather = _ring(grad_bytes, d, dp_bw, all_reduce=False,
                        latency=lat * _buckets(held, knobs.allgather_bucket))
-    else:  # ZeRO-3: gather the non-persistent parameters for forward and backward of every micro-batch
+        hidden_gather = 0.0  # after the optimizer step: nothing left to hide it behind
+    else:  # ZeRO-3: gather the non-persistent parameters for every forward (recompute too) and backward
         reduce = micro_batches * _ring(grad_bytes, d, dp_bw, all_reduce=False, latency=reduce_lat)
         gathered_bytes = (held - busiest.persistent) * step.w  # persistent tensors are never gathered
         forward = _ring(gathered_bytes, d, dp_bw, all_reduce=False, latency=lat)
@@ -213,8 +299,9 @@ def _dp_comm(desc: ModelDesc, layout: Layout, cluster: Cluster, step: _Step) -> 
                              all_reduce=False, latency=lat)
         else:
             backward = forward
-        gather = (1 - zero3_gather_overlap(desc, layout)) * micro_batches * (forward + backward)
-    return (1 - DP_OVERLAP) * reduce + gather
+        gather = micro_batches * ((1 + step.recompute) * forward + backward)
+        hidden_gather = zero3_gather_overlap(desc, layout) * gather
+    return reduce + gather - min(hidden_share * reduce + hidden_gather, compute)
 
 
 def _pipeline(layout: Layout, cluster: Cluster, step: _Step, compute: float) -> tuple[float, float]:

@@ -356,6 +356,34 @@ def test_memory_refusal_names_both_figures_and_force_goes_on(in_tmp):
     assert tiny.exit_code == 0 and re.search(r"# memory per rank: predicted 0\.\d+ GiB of", tiny.stdout)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the default cluster is this node's GPU here")
+def test_memory_fix_names_the_runs_cluster_not_cpu_local_on_a_node_without_a_gpu(in_tmp):
+    """From a login node (no GPU, no --cluster) the fix's `dsf plan` gets the run's own cluster
+    (logging.cluster, which `dsf plan -o` writes), else a placeholder for the GPU preset, never cpu-local."""
+    def refusal(*extra: str) -> str:
+        with pytest.raises(UserError) as err:
+            CliRunner().invoke(cli, ["launch", TINY, "--num-gpus", "2", "--dry-run", *LLAMA_7B, *extra],
+                               catch_exceptions=False, standalone_mode=False)
+        return str(err.value)
+
+    unknown = refusal()
+    assert "dsf plan --model llama-7b --cluster <your GPU preset, e.g. h100-80gb> --nodes 1" in unknown
+    assert "--cluster cpu-local" not in unknown and "pass --cluster <their preset> to dsf launch" in unknown
+    own = refusal("--set", "logging.cluster=h100-80gb")
+    assert "dsf plan --model llama-7b --cluster h100-80gb --nodes 1" in own
+    assert "pass --cluster h100-80gb to dsf launch" in own
+    given = refusal("--cluster", "a100-40gb", "--set", "logging.cluster=h100-80gb")
+    assert "dsf plan --model llama-7b --cluster a100-40gb" in given and "this node has no GPU" not in given
+
+
+def test_plan_cluster_prefers_the_flag_then_the_run_then_this_gpu():
+    from dsframework.launching.steps import plan_cluster
+
+    assert plan_cluster("a100-80gb", "h100-80gb", on_gpu=False) == ("a100-80gb", False)
+    assert plan_cluster(None, "h100-80gb", on_gpu=False) == ("h100-80gb", False)
+    assert plan_cluster(None, None, on_gpu=False) == ("<your GPU preset, e.g. h100-80gb>", True)
+
+
 def test_memory_check_refuses_a_build_the_hosts_cannot_hold(in_tmp):
     """8 GPUs of 141 GB hold llama-7b at ZeRO-2 either way; 64 GiB of RAM (51.2 usable) holds 8
     ranks building eighths of it (tp 8), not 8 dense fp32 builds."""

@@ -3,6 +3,7 @@ the search rules, and `dsf plan` (table, JSON schema, files for dsf train, error
 from __future__ import annotations
 
 import json
+import shlex
 
 import pytest
 import torch
@@ -188,3 +189,198 @@ def test_a_cluster_profile_that_is_not_json_is_one_line(tmp_path, content, said)
     (tmp_path / "cpu.json").write_bytes(content)
     with pytest.raises(UserError, match=r"--cluster=.*cpu\.json.*" + said.replace("(", r"\(").replace(")", r"\)")):
         load_cluster(str(tmp_path / "cpu.json"))
+
+
+# --- the files `dsf plan -o` writes, and what it prints (issue 33, item 6) -----------------------
+
+TINY_PLAN = ("--model", "tiny-llama", "--cluster", "cpu-local", "--gpus-per-node", "4", "--seq-len", "64",
+             "--global-batch", "16", "--precision", "fp32")
+MY_YAML = """\
+# my run: the team's settings
+model:
+  name: tiny-llama   # the base
+data:
+  dataset: counting
+  seq_len: 64
+  tokenizer_vocab_size: 300
+
+train:
+  steps: 7
+  lr: 3.0e-4        # tuned
+  global_batch: 16
+  micro_batch: 8
+  grad_accum: 2
+  precision: fp32
+
+parallel:
+  zero_stage: 3
+  zero_knobs:
+    prefetch_bucket: 1000
+  # keep hpZ off for now
+  tp: 2
+
+output_dir: runs/mine
+"""
+PLAN_OWNED = ("micro_batch", "grad_accum", "chunked_loss", "tp", "pp", "cp", "ep", "zero_stage", "zero_hpz",
+              "offload_optimizer", "offload_param", "activation_checkpointing", "zero_knobs")
+
+
+def _planned(tmp_path, *args):
+    out = tmp_path / "plan"
+    result = _plan(*args, "-o", str(out))
+    assert result.exit_code == 0, result.output
+    return out, result
+
+
+def test_dsf_plan_run_writes_the_users_file_with_only_the_plans_fields_changed(tmp_path):
+    (tmp_path / "my.yaml").write_text(MY_YAML)
+    out, result = _planned(tmp_path, "--run", str(tmp_path / "my.yaml"), "--cluster", "cpu-local",
+                           "--gpus-per-node", "4")
+    reference, _ = _planned(tmp_path / "ref", *TINY_PLAN)  # the same plan without --run
+    mine, planned, plain = (load_run_config(p) for p in (tmp_path / "my.yaml", out / "run.yaml",
+                                                          reference / "run.yaml"))
+    for section in ("parallel", "train"):
+        for key in PLAN_OWNED:
+            if hasattr(getattr(planned, section), key) and key != "grad_accum":
+                assert getattr(getattr(planned, section), key) == getattr(getattr(plain, section), key), key
+    dp = 4 // (planned.parallel.tp * planned.parallel.pp * planned.parallel.cp)
+    assert planned.train.global_batch == 16 == planned.train.micro_batch * planned.train.grad_accum * dp
+    assert planned.data == mine.data and planned.model == mine.model and planned.output_dir == "runs/mine"
+    assert (planned.train.steps, planned.train.lr) == (7, 3e-4) and planned.logging.cluster == "cpu-local"
+    text = (out / "run.yaml").read_text()
+    assert text.startswith("# ") and "every other line as" in text.split("\n\n")[0]
+    kept = [line for line in MY_YAML.splitlines()
+            if not any(line.strip().startswith(f"{key}:") for key in PLAN_OWNED) and "prefetch_bucket" not in line]
+    assert all(line in text.splitlines() for line in kept)  # comments, order, the user's values: as written
+    changed = [line for line in text.splitlines() if line not in MY_YAML.splitlines() and not line.startswith("#")]
+    assert changed and all(line.endswith("# dsf plan") or line.endswith(":") for line in changed), changed
+    assert "my.yaml with the plan's fields set" in result.stderr
+
+
+@pytest.mark.parametrize("text, changes, kept", [
+    ("train:\n  lr: 0.1  # mine\n  micro_batch: 4\n", {"train.micro_batch": 2}, "  lr: 0.1  # mine"),
+    ("# top\nparallel:\n  zero_knobs:\n    reduce_bucket: 5\n\n  tp: 2\n", {"parallel.zero_knobs": {}}, "  tp: 2"),
+    ("train:\n  lr: 0.1\n", {"parallel.tp": 2, "train.micro_batch": 2}, "  lr: 0.1"),
+    ("parallel: {tp: 2}\ntrain: {lr: 0.1}\n", {"parallel.tp": 1}, None),  # flow style: written out again
+])
+def test_merged_run_yaml_edits_lines_or_writes_the_values_out(text, changes, kept):
+    from dsframework.config import parse_yaml
+    from dsframework.planner.files import merged_data, merged_run_yaml
+
+    written = parse_yaml(text)
+    merged = merged_run_yaml(text, written, changes, header=["the header"])
+    assert parse_yaml(merged) == merged_data(written, changes)
+    assert merged.startswith("# the header\n")
+    if kept is None:
+        assert "could not be edited line by line" in merged
+    else:
+        assert kept in merged.splitlines() and "could not be edited" not in merged
+        assert sum(line.endswith("# dsf plan") for line in merged.splitlines()) == len(changes)
+
+
+def test_dsf_plan_marks_the_fields_it_did_not_choose_as_placeholders(tmp_path):
+    out, result = _planned(tmp_path, *TINY_PLAN)
+    lines = (out / "run.yaml").read_text().splitlines()
+    header = [line for line in lines[:8] if line.startswith("#")]
+    assert "dsf plan" in header[0] and "placeholder" in " ".join(header) and "--run" in " ".join(header)
+
+    def line(key: str) -> str:
+        return next(x for x in lines if x.strip().startswith(f"{key}:"))
+
+    for key in ("dataset", "tokenizer_vocab_size", "lr", "steps", "seed", "output_dir"):
+        assert "# placeholder:" in line(key), line(key)
+    assert "set your data" in line("dataset")
+    for key in ("name", "seq_len", "micro_batch", "global_batch", "tp", "pp", "zero_stage", "activation_checkpointing",
+                "chunked_loss", "cluster"):
+        assert "#" not in line(key), line(key)
+    assert load_run_config(out / "run.yaml").data.dataset == "addition"
+    assert "placeholder" in result.stderr
+
+
+def test_dsf_plan_prints_dsf_launch_and_sbatch_for_more_than_one_node(tmp_path):
+    from tests.unit.test_docs import dsf_args, parse_problem
+
+    one, single = _planned(tmp_path / "one", *TINY_PLAN)
+    assert f"deepspeed --num_gpus 4 $(which dsf) train {one / 'run.yaml'}" in single.stderr
+    two_nodes = [*TINY_PLAN[:4], "--gpus-per-node", "2", "--nodes", "2", *TINY_PLAN[6:]]
+    out, result = _planned(tmp_path / "two", *two_nodes)
+    assert "deepspeed --num_gpus" not in result.stderr
+    launch = next(x.strip() for x in result.stderr.splitlines() if x.strip().startswith("dsf launch"))
+    assert launch.startswith(f"dsf launch {out / 'run.yaml'} --hostfile HOSTFILE --cluster cpu-local")
+    assert parse_problem(dsf_args(launch) or []) is None
+    sbatch = next(x.strip() for x in result.stderr.splitlines() if "sbatch" in x)
+    assert sbatch.startswith("GPUS_PER_NODE=2 sbatch --nodes=2 --gpus-per-node=0 launch/slurm.sbatch "
+                             f"{out / 'run.yaml'}")
+    # launch/slurm.sbatch passes what follows the run config to dsf launch, beside its own flags
+    tail = shlex.split(sbatch.split("launch/slurm.sbatch", 1)[1], comments=True)
+    assert parse_problem(["launch", *tail, "--hostfile", "h", "--launcher", "slurm", "--master-addr", "a"]) is None
+    assert "dsf launch" in (out / "README.txt").read_text() and "sbatch" in (out / "README.txt").read_text()
+
+
+def test_start_lines_of_gpu_nodes():
+    from dsframework.planner.files import start_lines
+
+    lines = start_lines(cluster_preset("h100-80gb", nodes=16, gpus_per_node=8), world=128, run_yaml="p/run.yaml",
+                        cluster_field="h100-80gb")
+    assert lines[0].startswith("dsf launch p/run.yaml --hostfile HOSTFILE --cluster h100-80gb   # ")
+    assert "`<host> slots=8`" in lines[0]
+    assert lines[1].startswith("sbatch --nodes=16 --gpus-per-node=8 launch/slurm.sbatch p/run.yaml --cluster h100-80gb")
+    assert start_lines(cluster_preset("h100-80gb", nodes=1), world=8, run_yaml="p/run.yaml", cluster_field=None) == [
+        "deepspeed --num_gpus 8 $(which dsf) train p/run.yaml"]
+
+
+def test_ds_config_stays_plain_deepspeed_json_and_readme_says_what_it_is(tmp_path):
+    from dsframework.dsconfig import validate_ds_config
+
+    out, result = _planned(tmp_path, *TINY_PLAN)
+    ds = json.loads((out / "ds_config.json").read_text())
+    assert not [key for key in ds if key.startswith("_")]
+    dp = ds["train_batch_size"] // (ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"])
+    validate_ds_config(ds, dp_size=dp)  # DeepSpeedConfig accepts the file as written
+    # why README.txt and not a comment key: DeepSpeedConfig refuses unknown keys inside its sections
+    commented = {**ds, "zero_optimization": {**ds.get("zero_optimization", {}), "_comment": "what this is"}}
+    with pytest.raises(UserError, match="_comment"):
+        validate_ds_config(commented, dp_size=dp)
+    readme = (out / "README.txt").read_text()
+    assert "ds_config.json" in readme and "DeepSpeed" in readme and "dsf train does not read it" in readme
+    assert "ds_config.json (DeepSpeed's JSON" in result.stderr and "plain JSON, no comments" in result.stderr
+
+
+def test_a_first_choice_under_10_percent_headroom_says_so():
+    from dataclasses import replace
+
+    from dsframework.planner.report import headroom_line, plan_table
+
+    desc = describe_model(resolve_model(ModelSpec(name="llama-7b")).config, name="llama-7b")
+    plan = search(desc, cluster_preset("h100-80gb"), Workload(seq_len=2048, global_batch=64), knobs=False)
+    best = plan.best
+    assert best is not None
+
+    def with_headroom(share: float):  # the same plan on a GPU whose usable memory leaves `share` free
+        usable = best.memory.total / (1 - share)
+        return replace(plan, cluster=replace(plan.cluster, memory_per_gpu=usable + GiB))
+
+    tight = headroom_line(with_headroom(0.095), best)
+    assert tight is not None and "under 10% memory headroom" in tight and "9.5% free" in tight
+    assert f"predicted peak {best.memory.total / GiB:.1f} GiB of" in tight and "the next layout" in tight
+    if best.layout.micro_batch > 1:
+        assert "smaller micro-batch" in tight
+    assert headroom_line(with_headroom(0.2), best) is None
+    assert tight.strip() in plan_table(with_headroom(0.095), top=1)
+    assert "memory headroom" not in plan_table(with_headroom(0.2), top=1)
+
+
+@pytest.mark.parametrize("section, pinned", [("model:\n  name: tiny-llama\n  lora: {r: 4}\n", ("tp", "pp", "cp", "ep")),
+                                             ("model: {name: tiny-llama}\ndata: {format: chat}\n", ("pp", "cp"))])
+def test_dsf_plan_run_plans_what_the_run_config_allows(tmp_path, section, pinned):
+    """A LoRA run trains at tp = pp = cp = 1 (its adapters alone have gradients); chat data at pp = cp = 1:
+    --run plans only those layouts, so the run.yaml it writes is one dsf train accepts."""
+    (tmp_path / "my.yaml").write_text(section + "train: {global_batch: 16}\n")
+    result = _plan("--run", str(tmp_path / "my.yaml"), "--cluster", "cpu-local", "--gpus-per-node", "4", "--json")
+    data = json.loads(result.stdout)
+    assert (data["model"], data["seq_len"], data["precision"]) == ("tiny-llama", 64, "fp32")  # the run's own
+    assert data["candidates"] and all(c.get(axis, 1) == 1 for c in data["candidates"] for axis in pinned)
+    if "lora" in section:
+        full = json.loads(_plan(*TINY_PLAN, "--tp", "1", "--pp", "1", "--cp", "1", "--json").stdout)["candidates"]
+        assert max(c["memory"]["grads"] for c in data["candidates"]) < min(c["memory"]["grads"] for c in full
+                                                                            if c["zero_stage"] == 0)

@@ -123,12 +123,19 @@ def test_buckets_and_prefetch_are_priced():
         assert step_time(desc, large, job, cluster).dp_comm < step_time(desc, small, job, cluster).dp_comm
         assert memory_per_rank(desc, large, job).buffers > memory_per_rank(desc, small, job).buffers
     layer = 202_375_168  # llama-7b's gathered elements per layer
-    no_prefetch = Layout(ParallelDims(world=16, zero_stage=3), micro_batch=1, grad_accum=4, knobs=Knobs(prefetch_bucket=0))
+    no_prefetch = Layout(ParallelDims(world=8, zero_stage=3), micro_batch=1, grad_accum=8, knobs=Knobs(prefetch_bucket=0))
     one_layer = replace(no_prefetch, knobs=Knobs(prefetch_bucket=layer, max_live_parameters=2 * layer))
     capped = replace(one_layer, knobs=Knobs(prefetch_bucket=layer, max_live_parameters=layer))  # live limit: none ahead
-    t = {name: step_time(desc, lay, job, cluster).dp_comm for name, lay in
+    # One node: its gathers take less than the compute, so what the prefetch hides decides (across two
+    # nodes the gathers outlast the compute, and at most the compute's worth of them hides either way).
+    node = cluster_preset("h100-80gb", nodes=1, gpus_per_node=8)
+    t = {name: step_time(desc, lay, job, node).dp_comm for name, lay in
          (("none", no_prefetch), ("one", one_layer), ("capped", capped))}
     assert t["one"] < t["none"] == t["capped"]
+    across = {name: step_time(desc, replace(lay, dims=ParallelDims(world=16, zero_stage=3), grad_accum=4), job,
+                              cluster) for name, lay in (("none", no_prefetch), ("one", one_layer))}
+    assert across["one"].dp_comm == across["none"].dp_comm  # all of the compute hides gathers either way
+    assert across["one"].dp_comm > across["one"].compute
     m = {name: memory_per_rank(desc, lay, job).buffers for name, lay in
          (("none", no_prefetch), ("one", one_layer), ("capped", capped))}
     assert m["one"] - m["none"] == pytest.approx(2 * layer) and m["capped"] == m["none"]

@@ -227,15 +227,20 @@ def _flag_for(field: str) -> str:
 @click.option("-o", "--output-dir", type=click.Path(file_okay=False, path_type=Path),
               help="write run.yaml, ds_config.json and README.txt of the best layout here")
 @click.option("--force", is_flag=True, help="replace files already in --output-dir")
+@click.option("--explain", "explain_layout", metavar="LAYOUT",
+              help="the step split and MFU of the layout named, e.g. 'tp=8 pp=8 zero=1 micro=1 ckpt=full' "
+              "(keys tp pp cp ep dp zero hpz micro ckpt offload; the rest: the fastest that has them)")
 def plan_cmd(model_name: str | None, cluster_name: str, nodes: int, gpus_per_node: int, seq_len: int | None,
              global_batch: int | None, precision: str | None, top: int, tp: int | None, pp: int | None,
              cp: int | None, ep: int | None, zero_stage: int | None, as_json: bool, run_yaml: Path | None,
-             output_dir: Path | None, force: bool) -> None:
+             output_dir: Path | None, force: bool, explain_layout: str | None) -> None:
     """Rank the layouts that fit MODEL on the cluster by predicted tokens/s, with memory per GPU."""
     from dsframework.planner.cluster import load_cluster
+    from dsframework.planner.explain import parse_layout
     from dsframework.planner.report import plan_table
     from dsframework.planner.search import search
 
+    wanted = parse_layout(explain_layout) if explain_layout is not None else None
     user = _UserRun.read(run_yaml) if run_yaml is not None else None
     cluster = load_cluster(cluster_name, nodes=nodes, gpus_per_node=gpus_per_node)
     if output_dir is not None and not force:
@@ -254,6 +259,8 @@ def plan_cmd(model_name: str | None, cluster_name: str, nodes: int, gpus_per_nod
                                "candidates": [c.as_dict() for c in plan.candidates]}, indent=1))
     else:
         click.echo(plan_table(plan, top=top))
+    if wanted is not None:
+        _explain(desc, cluster, job, wanted, explain_layout or "", pinned=pinned, zero_stage=zero_stage)
     if output_dir is not None:
         if plan.best is None:
             raise UserError("--output-dir", str(output_dir), "has nothing to hold: no layout fits",
@@ -262,6 +269,19 @@ def plan_cmd(model_name: str | None, cluster_name: str, nodes: int, gpus_per_nod
 
 
 PLAN_FILES = ("ds_config.json", "run.yaml", "README.txt")
+
+
+def _explain(desc, cluster, job, wanted: dict, text: str, *, pinned: dict, zero_stage: int | None) -> None:
+    """`dsf plan --explain`: the named layout's step split, searched with its own sizes pinned."""
+    from dsframework.planner.explain import explain_line, named_candidate
+    from dsframework.planner.search import search
+
+    sizes = {**pinned, **{k: wanted[k] for k in ("tp", "pp", "cp", "ep") if k in wanted}}
+    plan = search(desc, cluster, job, tp=sizes.get("tp"), pp=sizes.get("pp"), cp=sizes.get("cp"), ep=sizes.get("ep"),
+                  zero_stage=wanted.get("zero", zero_stage), suggest=False)
+    candidate = named_candidate(plan, wanted, text)
+    click.echo("")
+    click.echo(explain_line(candidate, f"explain {text}"))
 
 
 class _UserRun:

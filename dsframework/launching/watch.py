@@ -36,6 +36,8 @@ CAUSES = (re.compile(r"dsf: rank \d+ .*(killed by|died|hung)"), re.compile(r"^ds
           re.compile(r"^ssh: |Connection refused|Permission denied|Could not resolve|No route to host"),
           re.compile(r"No such file or directory|command not found|does not exist"),
           re.compile(r"^[A-Za-z_.]*(Error|Exception|Interrupt)\b"))
+# A rank that lost its peer: a symptom of another node's failure, telling less than any cause.
+PEER_LOST = re.compile(r"Connection closed by peer|Connection reset by peer|remote worker crash|remote process exited")
 GRACE_S = 3.0  # after the first failed node: time for the others' lines (the cause may be elsewhere)
 STOP_S = 20.0  # deepspeed's runner gets this long to stop pdsh and run its pkill
 
@@ -73,7 +75,8 @@ class NodeLines:
         else:
             return None
         self.last[host] = text
-        rank = next((i for i, pattern in enumerate(CAUSES) if pattern.search(text)), None)
+        rank = len(CAUSES) if PEER_LOST.search(text) else next(
+            (i for i, pattern in enumerate(CAUSES) if pattern.search(text)), None)
         if rank is not None:
             self.telling.setdefault(host, []).append((rank, text))
         return None
@@ -87,12 +90,19 @@ class NodeLines:
         return len(CAUSES), self.last.get(host, "it printed nothing")
 
     def blame(self, failed: dict[str, int]) -> NodeFailure:
-        """The failed node whose cause tells most (the first to fail among equals)."""
-        host = min(failed, key=lambda h: self.cause(h)[0])  # dicts keep the order nodes failed in
+        """The node whose cause tells most (the first to fail among equals): a failed node, or one
+        whose rank watcher saw a rank die. srun stops every task when the first one exits, and that
+        may be a peer's (`Connection closed by peer`): the node of the killed rank then never
+        counts as failed, yet it is the one to blame, and to leave out after its second failure."""
+        suspects = dict(failed)  # dicts keep the order nodes failed in
+        for host in self.telling:
+            if host not in suspects and self.cause(host)[0] == 0:
+                suspects[host] = next(iter(failed.values()))  # the step's code: its own was not reported
+        host = min(suspects, key=lambda h: self.cause(h)[0])
         cause = self.cause(host)[1]
         if cause.startswith("dsf: error: "):
             cause = cause[len("dsf: error: "):]
-        return NodeFailure(host, failed[host], cause)
+        return NodeFailure(host, suspects[host], cause)
 
 
 @dataclass

@@ -24,7 +24,7 @@ is ranked with them: `plan.best.knobs.why` says what was chosen and why.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Iterator
 
 from dsframework.errors import UserError
@@ -71,7 +71,8 @@ class Candidate:
                 "memory": self.memory.as_dict(), "cpu_memory": self.memory.cpu_per_rank * self._ranks_per_node,
                 "host_memory": self.host.as_dict() if self.host else None,
                 "zero_knobs": lay.knobs.changed(lay.dims.zero_stage),
-                "step_time_s": self.time.total, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu}
+                "step_time_s": self.time.total, "step_parts_s": asdict(self.time), "tokens_per_s": self.tokens_per_s,
+                "mfu": self.mfu}
 
     _ranks_per_node: int = field(default=1, compare=False)
 

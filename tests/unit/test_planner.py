@@ -165,6 +165,33 @@ def test_dsf_plan_table_and_json_schema():
     assert record["dp"] * record["tp"] * record["pp"] * record["cp"] == 16
 
 
+def test_the_plan_splits_the_step_of_its_first_two_and_of_a_named_layout():
+    """`dsf plan` shows the step of the first choice and the runner-up split into parts that add up to
+    it (the JSON's step_parts_s too), with MFU; --explain does the same for the layout named (the
+    fastest with those values), fitting or not."""
+    args = ["--model", "llama-70b", "--cluster", "h100-80gb", "--nodes", "16", "--seq-len", "4096",
+            "--global-batch", "1024"]
+    data = json.loads(_plan(*args, "--json").stdout)
+    for record in data["candidates"][:50]:
+        assert sum(record["step_parts_s"].values()) == pytest.approx(record["step_time_s"], rel=1e-9)
+    first, second = data["candidates"][:2]
+    out = _plan(*args, "--top", "2", "--explain", "tp=8, pp=4 zero=1 ckpt=full").output
+    lines = out.splitlines()
+    at = lines.index("why, in numbers (one optimizer step of the busiest rank):")
+    for line, record in zip(lines[at + 1:at + 3], (first, second)):
+        assert f"tp {record['tp']} x pp {record['pp']} x cp {record['cp']} x dp {record['dp']}" in line, line
+        assert f"step {record['step_time_s']:.3g} s = matmul and attention" in line and f"MFU {record['mfu']:.1%}" in line
+    explained = lines[-1]
+    assert explained.startswith("explain tp=8, pp=4 zero=1 ckpt=full, tp 8 x pp 4 x cp 1 x dp 4, ZeRO-1")
+    assert "checkpointing full" in explained and "pipeline bubble" in explained and "tensor all-reduces" in explained
+    named = [c for c in data["candidates"] if (c["tp"], c["pp"], c["zero_stage"], c["activation_checkpointing"],
+                                               c["offload_optimizer"]) == (8, 4, 1, "full", "none") and c["fits"]]
+    fastest = max(named, key=lambda c: c["tokens_per_s"])
+    assert f"step {fastest['step_time_s']:.3g} s" in explained and "does not fit" not in explained
+    too_big = _plan(*args, "--explain", "tp=1 pp=1 cp=1 zero=0").output.splitlines()[-1]
+    assert "[does not fit: needs" in too_big and "dp 128" in too_big
+
+
 def test_dsf_plan_writes_a_run_config_dsf_train_reads(tmp_path):
     out = tmp_path / "plan"
     result = _plan("--model", "tiny-llama", "--cluster", "cpu-local", "--nodes", "1", "--gpus-per-node", "4",

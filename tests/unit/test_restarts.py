@@ -51,6 +51,29 @@ def test_srun_output_names_the_node_that_failed_first():
     assert lines.add("srun: error: node7: task 3: Exited with exit code 1") is None  # not a node of this job
 
 
+def test_the_node_of_the_killed_rank_is_blamed_when_srun_reports_only_its_peer():
+    """srun stopped the step when node0's ranks exited on the closed connection, before node1's
+    launcher had ended: only node0 is reported, yet node1's rank watcher saw rank 3 die (CI saw
+    node0 blamed twice and left out, the healthy node)."""
+    from dsframework.launching.watch import NodeLines, SrunLines
+
+    nodes = NodeLines(["node0", "node1"])
+    lines = SrunLines(nodes)
+    peer_lost = ("RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.0.0.2]:215. "
+                 "This is typically caused by a remote worker crashing.")
+    ended = [lines.add(line) for line in (
+        "0: dsf-node: node0", "1: dsf-node: node1",
+        "1: dsf: rank 3 (local rank 1 on node1, pid 12445) was killed by SIGKILL", f"0: {peer_lost}",
+        "srun: error: node0: task 0: Exited with exit code 1")]
+    assert ended[-1] == ("node0", 1)
+    failure = nodes.blame({"node0": 1})
+    assert failure.host == "node1" and "rank 3" in failure.cause, failure
+    both = NodeLines(["node0", "node1"])  # both failed with an exception: the one that lost its peer tells less
+    for line in (f"node0: {peer_lost}", "node1: ValueError: bad shard"):
+        both.add(line)
+    assert both.blame({"node0": 1, "node1": 1}).host == "node1"
+
+
 def test_a_labelled_srun_step_names_each_node_first():
     from dsframework.launching.launchers import srun_command
 

@@ -3,6 +3,7 @@
     .venv/bin/python bench/published_runs.py               # the table (markdown), ~30 s
     .venv/bin/python bench/published_runs.py --only ptdp   # rows whose name starts with ptdp
     .venv/bin/python bench/published_runs.py --json        # one JSON object per row
+    .venv/bin/python bench/published_runs.py --readme      # the compact table of README.md
 
 For each row of bench/published_runs_data.py (Megatron-LM PTD-P's Table 1 and Table 2, torchtitan's
 H100 / A100 / H200 benchmarks, each with its source): the model built from the row's shape (a GPT-2
@@ -90,14 +91,28 @@ def pinned(run: PublishedRun, desc: ModelDesc, job: Workload, cluster) -> tuple[
     if problem is not None:
         return None, f"dsf refuses it: {problem}"
     per_replica = run.global_batch // dims.dp
-    micros = [run.micro_batch] if run.micro_batch else [m for m in (1, 2, 4, 8, 16) if per_replica % m == 0]
+    divisors = [m for m in (1, 2, 4, 8, 16, 32) if per_replica % m == 0]
     checkpointing = ("full",) if run.recompute == "full" else ("none", "full")
-    priced = [evaluate(desc, Layout(dims, micro_batch=m, grad_accum=per_replica // m, activation_checkpointing=c),
-                       job, cluster) for m in micros for c in checkpointing]
-    fitting = [c for c in priced if c.fits]
-    if not fitting:
-        return min(priced, key=lambda c: c.over), "does not fit dsf's memory model"
-    return max(fitting, key=lambda c: c.tokens_per_s), ""
+
+    def best(micros: list[int]) -> Candidate:
+        priced = [evaluate(desc, Layout(dims, micro_batch=m, grad_accum=per_replica // m,
+                                        activation_checkpointing=c), job, cluster)
+                  for m in micros for c in checkpointing]
+        fitting = [c for c in priced if c.fits]
+        return max(fitting, key=lambda c: c.tokens_per_s) if fitting else min(priced, key=lambda c: c.over)
+
+    chosen = best([run.micro_batch] if run.micro_batch else divisors)
+    if chosen.fits:
+        return chosen, ""
+    why = " (no sequence parallelism: each tensor rank keeps whole activations)" if run.tp > 1 else ""
+    if run.micro_batch:  # what dsf would run instead: the same batch in smaller micro-batches, accumulated
+        smaller = best([m for m in divisors if m < run.micro_batch])
+        if smaller.fits:
+            return smaller, (f"micro-batch {run.micro_batch} needs {chosen.over:.2f} x the memory in dsf's model"
+                             f"{why}; dsf runs {smaller.layout.micro_batch} x {smaller.layout.grad_accum}")
+        chosen = min((chosen, smaller), key=lambda c: c.over)
+    return chosen, (f"does not fit dsf's memory model: {chosen.over:.2f} x the memory at micro-batch "
+                    f"{chosen.layout.micro_batch}{why}")
 
 
 def advantage(first: Candidate, published: Candidate) -> str:
@@ -120,6 +135,8 @@ def row(run: PublishedRun, *, unpinned: bool) -> dict:
     out["why"] = why
     if candidate is None or not candidate.fits:
         return out
+    if why:  # dsf runs another micro-batch than the published one: not the same run
+        out["differs"] = "; ".join(filter(None, (run.deepspeed_differs, why)))
     seconds = candidate.time.total
     if run.flop_formula == "ptdp_eq3":
         out.update(unit="TFLOP/s/GPU", published=run.published_tflops_per_gpu,
@@ -154,14 +171,38 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+SHORT = (("scatter/gather", "scatter/gather"), ("interleaved", "interleaved 1F1B"), ("FP8", "FP8"),
+         ("async TP", "async TP"), ("selective activation", "selective AC"), ("ring-attention", "ring attention"),
+         ("under pipeline", "FSDP under pp"), ("cp together with pp", "cp with pp"),
+         ("micro-batch", "smaller micro-batch"))
+
+
+def readme_table(rows: list[dict]) -> str:
+    """The compact table the README shows: ratio per row, what the published run did that dsf does not."""
+    lines = ["| run | GPUs | layout | published | dsf | ratio | published ran what dsf does not |",
+             "|---|---:|---|---:|---:|---:|---|"]
+    for r in rows:
+        unit = "TFLOP/s" if r.get("unit", "").startswith("TFLOP") else "tok/s"
+        differs = ", ".join(short for key, short in SHORT if key in (r["differs"] or ""))
+        if "ratio" not in r:
+            why = "dsf refuses the layout" if r["why"].startswith("dsf refuses") else "does not fit dsf (no SP)"
+            lines.append(f"| {r['name']} | {r['gpus']} | {r['layout']} | | | | {why}; {differs or '-'} |")
+            continue
+        lines.append(f"| {r['name']} | {r['gpus']} | {r['layout']} | {r['published']:g} {unit} | "
+                     f"{r['predicted']:.0f} | {r['ratio']:.2f} | {differs or '-'} |")
+    return "\n".join(lines)
+
+
 def summary(rows: list[dict]) -> str:
     comparable = [r for r in rows if "ratio" in r and not r["differs"]]
     within = [r for r in comparable if abs(r["ratio"] - 1) <= GOAL]
     ranked = [r for r in rows if "speed_vs_first" in r]
     near = [r for r in ranked if r["speed_vs_first"] >= RANK_GOAL or "advantage" in r]
     worst = max(comparable, key=lambda r: abs(r["ratio"] - 1)) if comparable else None
+    unpriced = [r["name"] for r in rows if "ratio" not in r and not r["differs"]]
     return (f"comparable rows (nothing dsf cannot run): {len(within)} of {len(comparable)} within {GOAL:.0%}"
             + (f" (worst {worst['name']}: {worst['ratio']:.2f})" if worst else "")
+            + (f", and {len(unpriced)} dsf cannot run as published ({', '.join(unpriced)})" if unpriced else "")
             + f"; published layout >= {RANK_GOAL:.0%} of dsf's first choice: "
             f"{sum(r['speed_vs_first'] >= RANK_GOAL for r in ranked)} of {len(ranked)}"
             f" (the rest with the first choice's gain named: {len(near)} of {len(ranked)})")
@@ -171,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="", help="rows whose name starts with this")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--readme", action="store_true", help="the compact table README.md shows")
     parser.add_argument("--no-unpinned", action="store_true", help="skip the unpinned search (faster)")
     args = parser.parse_args(argv)
     started = time.time()
@@ -178,6 +220,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         for r in rows:
             print(json.dumps(r))
+    elif args.readme:
+        print(readme_table(rows))
+        print()
+        print(summary(rows))
     else:
         print(table(rows))
         print()

@@ -478,10 +478,15 @@ def _states(P: float, T: float, persistent: float, layout: Layout, job: Workload
 
 
 @lru_cache(maxsize=4096)  # (asked for by every layout the search costs)
+def gathered_tensors(desc: ModelDesc, *, tp: int, threshold: int) -> list[int]:
+    """Elements of each tensor of one decoder layer (on one tensor rank) ZeRO-3 all-gathers: those
+    above the persistence `threshold` (the persistent ones are never gathered)."""
+    return [k for k in desc.shares(tp).layer if k > threshold]
+
+
 def layer_gathered(desc: ModelDesc, *, tp: int, threshold: int) -> int:
-    """Elements of one decoder layer (on one tensor rank) ZeRO-3 all-gathers: its tensors above the
-    persistence `threshold` (the persistent ones are never gathered)."""
-    return sum(k for k in desc.shares(tp).layer if k > threshold)
+    """Elements of one decoder layer (on one tensor rank) ZeRO-3 all-gathers."""
+    return sum(gathered_tensors(desc, tp=tp, threshold=threshold))
 
 
 def zero3_gathered(desc: ModelDesc, shape: StageShape, layout: Layout) -> float:

@@ -15,8 +15,9 @@ the whole ZeRO group and the backward's from the secondary partition inside the 
 ZeRO's knobs (Layout.knobs, chosen by planner/knobs.py) are priced as DeepSpeed uses them: a
 gradient reduce or weight all-gather runs in ceil(elements / bucket) collectives, each paying the
 latency; ZeRO-3 never gathers its persistent tensors (fewer bytes, fewer fetches); and its
-prefetch hides the gathers behind compute in proportion to how much of the next layer the prefetch
-bucket covers (ZERO3_GATHER_OVERLAP when it covers a whole layer).
+prefetch hides the gathers behind compute in proportion to how much of the next sub-module's
+largest tensor it covers (ZERO3_GATHER_OVERLAP when it covers all of it, as DeepSpeed's always does
+while max_live_parameters leaves room).
 Fixed costs (operator dispatch, ZeRO-3's module hooks and fetches) come from the cluster
 profile; on a GPU the host runs ahead of the device, so only what exceeds the compute shows.
 Checked against measured tokens/s of every layout on CPU ranks by bench/plan_vs_measured.py.
@@ -27,7 +28,8 @@ import math
 from dataclasses import dataclass
 
 from dsframework.planner.cluster import Cluster
-from dsframework.planner.memory import Workload, Layout, StageShape, layer_gathered, stage_shapes, ulysses_kv_heads
+from dsframework.planner.memory import (Workload, Layout, StageShape, gathered_tensors, stage_shapes,
+                                       ulysses_kv_heads)
 from dsframework.planner.model import ModelDesc
 from dsframework.runtime_facts import STAGE0_ALLREDUCE_BUCKET
 
@@ -53,7 +55,7 @@ LOSS_BYTES_PER_LOGIT = 16  # the loss over a logit: bf16 write, fp32 softmax rea
 EAGER_SCORE_PASSES = 4  # eager attention's s x s scores, forward: QK^T written, softmax read and written, AV read
 DROPOUT_SCORE_PASSES = 2  # ... and attention dropout's mask applied (read, write)
 DP_OVERLAP = 0.5  # share of ZeRO's gradient reduction hidden behind the backward pass
-ZERO3_GATHER_OVERLAP = 0.5  # share of ZeRO-3's parameter all-gathers hidden by prefetching a whole layer
+ZERO3_GATHER_OVERLAP = 0.5  # share of ZeRO-3's parameter all-gathers hidden by prefetching, one sub-module ahead
 TP_OVERLAP = 0.0  # Megatron TP all-reduces sit on the critical path
 CP_OVERLAP = 0.0  # Ulysses' all-to-alls too: attention waits for them, the next linear for the result
 EP_OVERLAP = 0.0  # and expert parallelism's: the experts wait for their tokens, the residual for the result
@@ -112,14 +114,19 @@ def _bandwidth(cluster: Cluster, group_span: int) -> float:
 
 def zero3_gather_overlap(desc: ModelDesc, layout: Layout) -> float:
     """Share of ZeRO-3's all-gathers hidden behind compute: ZERO3_GATHER_OVERLAP scaled by how much
-    of the next layer's gathered weights the prefetch covers (all of it: the full share), the prefetch
-    being the bucket, or less where max_live_parameters stops it."""
-    layer = layer_gathered(desc, tp=layout.dims.tp, threshold=layout.knobs.persistence_threshold)
-    if layer == 0:
+    of what comes next the prefetch covers. DeepSpeed prefetches at every sub-module's fetch, along
+    the recorded trace, tensors until their elements pass the bucket (or the room max_live_parameters
+    leaves), and always at least the next one whatever its size (partitioned_param_coordinator's
+    `while ... numel_prefetching < max_params_to_prefetch`): the bucket needs to cover the next
+    sub-module's largest tensor, not a whole layer, for its gather to run under this one's compute.
+    A bucket of 0 prefetches nothing."""
+    shares = gathered_tensors(desc, tp=layout.dims.tp, threshold=layout.knobs.persistence_threshold)
+    if not shares:
         return ZERO3_GATHER_OVERLAP
-    knobs = layout.knobs
-    ahead = min(knobs.prefetch_bucket, max(knobs.max_live_parameters - layer, 0))  # the live limit stops prefetch
-    return ZERO3_GATHER_OVERLAP * min(1.0, ahead / layer)
+    knobs, layer, largest = layout.knobs, sum(shares), max(shares)
+    room = max(knobs.max_live_parameters - layer, 0)  # the live limit stops prefetch
+    ahead = max(min(knobs.prefetch_bucket, room), largest) if knobs.prefetch_bucket > 0 and room > 0 else 0
+    return ZERO3_GATHER_OVERLAP * min(1.0, ahead / largest)
 
 
 @dataclass(frozen=True)

@@ -88,7 +88,7 @@ def test_zero_settings_dsf_writes_are_the_ones_the_planner_counts():
     assert memory.Knobs() == memory.Knobs(runtime_facts.ZERO3_PERSISTENCE_THRESHOLD, runtime_facts.ZERO3_PREFETCH_BUCKET,
                                           runtime_facts.ZERO3_MAX_LIVE_PARAMETERS, runtime_facts.ZERO_REDUCE_BUCKET,
                                           runtime_facts.ZERO_ALLGATHER_BUCKET)
-    assert speed.layer_gathered is memory.layer_gathered
+    assert speed.gathered_tensors is memory.gathered_tensors  # ZeRO-3's gathered tensors: one rule
 
 
 @pytest.mark.parametrize("vocab", [97, 512, 32000, 50257, 128256])

@@ -252,3 +252,13 @@ def check_model_layout(dims: ParallelDims, config: HFConfig, *, dp: int | None =
     heads = config.num_attention_heads
     check_layout(dims, num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
                  num_layers=config.num_hidden_layers, seq_len=seq_len, dp=dp, ranks_per_node=ranks_per_node)
+
+
+def chunked_loss_problem(setting: bool | str, *, pp: int) -> UserError | None:
+    """train.chunked_loss=true with a pipeline, refused (auto stays plain there): the rule dsf
+    train's pre-flight applies (`check_chunked_loss_layout`) and the planner's search too."""
+    if setting is True and pp > 1:
+        return UserError("train.chunked_loss", True, f"is not offered with parallel.pp={pp}: the pipeline's last "
+                         "stage gets its logits from its head layer (a LayerSpec), not from a loss that calls the "
+                         "head", "set train.chunked_loss=auto (whole logits with pp) or false, or use parallel.tp")
+    return None

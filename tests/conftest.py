@@ -18,6 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
+# Every `dsf plan` of the suite counts its model afresh, in-process or launched, and writes nothing to
+# ~/.cache (planner/desc_cache.py's own tests turn it on in a temporary directory).
+os.environ["DSF_PLAN_CACHE"] = "off"
+
 PROCESS_DIRS = ("distributed", "cluster")  # tests/<dir>: every test there launches ranks or nodes
 # Programs an unmarked test may not start: Python (and so `dsf`, the launchers, a worker) and the
 # shells and launchers that start it. Libraries' own probes (`file`, `uname`, a compiler) are no test's.

@@ -18,6 +18,7 @@ exit with code 2, with no traceback.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -249,7 +250,7 @@ def plan_cmd(model_name: str | None, cluster_name: str, nodes: int, gpus_per_nod
             raise UserError("--output-dir", str(output_dir), f"already holds {taken[0]}",
                             "choose another directory or pass --force")
     flags = {"--model": model_name, "--seq-len": seq_len, "--global-batch": global_batch, "--precision": precision}
-    desc, job, pins = _plan_job(flags, user)
+    desc, job, pins, cache = _plan_job(flags, user)
     pinned = {**pins, **{name: size for name, size in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)) if size}}
     plan = search(desc, cluster, job, tp=pinned.get("tp"), pp=pinned.get("pp"), cp=pinned.get("cp"),
                   ep=pinned.get("ep"), zero_stage=zero_stage)
@@ -261,6 +262,8 @@ def plan_cmd(model_name: str | None, cluster_name: str, nodes: int, gpus_per_nod
         click.echo(plan_table(plan, top=top))
     if wanted is not None:
         _explain(desc, cluster, job, wanted, explain_layout or "", pinned=pinned, zero_stage=zero_stage)
+    if cache is not None:
+        cache.save(desc)  # the next `dsf plan` of this model imports neither torch nor transformers
     if output_dir is not None:
         if plan.best is None:
             raise UserError("--output-dir", str(output_dir), "has nothing to hold: no layout fits",
@@ -300,21 +303,36 @@ class _UserRun:
 
 
 def _plan_job(flags: dict, user: "_UserRun | None"):
-    """(the model described, the Workload, pinned sizes) of `dsf plan`: from the flags, and with --run
-    from the run config too (its model and overrides; its loss chunk; LoRA's adapters, at tp = pp = cp
-    = ep = 1; a chat or prompt/completion format at pp = cp = 1)."""
+    """(the model described, the Workload, pinned sizes, its DescCache or None) of `dsf plan`: from the
+    flags, and with --run from the run config too (its model and overrides; its loss chunk; LoRA's
+    adapters, at tp = pp = cp = ep = 1; a chat or prompt/completion format at pp = cp = 1). A model
+    described before comes from planner/desc_cache.py's file: no torch, no transformers."""
     from dsframework.config import ModelSpec
-    from dsframework.models.build import resolve_model
+    from dsframework.planner.desc_cache import DescCache
     from dsframework.planner.files import job_values
     from dsframework.planner.memory import Workload
-    from dsframework.planner.model import describe_model
 
     run = user.run if user is not None else None
     values = (job_values(flags, written=user.written, current=user.current, source=str(user.path)) if user
               else job_values(flags, written=None, current=None, source=None))
     spec = (run.model.model_copy(update={"name": values["--model"]}) if run is not None
             else ModelSpec(name=values["--model"]))
-    config = resolve_model(spec).config
+    @functools.cache
+    def load_config():
+        from dsframework.models.build import resolve_model
+
+        return resolve_model(spec).config
+
+    def model_counts(config):  # torch: only when the model is counted
+        from dsframework.planner.count import model_counts
+
+        return model_counts(config)
+
+    def describe_model(config, *, name):
+        from dsframework.planner.model import describe_model
+
+        return describe_model(config, name=name)
+
     job = Workload(seq_len=values["--seq-len"], global_batch=values["--global-batch"],
                    precision=values["--precision"], loss_chunk_tokens=run.train.loss_chunk_tokens if run else None)
     pins: dict[str, int] = {}
@@ -323,10 +341,14 @@ def _plan_job(flags: dict, user: "_UserRun | None"):
     if run is not None and run.model.lora is not None:
         from dsframework.models.lora import count_lora_parameters
 
-        count = count_lora_parameters(config, run.model.lora)
+        count = count_lora_parameters(load_config(), run.model.lora)
         job = replace(job, trainable_params=count.trainable, trainable_persistent=count.persistent)
         pins.update(tp=1, pp=1, cp=1, ep=1)
-    return describe_model(config, name=values["--model"]), job, pins
+    cache = DescCache.for_spec({**spec.model_dump(mode="json"), "--model": values["--model"]})
+    desc = cache.load(load_counts=lambda: model_counts(load_config())) if cache is not None else None
+    if desc is None:
+        desc = describe_model(load_config(), name=values["--model"])
+    return desc, job, pins, cache
 
 
 def _write_plan_files(plan, output_dir: Path, *, model_name: str, cluster_name: str, user: "_UserRun | None") -> None:

@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from dsframework.errors import UserError
+from dsframework.layout import chunked_loss_problem
 from dsframework.models.logits import logit_postprocess, processed_head, router_loss
 from dsframework.parallel.tensor import vocab_parallel_cross_entropy
 
@@ -147,16 +147,6 @@ def chunked_causal_lm_loss(head: Any, hidden: torch.Tensor, labels: torch.Tensor
     targets = _targets(labels, shifted).to(hidden.device)
     total = chunked_loss_sum(head, hidden, targets, chunk_tokens=chunk_tokens, token_loss=token_loss)
     return reduce_loss(total, targets, over=over)
-
-
-def chunked_loss_problem(setting: bool | str, *, pp: int) -> UserError | None:
-    """train.chunked_loss=true with a pipeline, refused (auto stays plain there): the rule dsf
-    train's pre-flight applies (`check_chunked_loss_layout`) and the planner's search too."""
-    if setting is True and pp > 1:
-        return UserError("train.chunked_loss", True, f"is not offered with parallel.pp={pp}: the pipeline's last "
-                         "stage gets its logits from its head layer (a LayerSpec), not from a loss that calls the "
-                         "head", "set train.chunked_loss=auto (whole logits with pp) or false, or use parallel.tp")
-    return None
 
 
 def check_chunked_loss_layout(setting: bool | str, *, pp: int) -> None:

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import copy
 import re
-from dataclasses import dataclass
-from functools import cached_property
 from typing import Any
 
 import torch
@@ -27,24 +25,8 @@ from dsframework.models.hf import causal_lm_class, skip_transformers_init
 from dsframework.models.tensor_parallel import shard_model
 from dsframework.models.pipeline import hf_names, pipeline_layer_descriptions
 from dsframework.parallel.tensor import LayoutOnlyGroup
+from dsframework.planner.desc import SharesByTp, TensorShares
 from dsframework.types import HFConfig
-
-
-@dataclass(frozen=True)
-class TensorShares:
-    """One tensor rank's parameters at a tensor-parallel size, per pipeline layer."""
-
-    tp: int
-    # Per pipeline layer (the pipeline's LayerSpecs: embedding, decoder layers, final norm, head; or,
-    # without a pipeline adapter, the same parts found in the module tree): the elements of each of
-    # its tensors on this rank, and its kind ("embed", "layer", "norm", "head"). A tied head holds
-    # the embedding's tensor (its copy on the last stage).
-    items: tuple[tuple[tuple[int, ...], str], ...]
-
-    @cached_property
-    def layer(self) -> tuple[int, ...]:
-        """The tensors of the largest decoder layer."""
-        return max((sizes for sizes, kind in self.items if kind == "layer"), key=sum)
 
 
 def _meta_model(config: HFConfig) -> Any:
@@ -74,7 +56,7 @@ def _problem(error: Exception) -> str:
     return str(error).splitlines()[0] if str(error) else type(error).__name__
 
 
-class ModelCounts:
+class ModelCounts(SharesByTp):
     """A config's parameters, counted (see the module docstring); `model_counts` caches one per config."""
 
     def __init__(self, config: HFConfig):
@@ -120,25 +102,11 @@ class ModelCounts:
         layers = [((f"{self.layers_path}.{i}",), "layer") for i in range(len(self.representative))]
         return [((embed,), "embed"), *layers, (rest, "norm"), (head_paths, "head")]
 
-    def tp_problem(self, tp: int) -> str | None:
-        """None when shard_model splits this model over `tp` ranks, else its reason."""
-        shares = self._compute(tp)
-        return shares if isinstance(shares, str) else None
-
-    def shares(self, tp: int) -> TensorShares:
-        """One rank's TensorShares at `tp` (ValueError when tp_problem says it cannot)."""
-        shares = self._compute(tp)
-        if isinstance(shares, str):
-            raise ValueError(f"tp={tp}: {shares}")
-        return shares
-
-    def _compute(self, tp: int) -> TensorShares | str:
-        if tp not in self._shares:
-            try:
-                self._shares[tp] = self._count(tp)
-            except Exception as error:  # noqa: BLE001 - shard_model's refusal, whatever its type
-                self._shares[tp] = _problem(error)
-        return self._shares[tp]
+    def _count_or_why(self, tp: int) -> TensorShares | str:
+        try:
+            return self._count(tp)
+        except Exception as error:  # noqa: BLE001 - shard_model's refusal, whatever its type
+            return _problem(error)
 
     def _count(self, tp: int) -> TensorShares:
         if tp == 1:

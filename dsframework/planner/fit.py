@@ -22,7 +22,7 @@ from dsframework.layout import ParallelDims
 from dsframework.planner.cluster import Cluster, GiB
 from dsframework.planner.memory import (EXPORT_SHARD_BYTES, HostMemory, Knobs, Layout, Memory, Workload,
                                         host_memory_per_node, memory_per_rank)
-from dsframework.planner.model import ModelDesc
+from dsframework.planner.desc import ModelDesc
 
 MEMORY_HEADROOM = 0.10  # allocator fragmentation and what the model does not count
 RESERVED_PER_GPU = 1.0 * GiB  # CUDA context, NCCL and library workspaces (0 on CPU ranks: Cluster.is_cpu)

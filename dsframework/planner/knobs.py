@@ -36,7 +36,7 @@ from dsframework.planner.cluster import Cluster, GiB
 from dsframework.planner.fit import MEMORY_HEADROOM, check_fit, usable_gpu_memory
 from dsframework.planner.memory import (DEFAULT_KNOBS, Workload, Knobs, Layout, _padded_vocab_rows, layer_gathered,
                                         stage_shapes, trained, zero3_gathered)
-from dsframework.planner.model import ModelDesc
+from dsframework.planner.desc import ModelDesc
 
 KNOB_SHARE = 0.5  # of the memory the plan leaves free, what the knobs may take together
 ROUND = 1_000_000  # buckets in whole millions of elements: readable, and even (DeepSpeed's all-gather

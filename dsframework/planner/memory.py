@@ -139,7 +139,7 @@ from functools import lru_cache
 from typing import Literal
 
 from dsframework.layout import ParallelDims
-from dsframework.planner.model import ModelDesc
+from dsframework.planner.desc import ModelDesc
 from dsframework.runtime_facts import (
     DEFAULT_KNOBS,
     STAGE0_ALLREDUCE_BUCKET,

@@ -1,4 +1,4 @@
-"""What the planner needs to know about a model: its shapes, parameter counts and FLOPs.
+"""What the planner needs to know about a model (a ModelDesc, planner/desc.py), counted on the model.
 
     desc = describe_model(resolve_model(ModelSpec(name="llama-7b")).config)
     desc.total_params                 # 6,738,415,616 (exact)
@@ -12,126 +12,19 @@ weights), sharded for one tensor rank as dsf train shards it and cut where its p
 (planner/count.py). What the activation count needs is read from the config and the layer's
 modules, not from a family name: a gated MLP or not, fused q|k|v, attention and key/value heads
 and head_dim, the layer's norms and their kind, q/k norms, a sliding window, the activation
-function, dropout. No torch.distributed, no disk.
+function, dropout. No torch.distributed, no disk (planner/desc_cache.py keeps what `dsf plan` counted).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 from dsframework.models.experts import AUTOEP_MODEL_TYPES, expert_layout
 from dsframework.models.plans import context_parallel_problem, sliding_window
-from dsframework.planner.count import ModelCounts, TensorShares, model_counts
+from dsframework.planner.count import ModelCounts, model_counts
+from dsframework.planner.desc import Counts, ModelDesc, TensorShares
 from dsframework.types import HFConfig
 
-# (Counts are exact, so the planner can be checked against a live engine to the byte.)
-
-
-@dataclass(frozen=True)
-class ModelDesc:
-    """A decoder-only transformer, counted. Parameters are numbers of elements (at tp = 1)."""
-
-    name: str
-    model_type: str  # transformers' (the architecture: what shard_model and the pipeline adapt)
-    hidden: int
-    ffn: int
-    heads: int
-    kv_heads: int
-    head_dim: int  # config.head_dim, else hidden / heads
-    layers: int
-    vocab: int
-    embedding_params: int  # token embedding (vocab x hidden), split by vocab under tp
-    position_params: int  # the rest of the embedding layer (learned positions: GPT-2), replicated
-    layer_tensors: tuple[tuple[int, bool], ...]  # the first decoder layer: (elements, split by tp?) per tensor
-    final_norm_params: int  # every parameter outside the embedding, the decoder layers and the head
-    head_params: int  # untied lm_head (0 when tied to the embedding), split by vocab
-    tied: bool
-    total_params: int
-    dropout: float = 0.0  # residual/attention dropout probability (GPT-2 presets: 0 or 0.1)
-    activation: str = "silu"  # the MLP's activation function, as the config names it (hidden_act,
-    #                           GPT-2's activation_function): what autograd saves depends on it
-    gated_mlp: bool = True  # act(gate) * up (SwiGLU, GeGLU), else act(fc)
-    fused_qkv: bool = False  # one q|k|v projection whose output is split (GPT-2, Phi-3, GPT-NeoX)
-    layer_norms: int = 2  # norms of a decoder layer (2 pre-norms; Gemma 2/3: 4, OLMo 2: 2 post-norms)
-    norm: Literal["rms", "layer"] = "rms"  # RMSNorm or LayerNorm
-    qk_norm: bool = False  # norms on the queries and keys (Qwen3, Gemma 3, OLMo 2)
-    norms_share_input: bool = False  # a parallel residual's two norms read one input (GPT-NeoX): kept once
-    sliding_window: int | None = None  # tokens a sliding-window layer attends to (None: all)
-    eager_attention: bool = False  # transformers picks eager attention (Gemma 2): s x s scores are kept
-    attn_softcapping: bool = False  # tanh-capped attention scores (Gemma 2): one more s x s tensor
-    logit_softcapping: bool = False  # tanh-capped logits (Gemma 2): one more logits-sized tensor
-    cp_problem: str | None = None  # why context parallelism cannot split it at any length (plans.py)
-    experts: int = 0  # routed experts of a mixture of experts (0: dense)
-    top_k: int = 0  # experts each token goes to
-    routed_params: int = 0  # the routed experts' parameters, all layers (what expert parallelism splits)
-    expert_matrix: int = 0  # one layer's down projections of all experts (experts x hidden x ffn elements)
-    # The decoder layers' matrices tensor parallelism leaves whole on every tensor rank (experts a
-    # plan does not shard: transformers 5.25's MoE plans shard attention only), all layers; and
-    # whether the routed experts are among them (then each tensor rank runs every routed expert).
-    matrices_unsplit: int = 0
-    experts_unsplit: bool = False
-    autoep: bool = False  # DeepSpeed's AutoEP has a preset for its model type (parallel.ep > 1 can run)
-    counts: ModelCounts | None = field(default=None, compare=False, repr=False)  # per tp and stage
-
-    @property
-    def layer_sharded(self) -> int:
-        """One decoder layer's parameters that tensor parallelism splits."""
-        return sum(n for n, sharded in self.layer_tensors if sharded)
-
-    @property
-    def layer_replicated(self) -> int:
-        """... and those every tensor rank keeps whole (norms, row-parallel biases)."""
-        return sum(n for n, sharded in self.layer_tensors if not sharded)
-
-    @property
-    def layer_params(self) -> int:
-        return self.layer_sharded + self.layer_replicated
-
-    @property
-    def pp_problem(self) -> str | None:
-        """None when the pipeline cuts this model into stages, else why not."""
-        assert self.counts is not None  # describe_model sets it
-        return self.counts.pipeline_problem
-
-    def tp_problem(self, tp: int) -> str | None:
-        """None when tensor parallelism splits this model over `tp` ranks, else why not."""
-        if tp == 1:
-            return None
-        assert self.counts is not None  # describe_model sets it
-        return self.counts.tp_problem(tp)
-
-    def shares(self, tp: int) -> TensorShares:
-        """One tensor rank's tensors at `tp`, per pipeline layer (planner/count.py)."""
-        assert self.counts is not None  # describe_model sets it
-        return self.counts.shares(tp)
-
-    @property
-    def idle_expert_params(self) -> int:
-        """The routed experts' parameters a token does not pass through (experts - top_k of them)."""
-        return self.routed_params * (self.experts - self.top_k) // self.experts if self.experts else 0
-
-    @property
-    def active_params(self) -> int:
-        """Parameters a token passes through: all of a dense model's."""
-        return self.total_params - self.idle_expert_params
-
-    def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token (forward + backward = 3 x forward).
-
-        Forward: 2 FLOPs per multiply-add of every matmul weight (the decoder layers' linear
-        layers and the output head; embedding lookups cost none) plus attention's two
-        [s x s] products, QK^T and AV: 2 x 2 x seq_len x hidden per layer per token (counted in
-        full, as Megatron's and PaLM's MFU formulas do, though causal kernels skip half).
-        """
-        matmul = (self.layers * self.layer_sharded + self.matrices_unsplit + self.vocab * self.hidden
-                  - self.idle_expert_params)
-        attention = 4 * self.layers * seq_len * self.hidden
-        return 3.0 * (2.0 * matmul + attention)
-
-    def unsplit_flops_per_token(self) -> float:
-        """Of `flops_per_token`, the matmuls each tensor rank runs whole (`matrices_unsplit`, the
-        experts a token passes through when they are among them): tensor parallelism divides the rest."""
-        return 6.0 * (self.matrices_unsplit - (self.idle_expert_params if self.experts_unsplit else 0))
+__all__ = ["Counts", "ModelDesc", "TensorShares", "describe_model"]  # ModelDesc's home is planner/desc.py
 
 
 def _features(config: HFConfig, layer: Any, *, q: int, kv: int, ffn: int) -> dict[str, Any]:

@@ -9,7 +9,7 @@
 
 The rules are the functions dsf train's pre-flight calls: the model's own (models/plans.py
 `architecture_problem`, met through shard_model and the pipeline adapter, and
-`context_parallel_layout_problem`; models/experts.py `expert_parallel_problem`; models/loss.py
+`context_parallel_layout_problem`; models/experts.py `expert_parallel_problem`; layout.py
 `chunked_loss_problem`) and layout.layout_problem's (dp * tp * pp * cp = world;
 tp divides the attention and key/value heads and stays within a node; cp divides the heads per
 tensor rank and the sequence, and divides or is a multiple of the kv heads; pp <= layers; the
@@ -28,15 +28,14 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Iterator
 
 from dsframework.errors import UserError
-from dsframework.layout import ParallelDims, grid_problem, layout_problem
+from dsframework.layout import ParallelDims, chunked_loss_problem, grid_problem, layout_problem
 from dsframework.models.experts import expert_parallel_problem
-from dsframework.models.loss import chunked_loss_problem
 from dsframework.models.plans import context_parallel_layout_problem
 from dsframework.planner.cluster import Cluster, GiB, resize
 from dsframework.planner.fit import check_fit
 from dsframework.planner.knobs import KnobChoice, with_knobs
 from dsframework.planner.memory import HostMemory, Workload, Layout, Memory
-from dsframework.planner.model import ModelDesc
+from dsframework.planner.desc import ModelDesc
 from dsframework.planner.speed import StepTime, step_time
 
 MAX_MICRO_BATCH = 64

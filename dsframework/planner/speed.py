@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from dsframework.planner.cluster import Cluster
 from dsframework.planner.memory import (Workload, Layout, StageShape, gathered_tensors, stage_shapes,
                                        ulysses_kv_heads)
-from dsframework.planner.model import ModelDesc
+from dsframework.planner.desc import ModelDesc
 from dsframework.runtime_facts import STAGE0_ALLREDUCE_BUCKET
 
 # Compute. A matmul runs at the cluster's `matmul_efficiency` (a large GEMM's achieved / peak FLOP/s,

@@ -179,13 +179,14 @@ SHORT = (("scatter/gather", "scatter/gather"), ("interleaved", "interleaved 1F1B
 
 def readme_table(rows: list[dict]) -> str:
     """The compact table the README shows: ratio per row, what the published run did that dsf does not."""
-    lines = ["| run | GPUs | layout | published | dsf | ratio | published ran what dsf does not |",
+    lines = ["| run | GPUs | layout | published | dsf | ratio | how dsf's run differs from the published one |",
              "|---|---:|---|---:|---:|---:|---|"]
     for r in rows:
         unit = "TFLOP/s" if r.get("unit", "").startswith("TFLOP") else "tok/s"
         differs = ", ".join(short for key, short in SHORT if key in (r["differs"] or ""))
         if "ratio" not in r:
-            why = "dsf refuses the layout" if r["why"].startswith("dsf refuses") else "does not fit dsf (no SP)"
+            why = ("dsf refuses the layout" if r["why"].startswith("dsf refuses") else
+                   "does not fit dsf" + (" (no SP)" if not r["layout"].startswith("tp1 ") else ""))
             lines.append(f"| {r['name']} | {r['gpus']} | {r['layout']} | | | | {why}; {differs or '-'} |")
             continue
         lines.append(f"| {r['name']} | {r['gpus']} | {r['layout']} | {r['published']:g} {unit} | "

@@ -254,14 +254,20 @@ def plan_cmd(model_name: str | None, cluster_name: str, nodes: int, gpus_per_nod
     pinned = {**pins, **{name: size for name, size in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)) if size}}
     plan = search(desc, cluster, job, tp=pinned.get("tp"), pp=pinned.get("pp"), cp=pinned.get("cp"),
                   ep=pinned.get("ep"), zero_stage=zero_stage)
+    explained = (_explain(desc, cluster, job, wanted, explain_layout or "", pinned=pinned, zero_stage=zero_stage)
+                 if wanted is not None else None)
     if as_json:
+        extra = {"explain": {"layout": explain_layout, **explained.as_dict()}} if explained is not None else {}
         click.echo(json.dumps({"model": desc.name, "cluster": cluster.to_dict(), "seq_len": job.seq_len,
                                "global_batch": job.global_batch, "precision": job.precision,
-                               "candidates": [c.as_dict() for c in plan.candidates]}, indent=1))
+                               "candidates": [c.as_dict() for c in plan.candidates], **extra}, indent=1))
     else:
         click.echo(plan_table(plan, top=top))
-    if wanted is not None:
-        _explain(desc, cluster, job, wanted, explain_layout or "", pinned=pinned, zero_stage=zero_stage)
+        if explained is not None:
+            from dsframework.planner.explain import explain_line
+
+            click.echo("")
+            click.echo(explain_line(explained, f"explain {explain_layout}"))
     if cache is not None:
         cache.save(desc)  # the next `dsf plan` of this model imports neither torch nor transformers
     if output_dir is not None:
@@ -274,17 +280,15 @@ def plan_cmd(model_name: str | None, cluster_name: str, nodes: int, gpus_per_nod
 PLAN_FILES = ("ds_config.json", "run.yaml", "README.txt")
 
 
-def _explain(desc, cluster, job, wanted: dict, text: str, *, pinned: dict, zero_stage: int | None) -> None:
-    """`dsf plan --explain`: the named layout's step split, searched with its own sizes pinned."""
-    from dsframework.planner.explain import explain_line, named_candidate
+def _explain(desc, cluster, job, wanted: dict, text: str, *, pinned: dict, zero_stage: int | None):
+    """`dsf plan --explain`: the named layout (a Candidate), searched with its own sizes pinned."""
+    from dsframework.planner.explain import named_candidate
     from dsframework.planner.search import search
 
     sizes = {**pinned, **{k: wanted[k] for k in ("tp", "pp", "cp", "ep") if k in wanted}}
     plan = search(desc, cluster, job, tp=sizes.get("tp"), pp=sizes.get("pp"), cp=sizes.get("cp"), ep=sizes.get("ep"),
                   zero_stage=wanted.get("zero", zero_stage), suggest=False)
-    candidate = named_candidate(plan, wanted, text)
-    click.echo("")
-    click.echo(explain_line(candidate, f"explain {text}"))
+    return named_candidate(plan, wanted, text)
 
 
 class _UserRun:
@@ -317,6 +321,7 @@ def _plan_job(flags: dict, user: "_UserRun | None"):
               else job_values(flags, written=None, current=None, source=None))
     spec = (run.model.model_copy(update={"name": values["--model"]}) if run is not None
             else ModelSpec(name=values["--model"]))
+
     @functools.cache
     def load_config():
         from dsframework.models.build import resolve_model

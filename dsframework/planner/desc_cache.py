@@ -20,6 +20,7 @@ written is ignored: the cache only ever saves time.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import importlib.metadata
@@ -79,7 +80,10 @@ class DescCache:
             return None
         root = Path(where) if where else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / \
             "dsframework" / "plan"
-        return cls(root / f"{_key(spec)}.json")
+        try:
+            return cls(root / f"{_key(spec)}.json")
+        except OSError:  # a source file gone mid-scan (an upgrade under way): plan without the cache
+            return None
 
     def load(self, *, load_counts: Callable[[], Counts]) -> ModelDesc | None:
         """The ModelDesc kept for this key, its counts from the file (`load_counts`: the model's own
@@ -101,29 +105,30 @@ class DescCache:
         fields = {f.name: getattr(desc, f.name) for f in dataclasses.fields(desc) if f.name != "counts"}
         data = {"desc": fields, "pipeline_problem": counts.pipeline_problem,
                 "shares": {str(tp): _shares_to_json(s) for tp, s in sorted(counts.computed().items())}}
+        partial = self.path.with_name(f"{self.path.name}.{os.getpid()}.partial")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            partial = self.path.with_name(f"{self.path.name}.{os.getpid()}.partial")
             partial.write_text(json.dumps(data))
             partial.replace(self.path)  # whole or not at all: a second `dsf plan` may be reading it
-        except OSError:  # a read-only or full disk: the plan is printed all the same
-            pass
+        except OSError:  # a read-only or full disk: the plan is printed all the same, nothing left behind
+            with contextlib.suppress(OSError):
+                partial.unlink(missing_ok=True)
 
 
 def _key(spec: dict[str, Any]) -> str:
     """What decides a model's counts: its spec, the config.json a path names, transformers' version and
     dsframework's source files (size and mtime: any edit re-counts)."""
     name = str(spec.get("name") or "")
-    config = Path(name) / "config.json" if Path(name).is_dir() else Path(name)
-    try:
+    try:  # a preset's name is no path; a name too long for one is no file either
+        config = Path(name) / "config.json" if Path(name).is_dir() else Path(name)
         config_text = config.read_text() if name and config.is_file() else None
-    except OSError:
+    except (OSError, ValueError, UnicodeDecodeError):
         config_text = None
     try:
         transformers = importlib.metadata.version("transformers")
     except importlib.metadata.PackageNotFoundError:
         transformers = None
-    sources = sorted((str(p.relative_to(PACKAGE)), p.stat().st_size, p.stat().st_mtime_ns)
-                     for p in PACKAGE.rglob("*.py"))
+    sources = sorted((str(p.relative_to(PACKAGE)), stat.st_size, stat.st_mtime_ns)
+                     for p in PACKAGE.rglob("*.py") for stat in (p.stat(),))
     text = json.dumps([FORMAT, spec, config_text, transformers, sources], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:32]

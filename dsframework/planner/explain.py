@@ -72,7 +72,7 @@ def parse_layout(text: str) -> dict[str, int | str]:
             if value not in TEXT_KEYS[key]:
                 raise UserError("--explain", text, f"gives {key}={value}", f"use {key}={' or '.join(TEXT_KEYS[key])}")
             wanted[key] = value
-        elif value.isdigit() and (int(value) > 0 or key == "zero"):
+        elif value.isdigit() and (int(value) <= 3 if key == "zero" else int(value) > 0):
             wanted[key] = int(value)
         else:
             raise UserError("--explain", text, f"gives {key}={value}",

@@ -478,10 +478,10 @@ def _states(P: float, T: float, persistent: float, layout: Layout, job: Workload
 
 
 @lru_cache(maxsize=4096)  # (asked for by every layout the search costs)
-def gathered_tensors(desc: ModelDesc, *, tp: int, threshold: int) -> list[int]:
+def gathered_tensors(desc: ModelDesc, *, tp: int, threshold: int) -> tuple[int, ...]:
     """Elements of each tensor of one decoder layer (on one tensor rank) ZeRO-3 all-gathers: those
     above the persistence `threshold` (the persistent ones are never gathered)."""
-    return [k for k in desc.shares(tp).layer if k > threshold]
+    return tuple(k for k in desc.shares(tp).layer if k > threshold)
 
 
 def layer_gathered(desc: ModelDesc, *, tp: int, threshold: int) -> int:

@@ -404,6 +404,8 @@ CASES = [
          expect=("--explain", "zero_stage=1", "key=value", "tp=8 pp=8")),
     Case("plan-explain-bad-value", PLAN_ARGS + ("--cluster", "h100-80gb", "--explain", "tp=2 ckpt=some"),
          expect=("--explain", "ckpt=some", "none or full")),
+    Case("plan-explain-zero-stage", PLAN_ARGS + ("--cluster", "h100-80gb", "--explain", "zero=4"),
+         expect=("--explain", "zero=4", "a ZeRO stage, 0-3")),
     Case("plan-explain-no-such-layout", PLAN_ARGS + ("--cluster", "h100-80gb", "--explain", "tp=3"),
          expect=("--explain", "tp=3", "matches none of the", "dropped")),
     Case("plan-run-bad-field", ("plan", "--run", "{tmp}/my.yaml", "--cluster", "h100-80gb", "-o", "{tmp}/plan"),

@@ -55,6 +55,11 @@ def test_a_described_model_comes_back_whole_and_grows_by_the_tp_it_lacks(tmp_pat
     next(tmp_path.glob("*.json")).write_text("{not json")
     path.write_text(config.to_json_string())
     assert DescCache.for_spec(spec).load(load_counts=lambda: model_counts(config)) is None  # unreadable: counted again
+    blocked = tmp_path / "a-file"  # a cache directory that cannot be made: the plan goes on, nothing written
+    blocked.write_text("")
+    monkeypatch.setenv("DSF_PLAN_CACHE", str(blocked))
+    DescCache.for_spec(spec).save(desc)
+    assert blocked.read_text() == "" and not list(tmp_path.glob("*.partial"))
     monkeypatch.setenv("DSF_PLAN_CACHE", "off")
     assert DescCache.for_spec(spec) is None
 

@@ -190,6 +190,9 @@ def test_the_plan_splits_the_step_of_its_first_two_and_of_a_named_layout():
     assert f"step {fastest['step_time_s']:.3g} s" in explained and "does not fit" not in explained
     too_big = _plan(*args, "--explain", "tp=1 pp=1 cp=1 zero=0").output.splitlines()[-1]
     assert "[does not fit: needs" in too_big and "dp 128" in too_big
+    with_json = json.loads(_plan(*args, "--json", "--explain", "tp=8 pp=4 zero=1 ckpt=full").stdout)  # still JSON
+    assert with_json["explain"]["layout"] == "tp=8 pp=4 zero=1 ckpt=full"
+    assert with_json["explain"]["step_time_s"] == fastest["step_time_s"]
 
 
 def test_dsf_plan_writes_a_run_config_dsf_train_reads(tmp_path):

@@ -78,11 +78,11 @@ class DescCache:
         where = os.environ.get(ENV, "")
         if where.lower() == "off":
             return None
-        root = Path(where) if where else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / \
-            "dsframework" / "plan"
         try:
+            root = Path(where) if where else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / \
+                "dsframework" / "plan"
             return cls(root / f"{_key(spec)}.json")
-        except OSError:  # a source file gone mid-scan (an upgrade under way): plan without the cache
+        except (OSError, RuntimeError):  # no home directory, or a source file gone mid-scan: no cache
             return None
 
     def load(self, *, load_counts: Callable[[], Counts]) -> ModelDesc | None:
@@ -94,7 +94,7 @@ class DescCache:
             shares = {int(tp): _shares_from_json(int(tp), value) for tp, value in data["shares"].items()}
             counts = CachedCounts(data["pipeline_problem"], shares, load_counts)
             return ModelDesc(**fields, counts=counts)
-        except (OSError, ValueError, KeyError, TypeError):  # none yet, or unreadable: count again
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):  # none yet, or unreadable: count again
             return None
 
     def save(self, desc: ModelDesc) -> None:

@@ -52,9 +52,10 @@ def test_a_described_model_comes_back_whole_and_grows_by_the_tp_it_lacks(tmp_pat
 
     path.write_text(transformers.LlamaConfig(**{**CONFIG, "num_hidden_layers": 6}).to_json_string())
     assert DescCache.for_spec(spec).load(load_counts=lambda: model_counts(config)) is None  # another config.json: a miss
-    next(tmp_path.glob("*.json")).write_text("{not json")
     path.write_text(config.to_json_string())
-    assert DescCache.for_spec(spec).load(load_counts=lambda: model_counts(config)) is None  # unreadable: counted again
+    for broken in ("{not json", '{"desc": [], "shares": {}, "pipeline_problem": null}'):
+        next(tmp_path.glob("*.json")).write_text(broken)
+        assert DescCache.for_spec(spec).load(load_counts=lambda: model_counts(config)) is None  # counted again
     blocked = tmp_path / "a-file"  # a cache directory that cannot be made: the plan goes on, nothing written
     blocked.write_text("")
     monkeypatch.setenv("DSF_PLAN_CACHE", str(blocked))

@@ -254,7 +254,7 @@ def plan_cmd(model_name: str | None, cluster_name: str, nodes: int, gpus_per_nod
     pinned = {**pins, **{name: size for name, size in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)) if size}}
     plan = search(desc, cluster, job, tp=pinned.get("tp"), pp=pinned.get("pp"), cp=pinned.get("cp"),
                   ep=pinned.get("ep"), zero_stage=zero_stage)
-    explained = (_explain(desc, cluster, job, wanted, explain_layout or "", pinned=pinned, zero_stage=zero_stage)
+    explained = (_explain(plan, wanted, explain_layout or "", pinned=pinned, zero_stage=zero_stage)
                  if wanted is not None else None)
     if as_json:
         extra = {"explain": {"layout": explain_layout, **explained.as_dict()}} if explained is not None else {}
@@ -280,14 +280,18 @@ def plan_cmd(model_name: str | None, cluster_name: str, nodes: int, gpus_per_nod
 PLAN_FILES = ("ds_config.json", "run.yaml", "README.txt")
 
 
-def _explain(desc, cluster, job, wanted: dict, text: str, *, pinned: dict, zero_stage: int | None):
-    """`dsf plan --explain`: the named layout (a Candidate), searched with its own sizes pinned."""
+def _explain(plan, wanted: dict, text: str, *, pinned: dict, zero_stage: int | None):
+    """`dsf plan --explain`: the named layout (a Candidate). The plan already holds it unless the
+    name contradicts a pinned size or ZeRO stage; then it is searched with its own sizes pinned."""
     from dsframework.planner.explain import named_candidate
     from dsframework.planner.search import search
 
-    sizes = {**pinned, **{k: wanted[k] for k in ("tp", "pp", "cp", "ep") if k in wanted}}
-    plan = search(desc, cluster, job, tp=sizes.get("tp"), pp=sizes.get("pp"), cp=sizes.get("cp"), ep=sizes.get("ep"),
-                  zero_stage=wanted.get("zero", zero_stage), suggest=False)
+    named = {k: wanted[k] for k in ("tp", "pp", "cp", "ep") if k in wanted}
+    zero = wanted.get("zero", zero_stage)
+    if any(pinned.get(k, size) != size for k, size in named.items()) or zero != zero_stage and zero_stage is not None:
+        sizes = {**pinned, **named}
+        plan = search(plan.desc, plan.cluster, plan.job, tp=sizes.get("tp"), pp=sizes.get("pp"), cp=sizes.get("cp"),
+                      ep=sizes.get("ep"), zero_stage=zero, suggest=False)
     return named_candidate(plan, wanted, text)
 
 

@@ -188,6 +188,8 @@ def test_the_plan_splits_the_step_of_its_first_two_and_of_a_named_layout():
                                                c["offload_optimizer"]) == (8, 4, 1, "full", "none") and c["fits"]]
     fastest = max(named, key=lambda c: c["tokens_per_s"])
     assert f"step {fastest['step_time_s']:.3g} s" in explained and "does not fit" not in explained
+    pinned_apart = _plan(*args, "--tp", "4", "--zero-stage", "3", "--explain", "tp=8, pp=4 zero=1 ckpt=full").output
+    assert pinned_apart.splitlines()[-1] == explained  # a name against the pins: searched with its own sizes
     too_big = _plan(*args, "--explain", "tp=1 pp=1 cp=1 zero=0").output.splitlines()[-1]
     assert "[does not fit: needs" in too_big and "dp 128" in too_big
     with_json = json.loads(_plan(*args, "--json", "--explain", "tp=8 pp=4 zero=1 ckpt=full").stdout)  # still JSON

@@ -40,6 +40,7 @@ sys.path.insert(0, str(REPO / "bench"))
 from published_runs_data import RUNS, PublishedRun  # noqa: E402
 
 from dsframework.layout import ParallelDims, layout_problem  # noqa: E402
+from dsframework.planner import explain  # noqa: E402
 from dsframework.planner.cluster import cluster_preset  # noqa: E402
 from dsframework.planner.memory import Layout, Workload  # noqa: E402
 from dsframework.planner.model import ModelDesc, describe_model  # noqa: E402
@@ -47,8 +48,7 @@ from dsframework.planner.search import Candidate, evaluate, search  # noqa: E402
 
 GOAL = 0.15  # every comparable row within 15% of the published throughput
 RANK_GOAL = 0.9  # the published layout at >= 90% of dsf's first choice's predicted speed
-PARTS = ("compute", "memory_bound", "tp_comm", "cp_comm", "dp_comm", "pp_bubble", "pp_comm", "ep_comm",
-         "offload", "overhead")
+PARTS = tuple(part for part, _ in explain.PARTS)  # the step's parts, as `dsf plan` splits it
 _DESCS: dict[tuple, ModelDesc] = {}
 
 

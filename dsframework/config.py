@@ -250,6 +250,17 @@ class CheckpointSpec(_Spec):
         default="sync", description="sync: the training loop waits while the checkpoint is written; decoupled: "
         "DeepSpeed's background writer (checkpoint.writer.decoupled) writes it while the next step runs, the "
         "loop waits only to hand the state over and, at that step's optimizer step, for what is left to write")
+    fallback: Literal["none", "previous"] = Field(
+        default="none", description="a resume whose latest checkpoint is damaged (a file missing, truncated or "
+        "changed since it was saved): none stops naming the file; previous resumes from the newest earlier "
+        "checkpoint whose files check, and says so")
+    keep: int = Field(default=0, ge=0, description="keep the newest N checkpoints, removing older ones as each new one "
+                      "is committed; 0: keep every one (each costs the model's weights and optimizer states on disk)")
+    keep_every: int = Field(default=0, ge=0, description="with checkpoint.keep, also keep every checkpoint whose step "
+                            "is a multiple of this (0: none beyond the newest N)")
+    on_low_space: Literal["stop", "skip"] = Field(
+        default="stop", description="when the disk has less free space than the last checkpoint took: stop ends the "
+        "run (the last good checkpoint stays latest), skip skips this save and trains on; either way it says so")
 
 
 def _directory_field(field: str, value: str | None, *, package: str | None, example: str) -> str | None:

@@ -46,9 +46,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, cast
 
+from dsframework.checkpoints.integrity import first_problem_of_ranks, gather_checksums, newest_intact, problem
+from dsframework.checkpoints.integrity import step_of as step_of  # tag_for's inverse (-1: not a step's tag)
 from dsframework.checkpoints.manifest import MANIFEST, Manifest
+from dsframework.checkpoints.space import disk_full_error, last_save_bytes, low_space_line
 from dsframework.errors import UserError, raised_in
-from dsframework.files import written_then_renamed
+from dsframework.files import disk_full, written_then_renamed
 from dsframework.layout import ParallelDims
 from dsframework.models.lora import has_frozen_parameters
 from dsframework.parallel.host import all_reduce_host, host_group
@@ -72,12 +75,6 @@ def latest_tag(ckpt_dir: str | Path) -> str | None:
 
 def tag_for(step: int) -> str:
     return f"global_step{step}"
-
-
-def step_of(tag: str) -> int:
-    """tag_for's inverse; -1 for any other name (`.partial`, `.universal`, foreign folders)."""
-    number = tag.removeprefix("global_step")
-    return int(number) if number.isdigit() else -1
 
 
 def save_run_files(ckpt_dir: Path, *, config: HFConfig, run_yaml: str) -> None:
@@ -145,15 +142,75 @@ def _frozen_and_trainable(engine: Engine) -> tuple[bool, dict[str, list[int]]]:
 
 def write_shards(engine: Engine, partial: Path, *, client_state: dict[str, Any], exclude_frozen: bool) -> None:
     """This rank's part of a checkpoint into the folder `partial`: DeepSpeed's model/optimizer shards
-    (with `client_state`; frozen parameters left out when `exclude_frozen`) and its RNG states."""
+    (with `client_state`; frozen parameters left out when `exclude_frozen`) and its RNG states. A disk
+    that fills on any rank removes `partial` and ends every rank in one line (`agree_written`)."""
     import torch
+    import torch.distributed as dist
 
-    engine.save_checkpoint(str(partial.parent), tag=partial.name, client_state=client_state, save_latest=False,
-                           exclude_frozen_parameters=exclude_frozen)
-    torch.save(_rng_states(), partial / f"rng_rank{engine.global_rank}.pt")
+    failed = None
+    try:
+        engine.save_checkpoint(str(partial.parent), tag=partial.name, client_state=client_state, save_latest=False,
+                               exclude_frozen_parameters=exclude_frozen)
+    except Exception as err:  # noqa: BLE001 - a full disk is told to every rank; anything else re-raised
+        if not disk_full(err):
+            raise
+        dist.barrier()  # the save's own closing barrier, where the ranks whose writes succeeded wait
+        failed = err
+    if failed is None:
+        try:
+            torch.save(_rng_states(), partial / f"rng_rank{engine.global_rank}.pt")
+        except Exception as err:  # noqa: BLE001 - as above
+            if not disk_full(err):
+                raise
+            failed = err
+    agree_written(partial, failed)
 
 
-class DecoupledWriter:
+def agree_written(partial: Path, failed: BaseException | None) -> None:
+    """Every rank, after writing its part of `partial`: when any rank's disk filled, rank 0 removes
+    `partial` (nothing half-written stays) and every rank raises the same one line."""
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([int(failed is not None)])  # host: a flag for the host group
+    all_reduce_host(flag, op=dist.ReduceOp.MAX)
+    if not flag.item():
+        return
+    ckpt_dir = partial.parent
+    if dist.get_rank() == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+    dist.barrier(group=host_group())  # removed before any rank exits (a launcher then ends the others)
+    good = latest_tag(ckpt_dir)
+    raise disk_full_error("checkpoint", partial, needed=last_save_bytes(ckpt_dir), last_good=good,
+                          fix="free space there or set checkpoint.keep=N, then " +
+                          ("continue with --resume" if good else "start the run again (--overwrite)"))
+
+
+class SavedFiles:
+    """DeepSpeed's checkpoint engine, recording the files it saves on this rank: what this rank sums
+    for the manifest (checkpoints/integrity.py), right after they are on disk.
+
+        engine.checkpoint_engine = SavedFiles(engine.checkpoint_engine)   # record_saved_files(engine)
+        engine.checkpoint_engine.take_saved()   # [paths saved since last asked]
+    """
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.saved: list[Path] = []
+
+    def save(self, state_dict: Any, path: str) -> None:
+        self.inner.save(state_dict, path)
+        self.saved.append(Path(path))
+
+    def take_saved(self) -> list[Path]:
+        saved, self.saved = self.saved, []
+        return saved
+
+    def __getattr__(self, name: str) -> Any:  # the rest is DeepSpeed's engine unchanged
+        return getattr(self.inner, name)
+
+
+class DecoupledWriter(SavedFiles):
     """DeepSpeed's decoupled checkpoint engine (`checkpoint.writer.decoupled`: a background process
     per rank writes the shards; DeepSpeed commits them at the next optimizer step), as dsf uses it.
 
@@ -176,14 +233,14 @@ class DecoupledWriter:
     """
 
     def __init__(self, inner: Any) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.waited_s = 0.0
 
     def save(self, state_dict: Any, path: str) -> None:
         import torch
         from torch.utils._pytree import tree_map
 
-        self.inner.save(tree_map(lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t, state_dict), path)
+        super().save(tree_map(lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t, state_dict), path)
 
     def load(self, path: str, map_location: Any = None) -> Any:
         import torch
@@ -201,9 +258,6 @@ class DecoupledWriter:
         """The seconds waited in `commit` since the last call."""
         waited, self.waited_s = self.waited_s, 0.0
         return waited
-
-    def __getattr__(self, name: str) -> Any:  # the rest is DeepSpeed's engine unchanged
-        return getattr(self.inner, name)
 
 
 SHM = Path("/dev/shm")
@@ -256,12 +310,11 @@ def writer_spared_by_sigterm(decoupled: bool) -> Iterator[None]:
 # (engine: Any in the four below: they put or read dsf's DecoupledWriter in engine.checkpoint_engine,
 # which DeepSpeed's annotation types as one of its own checkpoint engines)
 def use_decoupled_writer(engine: Any) -> bool:
-    """With checkpoint.writer=decoupled, wrap DeepSpeed's decoupled checkpoint engine in
-    `DecoupledWriter` (once, after deepspeed.initialize); whether it did."""
-    if not engine.checkpoint_engine.is_decoupled():
-        return False
-    engine.checkpoint_engine = DecoupledWriter(engine.checkpoint_engine)
-    return True
+    """Wrap DeepSpeed's checkpoint engine (once, after deepspeed.initialize): with checkpoint.writer=
+    decoupled in `DecoupledWriter`, else in `SavedFiles`; whether it is the decoupled one."""
+    decoupled = engine.checkpoint_engine.is_decoupled()
+    engine.checkpoint_engine = (DecoupledWriter if decoupled else SavedFiles)(engine.checkpoint_engine)
+    return decoupled
 
 
 def writer_waited(engine: Any) -> float:
@@ -331,6 +384,16 @@ def start_save(engine: Engine, ckpt_dir: Path, *, step: int, consumed_samples: i
     return Pending(ckpt_dir, tag, step, layout, trainable if frozen else None, time.perf_counter() - started)
 
 
+def room_for_save(ckpt_dir: Path) -> str | None:
+    """Every rank, before a save: rank 0's reason the disk cannot hold another checkpoint as large as
+    the last (checkpoints/space.py), the same on every rank; None when it can (or none was saved yet)."""
+    import torch.distributed as dist
+
+    line = [low_space_line(Path(ckpt_dir)) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(line, src=0, group=host_group())  # pickled: host-side
+    return line[0]
+
+
 def commit(engine: Engine, pending: Pending) -> str:
     """Make `pending` the latest checkpoint (all ranks call it); returns its tag. With the decoupled
     writer it first waits until DeepSpeed's writer has finished this rank's files (at once if DeepSpeed
@@ -345,19 +408,29 @@ def commit(engine: Engine, pending: Pending) -> str:
         if info is not None:  # not yet committed by an optimizer step
             writer.commit(info)
     dist.barrier()  # every rank's files are on disk
+    partial = pending.ckpt_dir / (pending.tag + PARTIAL)
+    own = [*(writer.take_saved() if isinstance(writer, SavedFiles) else []), partial / f"rng_rank{dist.get_rank()}.pt"]
+    sums = gather_checksums(partial, own=own)  # each rank its own files; rank 0 gets them all
+    failed = None
     if dist.get_rank() == 0:
-        _publish(pending)
-    dist.barrier()
+        try:
+            _publish(pending, sums)
+        except OSError as err:  # the manifest or `latest` on a full disk: `latest` still names the last good one
+            if not disk_full(err):
+                raise
+            failed = err
+    agree_written(partial, failed)  # (and the barrier after the commit)
     pending.seconds += time.perf_counter() - started
     return pending.tag
 
 
-def _publish(pending: Pending) -> None:
-    """Rank 0's part of a commit: the manifest last into `<tag>.partial`, the rename, then `latest`."""
+def _publish(pending: Pending, sums: dict[str, str] | None) -> None:
+    """Rank 0's part of a commit: the manifest (sizes and `sums`) last into `<tag>.partial`, the
+    rename, then `latest`."""
     ckpt_dir, tag = pending.ckpt_dir, pending.tag
     partial, final = ckpt_dir / (tag + PARTIAL), ckpt_dir / tag
     files = {str(p.relative_to(partial)): p.stat().st_size for p in sorted(partial.rglob("*")) if p.is_file()}
-    Manifest(pending.step, pending.layout.as_dict(), files, pending.trainable).write(partial / MANIFEST)
+    Manifest(pending.step, pending.layout.as_dict(), files, pending.trainable, sums).write(partial / MANIFEST)
     if final.exists():  # a later checkpoint of an abandoned branch of this run (latest is older)
         shutil.rmtree(final)
     for stale in ckpt_dir.glob(tag + UNIVERSAL + "*"):  # conversions of what it replaces
@@ -381,24 +454,33 @@ def saved_layout(manifest: Manifest | None, *, zero_stage: int = 0) -> ParallelD
     return None if manifest is None else manifest.saved_layout(zero_stage=zero_stage)
 
 
-def verify(ckpt_dir: Path, tag: str) -> Manifest | None:
-    """Check every file the manifest lists is there at its full size; returns the manifest."""
+def verify(ckpt_dir: Path, tag: str, *, sums: bool = False) -> Manifest | None:
+    """Check every file the manifest lists is there at its full size (and, with `sums`, of its saved
+    checksum: one process reads them all, as `dsf export` does); returns the manifest (None: none).
+    UserError naming the first bad file and the newest earlier checkpoint that checks."""
     manifest = read_manifest(ckpt_dir, tag)
     if manifest is None:
         return None
-    earlier = sorted((p.name for p in Path(ckpt_dir).glob("global_step*")
-                      if p.is_dir() and 0 <= step_of(p.name) < step_of(tag)), key=step_of)
-    fix = (f"restore it, or resume from an earlier checkpoint: echo {earlier[-1]} > {Path(ckpt_dir) / 'latest'}"
-           if earlier else "restore it from a backup; no earlier checkpoint is there")
-    for name, size in manifest.files.items():
-        path = Path(ckpt_dir) / tag / name
-        if not path.is_file():
-            raise UserError("checkpoint file", str(path), "is missing", fix)
-        actual = path.stat().st_size
-        if actual != size:
-            raise UserError("checkpoint file", str(path), f"is truncated or altered ({actual:,} bytes, "
-                            f"{size:,} when saved)", fix)
+    bad = problem(Path(ckpt_dir) / tag, manifest, sorted(manifest.files), sums=sums)
+    if bad is not None:
+        raise damaged(ckpt_dir, tag, bad, sums=sums)
     return manifest
+
+
+def verify_on_ranks(ckpt_dir: Path, tag: str, manifest: Manifest) -> tuple[str, str] | None:
+    """Every rank: (file, what is wrong) for the first file of `tag` that is not as saved (size and
+    checksum), each rank reading a share of the files; None when all check."""
+    return first_problem_of_ranks(Path(ckpt_dir) / tag, manifest)
+
+
+def damaged(ckpt_dir: Path, tag: str, bad: tuple[str, str], *, sums: bool = True, good: str | None = "") -> UserError:
+    """The one line for a checkpoint file that is not as saved: the file, what is wrong, and the
+    newest earlier checkpoint whose files check (`good`; "": found here, by size and with `sums` by checksum)."""
+    good = newest_intact(ckpt_dir, before=tag, sums=sums) if good == "" else good
+    fix = (f"restore it, or resume from {good}, the newest checkpoint that checks: --set checkpoint.fallback=previous, "
+           f"or echo {good} > {Path(ckpt_dir) / 'latest'}" if good else
+           "restore it from a backup; no earlier checkpoint checks")
+    return UserError("checkpoint file", str(Path(ckpt_dir) / tag / bad[0]), bad[1], fix)
 
 
 def to_universal(ckpt_dir: Path, tag: str, *, into: Path | None = None) -> str:

@@ -53,9 +53,12 @@ from typing import Any, Mapping, cast
 
 from dsframework.checkpoints import checkpoint as ckpt
 from dsframework.checkpoints.experts import autoep_layers, expert_checkpoint_entries
+from dsframework.checkpoints.outputs import check_export_target
+from dsframework.checkpoints.space import disk_full_error
 from dsframework.config import load_run_config
 from dsframework.data import load_tokenizer
 from dsframework.errors import UserError
+from dsframework.files import disk_full
 from dsframework.models.build import build_model, resolve_model
 from dsframework.models.hf import causal_lm_class
 from dsframework.models.lora import apply_lora, merge_lora, trainable_names
@@ -473,9 +476,11 @@ def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path, *, tag: str | 
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError("OUT_DIR", str(out_dir), "is a file", "choose a directory path")
+    check_export_target(out_dir, ckpt_dir, overwrite=overwrite)  # never into, over or around a run's files
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise UserError("OUT_DIR", str(out_dir), "exists and is not empty",
                         "choose a new directory or pass --overwrite")
+    ckpt.verify(ckpt_dir, tag, sums=True)  # every file as saved (size and checksum), or one line naming it
     max_bytes = shard_size(max_shard_size)
 
     import torch
@@ -505,6 +510,17 @@ def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path, *, tag: str | 
             if out_dir.exists():
                 shutil.rmtree(out_dir)
             staging.rename(out_dir)
+        except Exception as err:  # noqa: BLE001 - a full disk is one line; anything else re-raised
+            if not disk_full(err):
+                raise
+            shutil.rmtree(staging, ignore_errors=True)  # (before the free space is measured)
+            raise disk_full_error("OUT_DIR", out_dir, needed=export_bytes(model), last_good=None,
+                                  fix="free space there or export to another disk") from None
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return out_dir
+
+
+def export_bytes(model: Any) -> int:
+    """About what an export writes: the model's parameters in float32 (the tokenizer and config are small)."""
+    return 4 * sum(p.numel() for p in model.parameters())

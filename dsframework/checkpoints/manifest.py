@@ -5,10 +5,11 @@
     manifest = Manifest.read(tag_dir / MANIFEST)  # UserError when it is not a manifest
     manifest.saved_layout(zero_stage=1)           # the ParallelDims it was saved at (None: not recorded)
     manifest.files                                # {path in the tag folder: size in bytes}
+    manifest.checksums                            # {path in the tag folder: 'crc32:...'} (None: before dsf summed)
     manifest.trainable                            # {name: shape} of a run with frozen parameters, else None
 
-The JSON keeps the keys every dsframework wrote, {"step", "layout", "files"} and "trainable" only
-for a run with frozen parameters, so older and newer versions read each other's checkpoints: the
+The JSON keeps the keys every dsframework wrote, {"step", "layout", "files"}, "trainable" only
+for a run with frozen parameters and "checksums" since checkpoints carry them, so older and newer versions read each other's checkpoints: the
 layout is stored as written (`ParallelDims.as_dict`, or one of its older forms, which
 `ParallelDims.from_dict` reads), and a key this version does not know is ignored.
 """
@@ -34,6 +35,7 @@ class Manifest:
     layout: dict[str, Any] | None  # the layout, as stored (ParallelDims.as_dict or an older form); None: none
     files: dict[str, int]  # every file of the checkpoint folder (its path there) with its size in bytes
     trainable: dict[str, list[int]] | None = None  # {name: shape} saved when parameters are frozen (LoRA)
+    checksums: dict[str, str] | None = None  # {path: 'crc32:...'} of every file (checkpoints/integrity.py)
 
     @classmethod
     def read(cls, path: Path) -> Manifest:
@@ -47,12 +49,15 @@ class Manifest:
         if not isinstance(data, dict) or not isinstance(data.get("files"), dict) or "step" not in data:
             raise UserError("checkpoint file", str(path), "is corrupt (not a dsf manifest: no step or files)",
                             "restore it, or point latest at an earlier checkpoint")
-        return cls(step=data["step"], layout=data.get("layout"), files=data["files"], trainable=data.get("trainable"))
+        sums = data.get("checksums")
+        return cls(step=data["step"], layout=data.get("layout"), files=data["files"], trainable=data.get("trainable"),
+                   checksums=sums if isinstance(sums, dict) else None)
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON object as stored: "trainable" only when parameters are frozen."""
+        """The JSON object as stored: "trainable" only when parameters are frozen, "checksums" when summed."""
         return {"step": self.step, "layout": self.layout, "files": self.files,
-                **({"trainable": self.trainable} if self.trainable is not None else {})}
+                **({"trainable": self.trainable} if self.trainable is not None else {}),
+                **({"checksums": self.checksums} if self.checksums is not None else {})}
 
     def write(self, path: Path) -> None:
         """Into the file `path`: readers see the old content or the new, and it is on disk before the rename."""

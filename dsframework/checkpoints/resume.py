@@ -1,7 +1,9 @@
 """Resuming a run: what it resumes from, decided once before the rendezvous, and the conversion of
 a checkpoint saved at another layout, done by the ranks before the engine loads it.
 
-    plan = ResumePlan.read(run)                      # pre-flight: the latest tag, its files checked
+    plan = ResumePlan.read(run)                      # pre-flight: the latest tag, its files' sizes checked
+    plan = plan.checked(run)                         # every rank, after the rendezvous: their checksums
+    print(plan.first_line(run))                      # rank 0: 'dsf: resuming from .../global_step6 (step 6)'
     run = plan.keep_expert_blocks(run)               # AutoEP's blocks kept at ep 1 when saved in them
     load_tag, universal = plan.load_tag(run, dims, config)   # every rank: converted first if need be
 
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from dsframework.checkpoints import checkpoint as ckpt
+from dsframework.checkpoints.integrity import newest_intact, tags_before
 from dsframework.checkpoints.manifest import Manifest
 from dsframework.checkpoints.reshard import Resharding, universal_tag
 from dsframework.config import RunConfig
@@ -36,6 +39,7 @@ class ResumePlan:
 
     tag: str
     manifest: Manifest | None
+    fell_back: str = ""  # checkpoint.fallback=previous: why the latest was not loaded (its one line)
 
     @classmethod
     def read(cls, run: RunConfig) -> ResumePlan:
@@ -48,7 +52,39 @@ class ResumePlan:
         if tag is None:
             raise UserError("output_dir", run.output_dir, "holds no checkpoint to resume from",
                             "run without --resume to start training")
-        return cls(tag, ckpt.verify(run.checkpoint_dir, tag))
+        try:
+            return cls(tag, ckpt.verify(run.checkpoint_dir, tag))
+        except UserError as err:  # a file missing or of another size
+            earlier = newest_intact(run.checkpoint_dir, before=tag, sums=False)
+            if run.checkpoint.fallback != "previous" or err.field != "checkpoint file" or earlier is None:
+                raise
+            return cls(earlier, ckpt.read_manifest(run.checkpoint_dir, earlier), fell_back=f"{err.value} {err.rule}")
+
+    def checked(self, run: RunConfig) -> ResumePlan:
+        """Every rank, after the rendezvous: the files of the tag checked against their checksums, each
+        rank reading a share. On a mismatch, with checkpoint.fallback=previous the newest earlier tag
+        whose files check (said in `fell_back`), else a UserError naming the file and that tag."""
+        if self.manifest is None:  # written before manifests: sizes and sums unknown
+            return self
+        ckpt_dir = run.checkpoint_dir
+        bad = ckpt.verify_on_ranks(ckpt_dir, self.tag, self.manifest)
+        if bad is None:
+            return self
+        good = next((t for t in tags_before(ckpt_dir, self.tag)
+                     if ckpt.verify_on_ranks(ckpt_dir, t, ckpt.read_manifest(ckpt_dir, t) or self.manifest) is None),
+                    None)
+        error = ckpt.damaged(ckpt_dir, self.tag, bad, good=good)
+        if run.checkpoint.fallback != "previous" or good is None:
+            raise error
+        return ResumePlan(good, ckpt.read_manifest(ckpt_dir, good), fell_back=f"{error.value} {error.rule}")
+
+    def first_line(self, run: RunConfig) -> str:
+        """What rank 0 prints first on resume: the tag it loads (and, after a fallback, why not the latest)."""
+        where = f"dsf: resuming from {run.checkpoint_dir / self.tag}"
+        step = f" (step {self.manifest.step})" if self.manifest is not None else ""
+        if self.fell_back:
+            return f"{where}{step}, the newest that checks (checkpoint.fallback=previous): {self.fell_back}"
+        return where + step
 
     def keep_expert_blocks(self, run: RunConfig) -> RunConfig:
         return keep_expert_blocks(run, self.manifest)

@@ -40,6 +40,7 @@ import numpy as np
 from dsframework.config import DataSpec
 from dsframework.data.examples import tokenize_examples
 from dsframework.errors import UserError
+from dsframework.files import disk_full, free_bytes, gib
 from dsframework.models.loss import IGNORE_INDEX  # the label of a token that trains nothing
 
 STORE_VERSION = 2  # bump when what a store holds for the same inputs changes
@@ -335,8 +336,15 @@ def token_stores(rows: Any, tokenizer: Any, spec: DataSpec, *, cache_dir: Path) 
         try:
             build_store(rows, tokenizer, spec, tmp)
             os.rename(tmp, final)
-        except OSError:
-            if not _is_complete(final):
+        except OSError as err:
+            if _is_complete(final):  # another process renamed its copy first
+                pass
+            elif disk_full(err):
+                shutil.rmtree(tmp, ignore_errors=True)  # (before the free space is measured)
+                raise UserError("HF_DATASETS_CACHE", str(cache_dir), f"could not hold the token store: the disk is "
+                                f"full ({gib(free_bytes(cache_dir))} free), nothing partial is left",
+                                "free space there, or point HF_DATASETS_CACHE (or HF_HOME) at a larger disk") from None
+            else:
                 raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

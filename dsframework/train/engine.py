@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from dsframework.checkpoints.checkpoint import close_writer
+from dsframework.checkpoints.outputs import release_output_dir
 from dsframework.config import RunConfig
 from dsframework.train.loop import Preempted, run_steps
 from dsframework.train.metrics import open_sinks
@@ -28,12 +29,15 @@ __all__ = ["Preempted", "train"]
 def train(run: RunConfig, *, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
     """Train as configured; returns the last logged metrics (on every rank)."""
     clock = StartupClock()  # the process's age so far: the interpreter and the imports before this
-    session = prepare(run, resume=resume, overwrite=overwrite, clock=clock)
-    # Rank 0's metric sinks (metrics.jsonl, TensorBoard, CSV, W&B): closed however the loop ends
-    # (done, a UserError, SIGTERM's Preempted), so every file holds every logged step.
-    sinks = open_sinks(run, resume_step=session.step if resume else None, enabled=session.rank == 0)
     try:
-        return run_steps(run, session, sinks, resume=resume)
-    finally:
-        sinks.close()
-        close_writer(session.engine)  # checkpoint.writer=decoupled: its process, done with what it was given
+        session = prepare(run, resume=resume, overwrite=overwrite, clock=clock)  # rank 0 locks output_dir
+        # Rank 0's metric sinks (metrics.jsonl, TensorBoard, CSV, W&B): closed however the loop ends
+        # (done, a UserError, SIGTERM's Preempted), so every file holds every logged step.
+        sinks = open_sinks(run, resume_step=session.step if resume else None, enabled=session.rank == 0)
+        try:
+            return run_steps(run, session, sinks, resume=resume)
+        finally:
+            sinks.close()
+            close_writer(session.engine)  # checkpoint.writer=decoupled: its process, done with what it was given
+    finally:  # (the process's end releases it too; a process that trains again, as tests do, needs it now)
+        release_output_dir(run.output_dir)

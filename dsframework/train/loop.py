@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 from dsframework.checkpoints import checkpoint as ckpt
+from dsframework.checkpoints.space import low_space_error, prune
 from dsframework.config import RunConfig
 from dsframework.data import BlockSampler
 from dsframework.data.store import describe_store
@@ -112,6 +113,13 @@ def save_checkpoint(run: RunConfig, session: Session, *, step: int, consumed: in
     left to DeepSpeed's background writer and returned pending (commit it after the next step), unless
     `wait` (the run's last checkpoint, or SIGTERM's): then, as with the sync writer, committed now."""
     watch.enter("checkpoint")
+    low = ckpt.room_for_save(run.checkpoint_dir)  # the same answer on every rank
+    if low is not None and (run.checkpoint.on_low_space == "stop" or wait):  # (the last save, SIGTERM's: never skipped)
+        raise low_space_error(low)
+    if low is not None:
+        if session.rank == 0:
+            print(f"dsf: warning: checkpoint of step {step} skipped (checkpoint.on_low_space=skip): {low}", flush=True)
+        return None
     pending = ckpt.start_save(session.engine, run.checkpoint_dir, step=step, consumed_samples=consumed,
                               layout=session.dims)
     if wait or not ckpt.is_decoupled(session.engine):
@@ -131,6 +139,7 @@ def commit_checkpoint(run: RunConfig, session: Session, pending: ckpt.Pending, *
     window.checkpoint_s += seconds
     if session.rank == 0:  # what dsf launch's goodput count charges to checkpointing (a resume keeps it)
         record_checkpoint_time(run.output_dir, step=pending.step, seconds=seconds)
+        prune(run.checkpoint_dir, keep=run.checkpoint.keep, keep_every=run.checkpoint.keep_every)
 
 
 def train_committing(session: Session, sampler: BlockSampler, consumed: int, watch: HangWatch, *, step: int,

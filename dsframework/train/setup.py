@@ -25,7 +25,6 @@ value, and each is timed (StartupClock: rank 0 prints the breakdown once the eng
 from __future__ import annotations
 
 import os
-import shutil
 import time
 import warnings
 from contextlib import contextmanager
@@ -34,6 +33,8 @@ from pathlib import Path
 from typing import Any, Iterator, cast
 
 from dsframework.checkpoints import checkpoint as ckpt
+from dsframework.checkpoints.outputs import (TRAINER_OUTPUTS, hold_output_dir, refuse_if_held, remove_written,
+                                             write_record)
 from dsframework.checkpoints.resume import ResumePlan
 from dsframework.config import RunConfig, dump_run_config
 from dsframework.data import (
@@ -85,6 +86,11 @@ def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False,
         adam = checked_adam(run)
     with clock.phase("rendezvous"):
         world = form_world(run, source)
+    if resuming:  # every file of the checkpoint against its checksum, the ranks a share each
+        with clock.phase("restore"):
+            resuming = resuming.checked(run)
+        if world.rank == 0:
+            print(resuming.first_line(run), flush=True)
     batch = resolve_batch(run.train.micro_batch, run.train.grad_accum, run.train.global_batch, dp_size=world.dims.dp)
     data = load_data(run, source, world, clock, resume=resume, overwrite=overwrite)
     with clock.phase("restore"):  # on resume at another layout, the ranks convert the checkpoint
@@ -181,6 +187,8 @@ def preflight(run: RunConfig, *, resume: bool, overwrite: bool) -> tuple[ResumeP
     dims = checked_layout(run, source.config, world=int(os.environ.get("WORLD_SIZE", "1")))
     if source.pretrained_dir is not None and (dims.tp_enabled or dims.pp_enabled):
         check_pretrained_files(source.pretrained_dir, source.config, sliced=True)
+    if int(os.environ.get("RANK", "0")) == 0:  # every check passed: one run per output directory from here,
+        hold_output_dir(run.output_dir)        # held until this process ends (the first thing written)
     return resuming, source
 
 
@@ -263,10 +271,10 @@ def claim_outputs(run: RunConfig, config: HFConfig, tokenizer: Any, *, resume: b
         _check_same_model(run, config)
         ckpt.check_same_adapters(run.checkpoint_dir, run.model.lora)
     elif rank == 0:
-        if overwrite:
-            shutil.rmtree(run.checkpoint_dir, ignore_errors=True)
-            (Path(run.output_dir) / "metrics.jsonl").unlink(missing_ok=True)
+        if overwrite:  # what the previous run recorded writing, nothing else (output_dir is locked: ours)
+            remove_written(run.output_dir, fallback=TRAINER_OUTPUTS)
             remove_previous_outputs(run.logging)
+        write_record(run.output_dir, [Path(run.output_dir) / name for name in TRAINER_OUTPUTS])
         run.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         tokenizer.save_pretrained(str(run.checkpoint_dir / ckpt.TOKENIZER_DIR))
         ckpt.save_run_files(run.checkpoint_dir, config=config, run_yaml=dump_run_config(run))
@@ -381,21 +389,24 @@ def restore(session: Session, tag: str) -> None:
 # --- what the phases check ----------------------------------------------------------------------
 
 def check_output_dir(run: RunConfig, *, resume: bool, overwrite: bool) -> ResumePlan | None:
-    """Refuse to clobber a previous run: resume it, or overwrite it only when asked to. On resume,
+    """Refuse to clobber a previous run: resume it, or overwrite it only when asked to, and never a
+    directory another run holds (rank 0 takes its lock at the end of pre-flight). On resume,
     what it starts from (checkpoints/resume.ResumePlan: the latest checkpoint, its files checked)."""
     if resume and overwrite:
         raise UserError("--resume/--overwrite", None, "are mutually exclusive", "pass only one")
-    if resume:
-        return ResumePlan.read(run)
-    has_checkpoint = ckpt.latest_tag(run.checkpoint_dir) is not None
-    has_metrics = (Path(run.output_dir) / "metrics.jsonl").exists()
-    if not overwrite and (has_checkpoint or has_metrics):
-        raise UserError("output_dir", run.output_dir, "already holds a run",
-                        "pass --resume to continue it, --overwrite to replace it, "
-                        "or --set output_dir=NEW_DIR")
-    if not overwrite:  # TensorBoard / CSV directories outside output_dir
-        check_no_previous_outputs(run.logging)
-    return None
+    if int(os.environ.get("RANK", "0")) == 0:
+        refuse_if_held(run.output_dir)
+    resuming = ResumePlan.read(run) if resume else None
+    if not resume:
+        has_checkpoint = ckpt.latest_tag(run.checkpoint_dir) is not None
+        has_metrics = (Path(run.output_dir) / "metrics.jsonl").exists()
+        if not overwrite and (has_checkpoint or has_metrics):
+            raise UserError("output_dir", run.output_dir, "already holds a run",
+                            "pass --resume to continue it, --overwrite to replace it, "
+                            "or --set output_dir=NEW_DIR")
+        if not overwrite:  # TensorBoard / CSV directories outside output_dir
+            check_no_previous_outputs(run.logging)
+    return resuming
 
 
 def checked_layout(run: RunConfig, config: HFConfig, *, world: int) -> ParallelDims:

@@ -30,7 +30,8 @@ SHM_BUFFERS = "deepspeed_allreduce_buffer_*"
 # offline writer last.
 SHARED_MODULES = ("test_zero", "test_resume", "test_faults", "test_layouts", "test_resume_layouts", "test_export",
                   "test_export_stream", "test_lora", "test_sft", "test_experts", "test_compile", "test_hpz",
-                  "test_context_parallel", "test_metric_sinks", "test_restarts", "test_export_experts_stream")
+                  "test_context_parallel", "test_metric_sinks", "test_restarts", "test_export_experts_stream",
+                  "test_nothing_lost")
 NEEDS = {"test_compile": ("test_zero",)}  # test_compile's eager baselines are test_zero's runs
 
 

@@ -63,7 +63,7 @@ def test_a_commit_writes_the_manifest_of_every_file(tmp_path):
     for name, size in FILES.items():
         (partial / name).write_bytes(b"x" * size)
     dims = ParallelDims(world=1, zero_stage=2)
-    ckpt._publish(ckpt.Pending(tmp_path, "global_step4", 4, dims, trainable=None, seconds=0.0))
+    ckpt._publish(ckpt.Pending(tmp_path, "global_step4", 4, dims, trainable=None, seconds=0.0), None)
     assert ckpt.latest_tag(tmp_path) == "global_step4"
     assert ckpt.verify(tmp_path, "global_step4") == Manifest(4, dims.as_dict(), FILES)
     assert ckpt.saved_layout(ckpt.read_manifest(tmp_path, "global_step4")) == dims

@@ -1,0 +1,120 @@
+"""Checkpoints that prove they are intact: a CRC-32 of every file, computed when it is saved by the
+rank that wrote it, kept in the manifest, and checked when a resume or an export reads it.
+
+    sums = gather_checksums(partial, own=[...paths this rank saved...])   # every rank; rank 0 gets all
+    problem(tag_dir, manifest, names)        # ('x.pt', 'has changed since it was saved (...)') for the first bad one
+    bad = first_problem_of_ranks(tag_dir, manifest)   # the same, every rank a share of the files
+    newest_intact(ckpt_dir, before="global_step6")    # the newest earlier tag whose files all check, or None
+
+A size check alone misses a file changed in place (a bad disk, a partial copy over an old one): the
+run then loads it and fails steps later with a wrong diagnosis ("loss is not finite"). zlib's CRC-32
+reads at a few GB/s and releases the GIL, so each rank sums its own files in threads, right after
+they are on disk (the sync writer: inside the save; the decoupled writer: at the commit after the
+next step). A manifest without checksums (a dsf before them) is checked by size alone.
+"""
+from __future__ import annotations
+
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Iterable
+
+from dsframework.checkpoints.manifest import MANIFEST, Manifest
+from dsframework.parallel.host import host_group
+
+CHUNK = 16 << 20
+
+
+def checksum(path: Path) -> str:
+    """'crc32:1a2b3c4d' of the file at `path`."""
+    crc = 0
+    with open(path, "rb", buffering=0) as f:
+        while block := f.read(CHUNK):
+            crc = zlib.crc32(block, crc)
+    return f"crc32:{crc:08x}"
+
+
+def checksums(paths: Iterable[Path], *, threads: int = 4) -> dict[Path, str]:
+    """{path: checksum} of every file, `threads` at a time (zlib releases the GIL while it sums)."""
+    paths = list(paths)
+    if len(paths) <= 1:
+        return {p: checksum(p) for p in paths}
+    with ThreadPoolExecutor(max_workers=min(threads, len(paths))) as pool:
+        return dict(zip(paths, pool.map(checksum, paths)))
+
+
+def gather_checksums(partial: Path, *, own: Iterable[Path]) -> dict[str, str] | None:
+    """Every rank: the checksums of the files it saved into `partial` (`own`), gathered on the host
+    group; rank 0 also sums every file no rank claimed (DeepSpeed's copied zero_to_fp32.py, or all of
+    them from an engine whose writer does not record what it saved). Rank 0 gets {name in partial:
+    checksum}, the others None."""
+    import torch.distributed as dist
+
+    mine = {str(p.relative_to(partial)): s for p, s in checksums(p for p in own if p.is_file()).items()}
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine, group=host_group())  # pickled: host-side
+    if dist.get_rank() != 0:
+        return None
+    merged = {name: s for sums in everyone for name, s in sums.items()}
+    rest = [p for p in sorted(partial.rglob("*"))
+            if p.is_file() and p.name != MANIFEST and str(p.relative_to(partial)) not in merged]
+    merged.update({str(p.relative_to(partial)): s for p, s in checksums(rest).items()})
+    return dict(sorted(merged.items()))
+
+
+def problem(tag_dir: Path, manifest: Manifest, names: Iterable[str], *, sums: bool = True) -> tuple[str, str] | None:
+    """(name, what is wrong) of the first of `names` (files of `tag_dir` its manifest lists) that is
+    missing, of another size, or (with `sums` and checksums in the manifest) of another checksum;
+    None when all check."""
+    names = list(names)
+    for name in names:
+        path = tag_dir / name
+        if not path.is_file():
+            return name, "is missing"
+        actual, size = path.stat().st_size, manifest.files[name]
+        if actual != size:
+            return name, f"is truncated or altered ({actual:,} bytes, {size:,} when saved)"
+    saved = manifest.checksums or {}
+    todo = [n for n in names if sums and n in saved]
+    found = checksums(tag_dir / n for n in todo)
+    for name in todo:
+        if found[tag_dir / name] != saved[name]:
+            return name, f"has changed since it was saved ({found[tag_dir / name]}, {saved[name]} when saved)"
+    return None
+
+
+def first_problem_of_ranks(tag_dir: Path, manifest: Manifest) -> tuple[str, str] | None:
+    """`problem` over every file of the checkpoint, each rank reading a share (every rank calls it
+    and gets the same answer: the first bad file in name order, or None)."""
+    import torch.distributed as dist
+
+    names = sorted(manifest.files)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = problem(tag_dir, manifest, names[rank::world])
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, mine, group=host_group())  # pickled: host-side
+    return min((p for p in everyone if p), default=None)
+
+
+def step_of(tag: str) -> int:
+    """global_stepN -> N; -1 for any other name (checkpoint.step_of, which imports this module)."""
+    number = tag.removeprefix("global_step")
+    return int(number) if number.isdigit() else -1
+
+
+def tags_before(ckpt_dir: Path, tag: str) -> list[str]:
+    """The complete checkpoints (a folder with a manifest) older than `tag`, newest first."""
+    step = step_of(tag)
+    found = [p.name for p in Path(ckpt_dir).glob("global_step*")
+             if p.is_dir() and 0 <= step_of(p.name) < step and (p / MANIFEST).is_file()]
+    return sorted(found, key=step_of, reverse=True)
+
+
+def newest_intact(ckpt_dir: Path, *, before: str, sums: bool = True) -> str | None:
+    """The newest checkpoint older than `before` whose files all check, by size and with `sums` by
+    checksum (one process reads them)."""
+    for tag in tags_before(ckpt_dir, before):
+        manifest = Manifest.read(Path(ckpt_dir) / tag / MANIFEST)
+        if problem(Path(ckpt_dir) / tag, manifest, sorted(manifest.files), sums=sums) is None:
+            return tag
+    return None

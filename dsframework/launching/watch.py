@@ -210,8 +210,8 @@ class JobStop:
         someone else (not by dsf: it would have been forwarded) starts the stop as SIGTERM."""
         code = self.runner.poll()
         if self.signum is None and code is not None and code < 0:
-            print(f"dsf: {Path(str(self.runner.args[0])).name} (pid {self.runner.pid}) was killed by {signal.Signals(-code).name}; "
-                  f"stopping the job on every node", file=sys.stderr, flush=True)
+            print(f"dsf: {Path(str(self.runner.args[0])).name} (pid {self.runner.pid}) was killed by "
+                  f"{signal.Signals(-code).name}; stopping the job on every node", file=sys.stderr, flush=True)
             self.forward(signal.SIGTERM)
         return self.signum is not None and time.monotonic() > self.deadline
 
@@ -270,7 +270,7 @@ def watch_srun(argv: list[str], *, env: Mapping[str, str], hosts: list[str]) -> 
     env = {**env, "PYTHONUNBUFFERED": "1"}
     srun = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
                             errors="replace", bufsize=1)
-    stop = JobStop(srun, local=False)  # srun signals every task of the step (SIGTERM: a single SIGINT only reports)
+    stop = JobStop(srun, local=False)  # SIGTERM to srun signals every task (one SIGINT only reports)
     old = {sig: signal.signal(sig, stop.forward) for sig in stop_signals()}
     lines: "queue.Queue[str | None]" = queue.Queue()
     threading.Thread(target=_pump, args=(srun, lines), daemon=True).start()

@@ -7,8 +7,9 @@ Each step, as nanoGPT's loop reads: train one step (train/step.py) -> (train.com
 the first steps, then compile or not) -> at the end of a logging window, its metrics and the
 evaluation -> a checkpoint when one is due (checkpoint.writer=decoupled: written in the background
 during the next step, committed after it) -> stop at the last step, at train.stop_after, or on
-SIGTERM, SIGINT or SIGHUP (`Preempted`, after a checkpoint, committed). DeepSpeed does gradient accumulation, clipping, the lr
-schedule and ZeRO; the loop feeds it the right blocks and records what happened.
+SIGTERM, SIGINT or SIGHUP (`Preempted`, after a checkpoint, committed). DeepSpeed does gradient
+accumulation, clipping, the lr schedule and ZeRO; the loop feeds it the right blocks and records
+what happened.
 """
 from __future__ import annotations
 

@@ -192,6 +192,7 @@ class JobStop:
     def __init__(self, runner: subprocess.Popen, *, local: bool,
                  sweep: tuple[Mapping[str, str], list[str], str] | None = None) -> None:
         self.runner, self.local, self.sweep = runner, local, sweep
+        self.name = Path(str(runner.args[0] if isinstance(runner.args, list) else runner.args)).name  # for the one line
         self.signum: int | None = None  # the first stop signal, dsf launch's or the runner's
         self.deadline = 0.0
 
@@ -210,7 +211,7 @@ class JobStop:
         someone else (not by dsf: it would have been forwarded) starts the stop as SIGTERM."""
         code = self.runner.poll()
         if self.signum is None and code is not None and code < 0:
-            print(f"dsf: {Path(str(self.runner.args[0])).name} (pid {self.runner.pid}) was killed by "
+            print(f"dsf: {self.name} (pid {self.runner.pid}) was killed by "
                   f"{signal.Signals(-code).name}; stopping the job on every node", file=sys.stderr, flush=True)
             self.forward(signal.SIGTERM)
         return self.signum is not None and time.monotonic() > self.deadline

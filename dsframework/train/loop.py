@@ -85,7 +85,8 @@ def run_steps(run: RunConfig, session: Session, sinks: Any, *, resume: bool) -> 
             check_finite(run, nonfinite)
             last = window.metrics(step, step_loss, probe=probe, done=done)
             report(run, session, last, sinks=sinks, bar=bar)
-        preempted = stop_request.agreed()
+        signum = stop_request.agreed()  # 0: none; else the stop signal the ranks agreed on
+        preempted = signum != 0
         if checkpoint_due(run, step, done=done, preempted=preempted):
             check_finite(run, nonfinite)  # a diverged model is never saved over the last good one
             pending = save_checkpoint(run, session, step=step, consumed=consumed, window=window, watch=watch,
@@ -95,7 +96,7 @@ def run_steps(run: RunConfig, session: Session, sinks: Any, *, resume: bool) -> 
         if preempted and not done:  # (on the last step the run is simply finished)
             stop_request.close()
             bar.close()
-            preempt(run, session, step=step, signum=preempted)
+            preempt(run, session, step=step, signum=signum)
     watch.enter("done")
     stop_request.close()
     bar.close()

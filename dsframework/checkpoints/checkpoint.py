@@ -286,13 +286,17 @@ def check_shm_for_snapshot(snapshot: int, *, ranks_per_node: int, shm: Path = SH
                         f"{max(1, -(-needed * 5 // 4 // 2**30))}g, or mount -o remount,size=... {shm})")
 
 
+SPARED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # the stop signals (protocol/exits.py)
+
+
 @contextmanager
 def writer_spared_by_sigterm(decoupled: bool) -> Iterator[None]:
     """Start DeepSpeed's decoupled writer (`deepspeed.initialize` spawns it) inside this block: it
-    inherits SIGTERM ignored, as an ignored signal stays across exec. SLURM before a preemption and
-    DeepSpeed's launcher signal every process of a rank's tree, the writer too, and the checkpoint the
-    trainer then saves needs it alive. It ends when the trainer closes it (`close_writer`) or, if the
-    trainer dies first, by the rank's watcher (launching/supervise.py). Nothing changes for the sync writer.
+    inherits SIGTERM, SIGINT and SIGHUP ignored, as an ignored signal stays across exec. SLURM before
+    a preemption, DeepSpeed's launcher and `dsf launch` signal every process of a rank's tree (or of
+    its process group), the writer too, and the checkpoint the trainer then saves needs it alive. It
+    ends when the trainer closes it (`close_writer`) or, if the trainer dies first, by the rank's
+    watcher (launching/supervise.py). Nothing changes for the sync writer.
 
         with writer_spared_by_sigterm(run.checkpoint.writer == "decoupled"):
             engine, *_ = deepspeed.initialize(...)
@@ -300,11 +304,12 @@ def writer_spared_by_sigterm(decoupled: bool) -> Iterator[None]:
     if not decoupled:
         yield
         return
-    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in SPARED}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 # (engine: Any in the four below: they put or read dsf's DecoupledWriter in engine.checkpoint_engine,

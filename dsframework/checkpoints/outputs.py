@@ -32,8 +32,8 @@ from dsframework.errors import UserError
 LOCK = "dsf.lock"
 RECORD = "dsf_run.json"
 # What `dsf train` writes in output_dir, recorded in RECORD (a later --overwrite removes these alone):
-# the checkpoints, metrics.jsonl, protocol/exits.PREEMPTED_MARKER and protocol/goodput.CHECKPOINT_TIMES.
-TRAINER_OUTPUTS = ("checkpoints", "metrics.jsonl", "preempted.json", "checkpoint_times.jsonl")
+# the checkpoints, metrics.jsonl, protocol/exits.PREEMPTED_MARKER and FINISHED_MARKER, protocol/goodput.CHECKPOINT_TIMES.
+TRAINER_OUTPUTS = ("checkpoints", "metrics.jsonl", "preempted.json", "finished.json", "checkpoint_times.jsonl")
 _held: dict[Path, int] = {}  # output directory (resolved) -> the descriptor holding its lock
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import signal
 import sys
 import traceback
 from dataclasses import replace
@@ -31,6 +32,7 @@ import click
 
 from dsframework.errors import EXIT_USER_ERROR, UserError
 from dsframework.launching.launchers import LAUNCHERS
+from dsframework.protocol.exits import PREEMPTED, stop_signals
 
 
 def _fail(message: str) -> None:
@@ -529,6 +531,8 @@ def train_cmd(run_yaml: Path, overrides: tuple[str, ...], resume: bool, overwrit
     from dsframework.config import load_run_config
 
     run = load_run_config(run_yaml, overrides)  # config errors before torch is even imported
+    for signum in stop_signals():  # until the loop's StopRequest: start-up ends at once, wherever it blocks
+        signal.signal(signum, signal.SIG_DFL)
     from dsframework.train.engine import Preempted, train
     from dsframework.train.world import shutdown_distributed
 
@@ -536,7 +540,7 @@ def train_cmd(run_yaml: Path, overrides: tuple[str, ...], resume: bool, overwrit
         train(run, resume=resume, overwrite=overwrite)
     except Preempted:
         shutdown_distributed()
-        sys.exit(143)  # 128 + SIGTERM: stopped, not finished (the checkpoint is saved)
+        sys.exit(PREEMPTED)  # stopped, not finished; the checkpoint is saved (protocol/exits.py)
     except UserError:
         shutdown_distributed(wait_s=10)  # the ranks usually fail together (a NaN, a bad checkpoint)
         raise

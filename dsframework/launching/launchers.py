@@ -37,8 +37,8 @@ import click
 
 from dsframework.errors import UserError
 from dsframework.launching import hostfile as hostfiles
-from dsframework.launching.watch import SRUN_NODE, Outcome, watch_job, watch_srun
-from dsframework.protocol.exits import job_code
+from dsframework.launching.watch import SRUN_NODE, JobStop, Outcome, watch_job, watch_srun
+from dsframework.protocol.exits import job_code, stop_signals
 
 SLURM_NODEID = "__DSF_SLURM_NODEID__"  # replaced by $SLURM_NODEID once the line is quoted
 MPI_ENTRY = "dsframework.commands.mpi_rank"  # `deepspeed --module dsframework.commands.mpi_rank MASTER:PORT train ...`
@@ -336,7 +336,8 @@ class Pdsh(RunnerLauncher):
         started = time.time()
         self.outcome = watch_job(argv, env={**os.environ, **job.explicit}, hosts=list(job.active),
                                  world_info=hostfiles.world_info(job.active), local=not self.remote)
-        self.outcome.code = job_code(self.outcome.code, job.output_dir, since=started)
+        self.outcome.code = job_code(self.outcome.code, job.output_dir, since=started,
+                                     signalled=self.outcome.stopped)
         return self.outcome.code
 
     def start_watched(self, job: LaunchJob) -> Outcome:
@@ -454,7 +455,8 @@ class Slurm(NoSsh):
             return run_mapped(argv, {**os.environ, **job.explicit}, job)
         started = time.time()
         self.outcome = watch_srun(argv, env={**os.environ, **job.explicit}, hosts=list(job.active))
-        self.outcome.code = job_code(self.outcome.code, job.output_dir, since=started)
+        self.outcome.code = job_code(self.outcome.code, job.output_dir, since=started,
+                                     signalled=self.outcome.stopped)
         return self.outcome.code
 
 
@@ -464,20 +466,21 @@ LAUNCHERS: dict[str, type[Launcher]] = {cls.name: cls for cls in (Pdsh, OpenMPI,
 # --- helpers ----------------------------------------------------------------------------------------------
 
 def run_mapped(argv: list[str], env: Mapping[str, str], job: LaunchJob) -> int:
-    """Run `argv` to its end, SIGTERM and SIGINT passed on to it; its exit code as protocol/exits.py
-    documents it (a preemption is 143 here, though srun passes on deepspeed's 1)."""
+    """Run `argv` to its end, SIGTERM, SIGINT and SIGHUP passed on to its process group (srun: SIGTERM
+    to srun, which signals every task); its exit code as protocol/exits.py documents it (a preemption
+    is 143 here, though srun passes on deepspeed's 1)."""
     sys.stdout.flush()
     sys.stderr.flush()
     started = time.time()
-    child = subprocess.Popen(argv, env=dict(env))
-    old = {sig: signal.signal(sig, lambda signum, frame: child.send_signal(signum))
-           for sig in (signal.SIGTERM, signal.SIGINT)}
+    child = subprocess.Popen(argv, env=dict(env), start_new_session=True)
+    stop = JobStop(child, local=Path(argv[0]).name != "srun")
+    old = {sig: signal.signal(sig, stop.forward) for sig in stop_signals()}
     try:
-        code = child.wait()
+        code = stop.wait()
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
-    return job_code(code if code >= 0 else 128 - code, job.output_dir, since=started)
+    return job_code(code, job.output_dir, since=started, signalled=bool(stop.signum))
 
 
 def env_file_lines(env: Mapping[str, str], explicit: Mapping[str, str]) -> tuple[Path, dict[str, str]]:

@@ -40,7 +40,7 @@ from dsframework.errors import UserError
 from dsframework.launching.launchers import LaunchJob, check_hosts
 from dsframework.launching.replan import replan
 from dsframework.layout import ParallelDims
-from dsframework.protocol.exits import BAD_INPUT, FINISHED, GIVEN_UP, PREEMPTED
+from dsframework.protocol.exits import BAD_INPUT, FINISHED, GIVEN_UP, PREEMPTED, STOPPED
 from dsframework.protocol.goodput import Timeline, last_step
 
 BLOCKLIST, LOG, GOODPUT = "blocklist.json", "restarts.jsonl", "goodput.json"
@@ -112,7 +112,7 @@ def _restart_loop(how: Any, job: LaunchJob, run: Any, state: RestartState, timel
         finally:
             timeline.attempt_ended(failed=True)
         timeline.attempts[-1].failed = outcome.code != 0
-        if outcome.code in (FINISHED, BAD_INPUT, PREEMPTED) or outcome.stopped:
+        if outcome.code in (FINISHED, BAD_INPUT, PREEMPTED, STOPPED) or outcome.stopped:
             return outcome.code  # a preemption is the scheduler's to requeue (protocol/exits.py)
         why = outcome.failure.line() if outcome.failure else f"the job exited {outcome.code}"
         latest = ckpt.latest_tag(run.checkpoint_dir)

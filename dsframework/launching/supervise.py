@@ -11,7 +11,14 @@ failed. The watcher imports nothing heavy, waits for its trainer, and when the t
 signal it prints which rank, host and pid died and how, then exits 128 + signal so the launcher
 tears the job down. The trainer gets SIGKILL if the watcher itself is killed (no orphans), what
 the trainer leaves behind when it dies (a checkpoint writer process) is ended with it, and
-SIGTERM/SIGINT reach the trainer, which checkpoints on SIGTERM.
+SIGTERM/SIGINT/SIGHUP reach the trainer, which checkpoints on each (train/guards.py StopRequest).
+
+A launcher must not outlive the job it was started for: SIGTERM, SIGINT or SIGHUP to `deepspeed`'s
+runner (what `kill`, a supervisor or a scheduler sends to the pid it knows) ends the runner at once
+and leaves DeepSpeed's per-node launcher running, orphaned, with its ranks. The watcher notices
+(the per-node launcher's parent changed: `LauncherWatch`) and stops its trainer as SIGTERM would: a
+checkpoint, then an exit, which ends the per-node launcher and, through the lost peers' collective,
+every node.
 
 The watcher also reads the trainer's heartbeat (protocol/heartbeat.py, faults.hang_timeout): a
 trainer that makes no progress for longer than its phase allows (stuck in a collective, stopped,
@@ -29,8 +36,9 @@ import signal
 import socket
 import subprocess
 import sys
-from typing import NoReturn
+from typing import Callable, NoReturn
 
+from dsframework.protocol.exits import stop_signals
 from dsframework.protocol.heartbeat import ENV as HEARTBEAT_ENV
 from dsframework.protocol.heartbeat import Pulse, Stall
 
@@ -59,15 +67,42 @@ def _adopt_orphans() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1)
 
 
+def _parent_of(pid: int | str) -> int | None:
+    """`pid`'s parent, from /proc; None when it is gone (or there is no /proc)."""
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(")") + 2:].split()[1])
+
+
+class LauncherWatch:
+    """Whether this rank's launcher (DeepSpeed's per-node launcher, the watcher's parent) has lost its
+    own parent -- the `deepspeed` runner, or the ssh session pdsh started it in -- since the watcher
+    started: the job was signalled there, and nothing will stop this node's ranks but themselves.
+
+        launcher = LauncherWatch()
+        if launcher.orphaned(): stop the trainer (once: it answers True once)
+    """
+
+    def __init__(self) -> None:
+        self.launcher = os.getppid()
+        self.parent = _parent_of(self.launcher)
+        self.told = self.parent in (None, 0, 1)  # nothing to watch: started by init, or no /proc
+
+    def orphaned(self) -> bool:
+        if self.told:
+            return False
+        now = _parent_of(self.launcher)
+        self.told = now is not None and now != self.parent  # (gone: PR_SET_PDEATHSIG ends this watcher)
+        return self.told
+
+
 def _end_orphans() -> None:
     """SIGKILL and reap the watcher's children still alive once its trainer has exited."""
     me = os.getpid()
     for entry in os.listdir("/proc"):
-        try:
-            stat = open(f"/proc/{entry}/stat").read() if entry.isdigit() else ""
-        except OSError:  # gone meanwhile
-            continue
-        if stat and int(stat[stat.rindex(")") + 2:].split()[1]) == me:
+        if entry.isdigit() and _parent_of(entry) == me:
             try:
                 os.kill(int(entry), signal.SIGKILL)
                 os.waitpid(int(entry), 0)
@@ -91,9 +126,9 @@ def run_rank(argv: list[str]) -> int:
             told_to_stop.append(signum)
             child.send_signal(signum)
 
-        signal.signal(signal.SIGTERM, forward)
-        signal.signal(signal.SIGINT, forward)
-        code = _wait_watching(child, pulse)
+        for signum in stop_signals():  # (one the job was started with ignored, nohup's SIGHUP, stays so)
+            signal.signal(signum, forward)
+        code = _wait_watching(child, pulse, stop=forward)
     finally:
         pulse.close()
         if sys.platform == "linux":
@@ -110,13 +145,22 @@ def run_rank(argv: list[str]) -> int:
     return 128 + sig.value
 
 
-def _wait_watching(child: subprocess.Popen, pulse: Pulse) -> int | None:
-    """The trainer's exit code, or None once it was found hung, named and killed."""
+def _wait_watching(child: subprocess.Popen, pulse: Pulse, *, stop: Callable[[int, object], None]) -> int | None:
+    """The trainer's exit code, or None once it was found hung, named and killed. `stop(SIGTERM, None)`
+    when the launcher is found orphaned (LauncherWatch)."""
+    launcher = LauncherWatch()
     while True:
         try:
             return child.wait(timeout=POLL_S)
         except subprocess.TimeoutExpired:
             pass
+        if launcher.orphaned():
+            if os.environ.get("LOCAL_RANK", "0") == "0":  # one line per node
+                print(f"dsf: the launcher of this node's ranks (pid {launcher.launcher}) lost its parent (pid "
+                      f"{launcher.parent}: the `deepspeed` runner, or pdsh's ssh session, was stopped); stopping "
+                      f"the job on {socket.gethostname()} as for SIGTERM (a checkpoint, then an exit)",
+                      file=sys.stderr, flush=True)
+            stop(signal.SIGTERM, None)
         stall = pulse.stalled()
         if stall is None:
             continue

@@ -27,7 +27,10 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Mapping
+
+from dsframework.protocol.exits import stop_signals
 
 NODE_EXIT = re.compile(r"^pdsh@[^:\s]+: (?P<host>[^:\s]+): ssh exited with exit code (?P<code>\d+)")
 NODE_LINE = re.compile(r"^(?:pdsh@[^:\s]+: )?(?P<host>[^:\s]+): (?P<text>.*\S)")
@@ -40,6 +43,9 @@ CAUSES = (re.compile(r"dsf: rank \d+ .*(killed by|died|hung)"), re.compile(r"^ds
 PEER_LOST = re.compile(r"Connection closed by peer|Connection reset by peer|remote worker crash|remote process exited")
 GRACE_S = 3.0  # after the first failed node: time for the others' lines (the cause may be elsewhere)
 STOP_S = 20.0  # deepspeed's runner gets this long to stop pdsh and run its pkill
+# After a stop signal: the ranks' checkpoint and exit (DeepSpeed's per-node launcher kills its ranks
+# 30 s after it passed the signal on), then what is left is killed: nothing of the job past ~50 s.
+STOP_GRACE_S = 45.0
 
 
 @dataclass
@@ -127,13 +133,8 @@ def watch_job(argv: list[str], *, env: Mapping[str, str], hosts: list[str], worl
     env = {**env, "PYTHONUNBUFFERED": "1"}  # the runner's own lines in order with pdsh's
     runner = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
                               errors="replace", bufsize=1, start_new_session=True)
-    told: list[int] = []
-
-    def forward(signum: int, frame: object) -> None:  # deepspeed's runner stops pdsh jobs on these
-        told.append(signum)
-        runner.send_signal(signum)
-
-    old = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    stop = JobStop(runner, local=local, sweep=None if local else (env, hosts, world_info))
+    old = {sig: signal.signal(sig, stop.forward) for sig in stop_signals()}
     lines: "queue.Queue[str | None]" = queue.Queue()
     threading.Thread(target=_pump, args=(runner, lines), daemon=True).start()
     nodes, failed = NodeLines(hosts, local=local), {}
@@ -146,29 +147,89 @@ def watch_job(argv: list[str], *, env: Mapping[str, str], hosts: list[str], worl
                 line = ""
             if line is None:  # the runner closed its output: it is done
                 break
-            if line:
-                exited = nodes.add(line)
-                if exited and exited[0] not in failed:
-                    failed[exited[0]] = exited[1]
-                    deadline = deadline or time.monotonic() + GRACE_S
-            if deadline is not None and time.monotonic() > deadline:
+            exited = nodes.add(line) if line else None
+            if exited and exited[0] not in failed and not stop.signum:  # (stopping: every node exits so)
+                failed[exited[0]] = exited[1]
+                deadline = deadline or time.monotonic() + GRACE_S
+            if stop.overdue() or (deadline is not None and time.monotonic() > deadline):
                 break
-        if failed:
+        if failed and not stop.signum:
             _drain(lines, nodes, failed)
             failure = nodes.blame(failed)
             print(f"dsf: error: {failure.line()}; stopping the job on every node", file=sys.stderr, flush=True)
             _stop(runner, env, hosts, world_info)
             return Outcome(failure.code if 0 < failure.code < 256 else 1, failure)
+        if stop.overdue():
+            stop.kill()  # the grace is over: whatever is left of the job, on every node
         code = runner.wait()
         code = code if code >= 0 else 128 - code
-        if code and local and not told:
+        if code and local and not stop.signum:
             return Outcome(code, nodes.blame({hosts[0]: code}))
-        return Outcome(code, stopped=bool(told))
+        return Outcome(code, stopped=bool(stop.signum))
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
         if runner.poll() is None:
             _kill_group(runner)
+
+
+class JobStop:
+    """How `dsf launch` ends the job it watches on SIGINT, SIGTERM or SIGHUP, and when someone else
+    signals deepspeed's runner (which ends it at once, and leaves its per-node launchers running).
+
+    The signal goes to every process of the job: on one node, to the runner's process group (the
+    runner, DeepSpeed's per-node launcher, which passes it on to each rank's tree as SIGTERM, and
+    the ranks: `local`); across nodes, SIGTERM to the runner, which interrupts pdsh and `pkill`s its
+    per-node launchers on every node (srun likewise signals every task of its step), or, once the
+    runner is gone, to those launchers by dsf's own `sweep` over pdsh. The ranks agree on a step, save
+    a checkpoint and exit; after STOP_GRACE_S what is left is killed, everywhere.
+
+        stop = JobStop(runner, local=True)      # sweep=(env, hosts, world_info) across nodes
+        signal.signal(signal.SIGTERM, stop.forward)
+        ... each poll: if stop.overdue(): stop.kill()
+    """
+
+    def __init__(self, runner: subprocess.Popen, *, local: bool,
+                 sweep: tuple[Mapping[str, str], list[str], str] | None = None) -> None:
+        self.runner, self.local, self.sweep = runner, local, sweep
+        self.name = Path(str(runner.args[0] if isinstance(runner.args, list) else runner.args)).name  # for the one line
+        self.signum: int | None = None  # the first stop signal, dsf launch's or the runner's
+        self.deadline = 0.0
+
+    def forward(self, signum: int, frame: object = None) -> None:
+        if self.signum is None:
+            self.signum, self.deadline = signum, time.monotonic() + STOP_GRACE_S
+        if not self.local and self.runner.poll() is None:
+            self.runner.send_signal(signal.SIGTERM)  # (deepspeed's runner stops pdsh on it, srun its tasks)
+            return
+        _signal_group(self.runner, signum)
+        if self.sweep is not None:  # the runner is gone: the per-node launchers, as its own teardown does
+            _sweep(*self.sweep, kill=False)
+
+    def overdue(self) -> bool:
+        """Past the grace after a stop signal. A runner found dead of a signal it was sent by
+        someone else (not by dsf: it would have been forwarded) starts the stop as SIGTERM."""
+        code = self.runner.poll()
+        if self.signum is None and code is not None and code < 0:
+            print(f"dsf: {self.name} (pid {self.runner.pid}) was killed by "
+                  f"{signal.Signals(-code).name}; stopping the job on every node", file=sys.stderr, flush=True)
+            self.forward(signal.SIGTERM)
+        return self.signum is not None and time.monotonic() > self.deadline
+
+    def kill(self) -> None:
+        _kill_group(self.runner)
+        if self.sweep is not None:
+            _sweep(*self.sweep, kill=True)
+
+    def wait(self) -> int:
+        """The runner's exit code (128 + N for signal N), killing the job once the grace is over."""
+        while True:
+            try:
+                code = self.runner.wait(timeout=0.5)
+                return code if code >= 0 else 128 - code
+            except subprocess.TimeoutExpired:
+                if self.overdue():
+                    self.kill()
 
 
 SRUN_NODE = "dsf-node: "  # the first line each srun task prints: `dsf-node: $SLURMD_NODENAME`
@@ -210,13 +271,8 @@ def watch_srun(argv: list[str], *, env: Mapping[str, str], hosts: list[str]) -> 
     env = {**env, "PYTHONUNBUFFERED": "1"}
     srun = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
                             errors="replace", bufsize=1)
-    told: list[int] = []
-
-    def forward(signum: int, frame: object) -> None:  # srun passes them on to every task
-        told.append(signum)
-        srun.send_signal(signum)
-
-    old = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    stop = JobStop(srun, local=False)  # SIGTERM to srun signals every task (one SIGINT only reports)
+    old = {sig: signal.signal(sig, stop.forward) for sig in stop_signals()}
     lines: "queue.Queue[str | None]" = queue.Queue()
     threading.Thread(target=_pump, args=(srun, lines), daemon=True).start()
     nodes = NodeLines(hosts)
@@ -226,13 +282,12 @@ def watch_srun(argv: list[str], *, env: Mapping[str, str], hosts: list[str]) -> 
             ended = tasks.add(line)
             if ended and ended[0] not in failed:
                 failed[ended[0]] = ended[1]
-        code = srun.wait()
+        code = stop.wait()
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
-    code = code if code >= 0 else 128 - code
-    if code == 0 or told or not failed:
-        return Outcome(code, stopped=bool(told))
+    if code == 0 or stop.signum or not failed:
+        return Outcome(code, stopped=bool(stop.signum))
     failure = nodes.blame(failed)
     print(f"dsf: error: {failure.line()}; srun stopped the job step on every node", file=sys.stderr, flush=True)
     return Outcome(code, failure)
@@ -270,15 +325,30 @@ def _stop(runner: subprocess.Popen, env: Mapping[str, str], hosts: list[str], wo
         runner.wait(timeout=STOP_S)
     except subprocess.TimeoutExpired:
         _kill_group(runner)
+    _sweep(env, hosts, world_info, kill=True)
+
+
+def _sweep(env: Mapping[str, str], hosts: list[str], world_info: str, *, kill: bool) -> None:
+    """SIGTERM to this job's per-node launchers on every node (they pass it on to their ranks, which
+    checkpoint); `kill`: 2 s later, SIGKILL to those still there (their ranks die with them)."""
     # "[d]" so the pattern does not match the remote shell running it; base64 holds no other regex character
     pattern = shlex.quote(f"[d]eepspeed.launcher.launch --world_info={world_info}")
-    sweep = ["pdsh", "-S", "-f", "1024", "-w", ",".join(hosts),
-             f"pkill -TERM -f {pattern}; sleep 2; pkill -KILL -f {pattern}; true"]
+    command = f"pkill -TERM -f {pattern}; " + (f"sleep 2; pkill -KILL -f {pattern}; " if kill else "") + "true"
+    sweep = ["pdsh", "-S", "-f", "1024", "-w", ",".join(hosts), command]
     try:
         subprocess.run(sweep, env={**env, "PDSH_RCMD_TYPE": "ssh"}, stdin=subprocess.DEVNULL,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         print("dsf: warning: could not sweep the nodes for left-over processes of the job", file=sys.stderr)
+
+
+def _signal_group(proc: subprocess.Popen, signum: int) -> None:
+    """`signum` to every process of `proc`'s group (started with start_new_session: it leads one), even
+    after `proc` itself is gone."""
+    try:
+        os.killpg(proc.pid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

@@ -5,7 +5,7 @@
         loss = one_step()
         nonfinite.update(step, loss)              # on the device, no sync
         if step % log_every == 0 and nonfinite.first_step() is not None: stop with an error
-        if stop.agreed(): save a checkpoint and exit   # a step after SIGTERM on any rank
+        if stop.agreed(): save a checkpoint and exit   # a step after SIGTERM/SIGINT/SIGHUP on any rank
 
 Both are collectives: every rank calls them at the same points of the loop.
 """
@@ -15,45 +15,50 @@ import signal
 from typing import Any
 
 from dsframework.parallel.host import all_reduce_host
+from dsframework.protocol.exits import stop_signals
 
 
 class StopRequest:
-    """SIGTERM (what SLURM sends before preemption, and what the launcher passes on to its ranks)
-    asks for a checkpoint at the end of a step, then an exit.
+    """SIGTERM (what SLURM sends before preemption, and what DeepSpeed's launcher passes on to its
+    ranks), SIGINT and SIGHUP ask for a checkpoint at the end of a step, then an exit: a signal to one
+    rank, to the launcher, or to `dsf launch` ends the whole job, and `--resume` continues it exactly.
 
-    The signal reaches the ranks at different moments, so they agree on it: each step ends by
-    starting an all-reduce (MAX) of the flag in the background, on the CPU (a gloo group beside
-    NCCL), and reading the one started a step earlier, long finished. No device synchronisation
-    and no wait; the stop comes one step after the signal, on every rank at the same step.
+    The signal reaches the ranks at different moments, or one rank alone, so they agree on it: each
+    step ends by starting an all-reduce (MAX) of the signal's number in the background, on the CPU (a
+    gloo group beside NCCL), and reading the one started a step earlier, long finished. No device
+    synchronisation and no wait; the stop comes one step after the signal, on every rank at the same
+    step, named by the largest signal any rank had (SIGTERM over SIGINT over SIGHUP).
 
         stop = StopRequest()
         ... one step ...
-        if stop.agreed(): save and exit
+        signum = stop.agreed()
+        if signum: save and exit   # signal.Signals(signum).name for the message
     """
 
     def __init__(self) -> None:
         self.received: int | None = None
         self._pending: tuple[Any, Any] | None = None
-        signal.signal(signal.SIGTERM, self._on_signal)
+        for signum in stop_signals():
+            signal.signal(signum, self._on_signal)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        self.received = signum
+        self.received = max(signum, self.received or 0)
 
-    def _collect(self) -> bool:
+    def _collect(self) -> int:
         if self._pending is None:
-            return False
+            return 0
         work, flag = self._pending
         work.wait()
         self._pending = None
-        return bool(flag.item())
+        return int(flag.item())
 
-    def agreed(self) -> bool:
-        """Whether any rank had the signal when the previous step ended (every rank, same answer)."""
+    def agreed(self) -> int:
+        """The stop signal any rank had when the previous step ended, 0 for none (every rank, same answer)."""
         import torch
         import torch.distributed as dist
 
         stop = self._collect()
-        flag = torch.tensor([int(self.received is not None)], dtype=torch.int32)  # host: a signal's flag
+        flag = torch.tensor([self.received or 0], dtype=torch.int32)  # host: a signal's number, on the gloo group
         self._pending = (all_reduce_host(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
         return stop
 

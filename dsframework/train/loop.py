@@ -7,12 +7,14 @@ Each step, as nanoGPT's loop reads: train one step (train/step.py) -> (train.com
 the first steps, then compile or not) -> at the end of a logging window, its metrics and the
 evaluation -> a checkpoint when one is due (checkpoint.writer=decoupled: written in the background
 during the next step, committed after it) -> stop at the last step, at train.stop_after, or on
-SIGTERM (`Preempted`, after a checkpoint, committed). DeepSpeed does gradient accumulation, clipping, the lr
-schedule and ZeRO; the loop feeds it the right blocks and records what happened.
+SIGTERM, SIGINT or SIGHUP (`Preempted`, after a checkpoint, committed). DeepSpeed does gradient
+accumulation, clipping, the lr schedule and ZeRO; the loop feeds it the right blocks and records
+what happened.
 """
 from __future__ import annotations
 
 import os
+import signal
 import time
 from typing import Any
 
@@ -22,7 +24,7 @@ from dsframework.config import RunConfig
 from dsframework.data import BlockSampler
 from dsframework.data.store import describe_store
 from dsframework.errors import UserError
-from dsframework.protocol.exits import clear_preempted, mark_preempted
+from dsframework.protocol.exits import clear_preempted, mark_finished, mark_preempted
 from dsframework.protocol.goodput import record_checkpoint_time
 from dsframework.models.experts import describe_experts
 from dsframework.train import step as one_step
@@ -42,7 +44,7 @@ from dsframework.types import accelerator
 
 
 class Preempted(Exception):
-    """Training stopped on SIGTERM after saving a checkpoint (`dsf train` exits 143)."""
+    """Training stopped on SIGTERM, SIGINT or SIGHUP after saving a checkpoint (`dsf train` exits 143)."""
 
 
 def run_steps(run: RunConfig, session: Session, sinks: Any, *, resume: bool) -> dict[str, Any]:
@@ -84,7 +86,8 @@ def run_steps(run: RunConfig, session: Session, sinks: Any, *, resume: bool) -> 
             check_finite(run, nonfinite)
             last = window.metrics(step, step_loss, probe=probe, done=done)
             report(run, session, last, sinks=sinks, bar=bar)
-        preempted = stop_request.agreed()
+        signum = stop_request.agreed()  # 0: none; else the stop signal the ranks agreed on
+        preempted = signum != 0
         if checkpoint_due(run, step, done=done, preempted=preempted):
             check_finite(run, nonfinite)  # a diverged model is never saved over the last good one
             pending = save_checkpoint(run, session, step=step, consumed=consumed, window=window, watch=watch,
@@ -94,17 +97,24 @@ def run_steps(run: RunConfig, session: Session, sinks: Any, *, resume: bool) -> 
         if preempted and not done:  # (on the last step the run is simply finished)
             stop_request.close()
             bar.close()
-            if session.rank == 0:
-                mark_preempted(run.output_dir, step=step, checkpoint=ckpt.tag_for(step))  # exit 143 for any launcher
-                print(f"dsf: stopped by SIGTERM at step {step}; checkpoint {ckpt.tag_for(step)} saved; "
-                      f"continue with `dsf train ... --resume`", flush=True)
-            raise Preempted(step)
+            preempt(run, session, step=step, signum=signum)
     watch.enter("done")
     stop_request.close()
     bar.close()
     if session.rank == 0:
+        mark_finished(run.output_dir, step=step)  # exit 0 for any launcher, even if a signal comes now
         print(f"dsf: done at step {step}; checkpoints in {run.checkpoint_dir}", flush=True)
     return last
+
+
+def preempt(run: RunConfig, session: Session, *, step: int, signum: int) -> None:
+    """End the run after the checkpoint of `step`, saved because of signal `signum` (on any rank):
+    rank 0 marks the preemption (exit 143 for any launcher, protocol/exits.py) and says so in one line."""
+    if session.rank == 0:
+        mark_preempted(run.output_dir, step=step, checkpoint=ckpt.tag_for(step))
+        print(f"dsf: stopped by {signal.Signals(signum).name} at step {step}; checkpoint {ckpt.tag_for(step)} "
+              f"saved; continue with `dsf train ... --resume`", flush=True)
+    raise Preempted(step)
 
 
 def save_checkpoint(run: RunConfig, session: Session, *, step: int, consumed: int, window: Window,

@@ -17,7 +17,7 @@ from dsframework.checkpoints import integrity, outputs, space
 from dsframework.checkpoints.manifest import MANIFEST, Manifest
 from dsframework.errors import UserError
 from dsframework.files import disk_full
-from dsframework.protocol.exits import PREEMPTED_MARKER
+from dsframework.protocol.exits import FINISHED_MARKER, PREEMPTED_MARKER
 from dsframework.protocol.goodput import CHECKPOINT_TIMES
 
 HOLD = """
@@ -65,7 +65,7 @@ def test_the_lock_refuses_a_second_holder_names_it_and_dies_with_its_holder(tmp_
 
 
 def test_the_trainer_outputs_are_the_protocols_file_names():
-    assert {PREEMPTED_MARKER, CHECKPOINT_TIMES} <= set(outputs.TRAINER_OUTPUTS)
+    assert {PREEMPTED_MARKER, FINISHED_MARKER, CHECKPOINT_TIMES} <= set(outputs.TRAINER_OUTPUTS)
 
 
 def test_overwrite_removes_what_the_record_names_and_nothing_else(tmp_path):

@@ -50,8 +50,7 @@ class ResumePlan:
             raise UserError("checkpoint", str(run.checkpoint_dir / "latest"), f"names {tag!r}, which is not there",
                             "restore that checkpoint folder or point `latest` at one that exists")
         if tag is None:
-            raise UserError("output_dir", run.output_dir, "holds no checkpoint to resume from",
-                            "run without --resume to start training")
+            raise no_latest(run.checkpoint_dir, run.output_dir)
         try:
             return cls(tag, ckpt.verify(run.checkpoint_dir, tag))
         except UserError as err:  # a file missing or of another size
@@ -92,6 +91,34 @@ class ResumePlan:
     def load_tag(self, run: RunConfig, dims: ParallelDims, config: HFConfig) -> tuple[str, bool]:
         """(tag to load, whether it is universal) at `dims`, converted first if need be (every rank)."""
         return resume_tag(run, dims, self.manifest, config, tag=self.tag)
+
+
+def newest_complete_tag(ckpt_dir: Path) -> str | None:
+    """The newest `global_stepN` in `ckpt_dir` whose manifest verifies (every file there, as saved),
+    or None. What a resume could start from when `latest` names nothing."""
+    steps = sorted((p.name for p in Path(ckpt_dir).glob("global_step*") if p.is_dir() and ckpt.step_of(p.name) >= 0),
+                   key=ckpt.step_of, reverse=True)
+    for tag in steps:
+        try:
+            if ckpt.verify(ckpt_dir, tag) is not None:  # (None: no manifest, nothing to verify it by)
+                return tag
+        except UserError:  # a file missing or altered: an older one may verify
+            continue
+    return None
+
+
+def no_latest(ckpt_dir: Path, output_dir: str) -> UserError:
+    """The one line for a resume where `latest` is empty or missing: the newest complete checkpoint
+    and the command that names it, when there is one (a crash between a save and its `latest`, a
+    `latest` emptied by a full disk), else that there is nothing to resume."""
+    latest = Path(ckpt_dir) / "latest"
+    tag = newest_complete_tag(ckpt_dir)
+    if tag is None:
+        return UserError("output_dir", output_dir, "holds no checkpoint to resume from",
+                         "run without --resume to start training")
+    state = "is empty" if latest.is_file() else "is missing"
+    return UserError("checkpoint", str(latest), f"{state}, but {tag} in {ckpt_dir} is complete (its manifest "
+                     "verifies)", f"resume from it: echo {tag} > {latest}; then run with --resume again")
 
 
 def keep_expert_blocks(run: RunConfig, manifest: Manifest | None) -> RunConfig:

@@ -500,7 +500,8 @@ def launch_cmd(run_yaml: Path, hostfile: Path | None, include: str, exclude: str
     job = LaunchJob(run_yaml=run_yaml, overrides=overrides, hostfile=hostfile, resources=resources, active=active,
               master=master_addr or next(iter(active)), master_port=master_port, env=env, explicit=explicit,
               include=include, exclude=exclude, num_nodes=num_nodes, num_gpus=num_gpus, node_rank=node_rank,
-              skipped=skipped, train_flags=(("--resume",) if resume else ()) + (("--overwrite",) if overwrite else ()),
+              skipped=skipped, train_flags=(("--resume",) if resume else ()) + (("--overwrite",) if overwrite else ())
+              + (("--force",) if force else ()),  # each rank's own memory check (dsf train's pre-flight) too
               output_dir=run.output_dir)
     how.prepare(job, starting=not (dry_run or check))
     memory = steps.memory_check(run, config, dims, active, cluster_name, force=force)
@@ -526,7 +527,8 @@ def launch_cmd(run_yaml: Path, hostfile: Path | None, include: str, exclude: str
               help="override a config key, e.g. --set train.steps=20 (repeatable)")
 @click.option("--resume", is_flag=True, help="continue from the latest checkpoint in output_dir")
 @click.option("--overwrite", is_flag=True, help="replace the run already in output_dir")
-def train_cmd(run_yaml: Path, overrides: tuple[str, ...], resume: bool, overwrite: bool) -> None:
+@click.option("--force", is_flag=True, help="train even when the predicted memory does not fit this node")
+def train_cmd(run_yaml: Path, overrides: tuple[str, ...], resume: bool, overwrite: bool, force: bool) -> None:
     """Train RUN_YAML; run under `deepspeed --num_gpus N $(which dsf) train ...` for N ranks."""
     from dsframework.config import load_run_config
 
@@ -537,7 +539,7 @@ def train_cmd(run_yaml: Path, overrides: tuple[str, ...], resume: bool, overwrit
     from dsframework.train.world import shutdown_distributed
 
     try:
-        train(run, resume=resume, overwrite=overwrite)
+        train(run, resume=resume, overwrite=overwrite, force=force)
     except Preempted:
         shutdown_distributed()
         sys.exit(PREEMPTED)  # stopped, not finished; the checkpoint is saved (protocol/exits.py)

@@ -17,7 +17,7 @@ runners' (`multinode_runner.PDSHRunner`, `OpenMPIRunner`, `MVAPICHRunner`) fed t
 deepspeed's `runner.parse_args` builds from the flags `dsf launch` passes to `deepspeed`. Each
 launcher's own rules, checks and start are in launchers.py.
 
-Pure but for the last section (this machine's names and memory).
+Pure but for the last section (this machine's names).
 """
 from __future__ import annotations
 
@@ -29,12 +29,10 @@ import shlex
 import socket
 import sys
 from collections import OrderedDict
-from dataclasses import replace
 from pathlib import Path
 from typing import Iterable, Iterator, Mapping
 
 from dsframework.errors import UserError
-from dsframework.planner.cluster import GiB, cluster_preset, local_gpu_preset
 from dsframework.types import accelerator
 
 HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.\-_:]*$")  # names, IPv4 and IPv6 addresses
@@ -284,21 +282,3 @@ def local_names() -> set[str]:
     """Names this host answers to without ssh."""
     name = socket.gethostname()
     return {"localhost", "127.0.0.1", "::1", name, name.split(".")[0], socket.getfqdn()}
-
-
-def local_cluster(*, nodes: int, ranks_per_node: int):
-    """This machine as a planner Cluster: the local GPU's memory when CUDA is there, else the
-    `cpu-local` preset with host RAM / ranks per node for each rank. Also a phrase saying so."""
-    import torch
-
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        preset, _ = local_gpu_preset() or ("h100-80gb", props.name)  # a GPU without a preset: Hopper's rates
-        cluster = replace(cluster_preset(preset, nodes=nodes, gpus_per_node=ranks_per_node),
-                          name="local-gpu", memory_per_gpu=float(props.total_memory))
-        return cluster, f"this node's {props.name}, {props.total_memory / GiB:.1f} GiB"
-    ram = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    cluster = replace(cluster_preset("cpu-local", nodes=nodes, gpus_per_node=ranks_per_node),
-                      memory_per_gpu=ram / ranks_per_node, cpu_memory_per_node=ram)
-    ranks = f"{ranks_per_node} rank" + ("s" if ranks_per_node > 1 else "")
-    return cluster, f"cpu-local: this node's {ram / GiB:.1f} GiB RAM / {ranks}"

@@ -22,10 +22,9 @@ from typing import Any
 
 from dsframework.dsconfig import resolve_batch
 from dsframework.errors import UserError
-from dsframework.launching.hostfile import local_cluster
 from dsframework.layout import ParallelDims
 from dsframework.models.build import resolve_model
-from dsframework.planner.cluster import load_cluster
+from dsframework.planner.cluster import load_cluster, local_cluster
 from dsframework.planner.fit import run_job
 from dsframework.planner.model import describe_model
 from dsframework.planner.search import search

@@ -11,21 +11,19 @@ Printing goes through click (stdout, warnings on stderr); mistakes are UserError
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import replace
 from pathlib import Path
 
 import click
 
-from dsframework.dsconfig import resolve_batch
 from dsframework.errors import UserError
-from dsframework.launching.hostfile import local_cluster, parse_hostfile
+from dsframework.launching.hostfile import parse_hostfile
 from dsframework.layout import ParallelDims, check_model_layout
 from dsframework.models.build import resolve_model
-from dsframework.models.lora import count_lora_parameters
+from dsframework.models.hf import check_positions
 from dsframework.models.pipeline import check_model_parallelism
-from dsframework.planner.cluster import GiB, load_cluster, local_gpu_preset
-from dsframework.planner.fit import check_fit, run_job, run_layout
-from dsframework.planner.model import describe_model
+from dsframework.planner.cluster import load_cluster, local_cluster, local_gpu_preset
+from dsframework.planner.count import model_counts
+from dsframework.planner.fit import fit_run
 
 
 def resources(hostfile: Path | None, num_gpus: int):
@@ -40,12 +38,16 @@ def resources(hostfile: Path | None, num_gpus: int):
 
 
 def layout(run, active):
-    """tp x pp x cp x dp of the active slots, checked by the rules dsf train applies, and the model config."""
+    """tp x pp x cp x dp of the active slots, checked by the rules dsf train applies (data.seq_len
+    within the model's positions too: models/hf.py check_positions), and the model config."""
     dims = ParallelDims.of(run.parallel, world=sum(len(slots) for slots in active.values()))
     config = resolve_model(run.model).config  # the same rules dsf train applies, before any node starts
     check_model_layout(dims, config, dp=run.parallel.dp, seq_len=run.data.seq_len,
                        ranks_per_node=min(len(slots) for slots in active.values()))
     check_model_parallelism(config, dims, seq_len=run.data.seq_len)
+    warning = check_positions(model_counts(config).model, seq_len=run.data.seq_len)
+    if warning:
+        click.echo(f"dsf: warning: {warning}", err=True)
     return dims, config
 
 
@@ -62,40 +64,24 @@ def plan_cluster(cluster_name: str | None, run_cluster: str | None, *, on_gpu: b
 def memory_check(run, config, dims, active, cluster_name: str | None, *, force: bool) -> str:
     """'predicted X GiB of Y GiB available (where Y comes from); host H GiB of R GiB per node'; a
     UserError when either does not fit (a warning with --force). The planner's memory model and fit
-    rule (planner/fit.py: the device per rank; a node's RAM to build, offload and export), for the
-    run's own layout; a LoRA run (model.lora) counts gradients and optimizer states of its adapters
-    alone (models/lora.py count_lora_parameters, on a meta model)."""
+    rule for the run's own layout (planner/fit.py fit_run: the device per rank; a node's RAM to build,
+    offload and export; a LoRA run's adapters alone), the rule `dsf train`'s pre-flight applies too."""
     ranks_per_node = max(len(slots) for slots in active.values())
     if cluster_name:
         cluster, source = load_cluster(cluster_name, nodes=len(active), gpus_per_node=ranks_per_node), cluster_name
     else:
         cluster, source = local_cluster(nodes=len(active), ranks_per_node=ranks_per_node)
-    batch = resolve_batch(run.train.micro_batch, run.train.grad_accum, run.train.global_batch, dp_size=dims.dp)
-    layout = run_layout(run.parallel, dims, micro_batch=batch.micro_batch, grad_accum=batch.grad_accum)
-    job = run_job(run, global_batch=batch.global_batch)
-    lora = ""
-    if run.model.lora is not None:  # only the adapters have gradients and optimizer states
-        count = count_lora_parameters(config, run.model.lora)
-        job = replace(job, trainable_params=count.trainable, trainable_persistent=count.persistent)
-        lora = f"; LoRA: {count.trainable:,} of {count.total:,} parameters train"
-    fit = check_fit(describe_model(config, name=run.model.name), layout, job, cluster)
-    summary = (f"predicted {fit.need / GiB:.2f} GiB of {fit.available / GiB:.1f} GiB available ({source}); "
-               f"host {fit.host_need / GiB:.2f} GiB of {fit.host_available / GiB:.1f} GiB per node{lora}")
-    if fit.fits:
+    run_fit = fit_run(run, config, dims, cluster)
+    summary = run_fit.summary(source)
+    if run_fit.fit.fits:
         return summary
     preset, guessed = plan_cluster(cluster_name, run.logging.cluster, on_gpu=cluster.name == "local-gpu")
-    plan = (f"dsf plan --model {run.model.name} --cluster {preset} --nodes {len(active)} "
-            f"--gpus-per-node {ranks_per_node} --seq-len {job.seq_len} --global-batch {job.global_batch} "
-            f"--precision {job.precision}")
     budget = ("" if cluster_name or cluster.name == "local-gpu" else
               f"; this node has no GPU, so its RAM was the budget: launching for GPU nodes, pass --cluster "
               f"{preset if not guessed else '<their preset>'} to dsf launch")
-    error = UserError("memory per rank" if fit.need > fit.available else "host memory per node", None,
-                      f"{fit.why_not} ({source}) for {layout.dims}, "
-                      f"ZeRO-{layout.dims.zero_stage}, micro-batch {layout.micro_batch}",
-                      f"find a layout that fits with `{plan}`"
-                      + (" (it plans full fine-tuning: LoRA needs less)" if lora else "")
-                      + budget + ", or pass --force to launch anyway")
+    error = run_fit.refusal(run, source=source, preset=preset, nodes=len(active), ranks_per_node=ranks_per_node,
+                            note=budget)
+    assert error is not None  # (the run does not fit)
     if not force:
         raise error
     click.echo(f"dsf: warning: {error}; launching anyway (--force)", err=True)

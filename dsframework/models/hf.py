@@ -73,3 +73,49 @@ def hf_parameter_shapes(config: HFConfig) -> dict[str, Any]:
     with torch.device("meta"):
         model = causal_lm_class(config)(config)
     return {name: param.shape for name, param in model.named_parameters()}
+
+
+def learned_positions(model: Any) -> int | None:
+    """Positions of the model's learned absolute-position table (GPT-2's `wpe`, OPT's
+    `embed_positions`: an embedding of max_position_embeddings rows, or 2 more), None when it has
+    none (rotary, ALiBi). `model` may be on the meta device (planner/count.py builds one)."""
+    import torch
+
+    limit = getattr(model.config, "max_position_embeddings", None)
+    inputs = model.get_input_embeddings()
+    for name, module in model.named_modules():
+        last = name.rsplit(".", 1)[-1]
+        if (limit and isinstance(module, torch.nn.Embedding) and module is not inputs
+                and ("pos" in last or last == "wpe") and module.num_embeddings in (limit, limit + 2)):
+            return int(limit)
+    return None
+
+
+def _rope_scaled(config: HFConfig) -> bool:
+    """Whether the config scales its rotary positions (linear, dynamic, yarn, llama3, ...: rope_type
+    other than 'default'), in transformers' rope_parameters (per layer type, too) or rope_scaling."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    kinds = [rope] if "rope_type" in rope or "type" in rope else [v for v in rope.values() if isinstance(v, dict)]
+    return any((kind.get("rope_type") or kind.get("type") or "default") != "default" for kind in kinds)
+
+
+def check_positions(model: Any, *, seq_len: int) -> str | None:
+    """data.seq_len against the positions `model` has: a UserError past a learned table (position
+    n_positions has no embedding: an IndexError in the first forward); the warning line when its
+    rotary positions, unscaled, would be extrapolated past max_position_embeddings; else None.
+
+        warning = check_positions(describe_model(config).counts.model, seq_len=run.data.seq_len)
+    """
+    config = model.config
+    field = config.attribute_map.get("max_position_embeddings", "max_position_embeddings")
+    limit = learned_positions(model)
+    if limit is not None and seq_len > limit:
+        raise UserError("data.seq_len", seq_len, f"exceeds the {limit} positions {config.model_type!r} has learned "
+                        f"({field}={limit}: position {limit} has no embedding)", f"set data.seq_len <= {limit}")
+    limit = getattr(config, "max_position_embeddings", None)
+    rotary = any(type(module).__name__.endswith("RotaryEmbedding") for module in model.modules())
+    if not rotary or not limit or seq_len <= limit or _rope_scaled(config):
+        return None
+    return (f"data.seq_len={seq_len} exceeds {field}={limit} of {config.model_type!r}, whose rotary positions are "
+            f"not scaled: positions past {limit} are extrapolated, unseen in pre-training; set data.seq_len <= "
+            f"{limit}, or scale them (rope_parameters in the model's config)")

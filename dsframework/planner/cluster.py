@@ -12,6 +12,7 @@ placeholder for this kind of machine until `dsf calibrate` measures it.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -143,6 +144,29 @@ def local_gpu_preset() -> tuple[str, str] | None:
                 preset = "a100-80gb" if torch.cuda.get_device_properties(0).total_memory > 60 * GiB else "a100-40gb"
             return preset, name
     return None
+
+
+def local_cluster(*, nodes: int, ranks_per_node: int) -> tuple[Cluster, str]:
+    """This machine as a planner Cluster, and a phrase saying so: the local GPU's memory when CUDA
+    is there, else the `cpu-local` preset with host RAM / ranks per node for each rank; either way
+    this node's RAM as its host memory (what `dsf launch` checks here, and `dsf train` on each rank).
+
+        cluster, source = local_cluster(nodes=1, ranks_per_node=2)
+        source   # "cpu-local: this node's 23.5 GiB RAM / 2 ranks"
+    """
+    import torch
+
+    ram = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        preset, _ = local_gpu_preset() or ("h100-80gb", props.name)  # a GPU without a preset: Hopper's rates
+        cluster = replace(cluster_preset(preset, nodes=nodes, gpus_per_node=ranks_per_node),
+                          name="local-gpu", memory_per_gpu=float(props.total_memory), cpu_memory_per_node=ram)
+        return cluster, f"this node's {props.name}, {props.total_memory / GiB:.1f} GiB"
+    cluster = replace(cluster_preset("cpu-local", nodes=nodes, gpus_per_node=ranks_per_node),
+                      memory_per_gpu=ram / ranks_per_node, cpu_memory_per_node=ram)
+    ranks = f"{ranks_per_node} rank" + ("s" if ranks_per_node > 1 else "")
+    return cluster, f"cpu-local: this node's {ram / GiB:.1f} GiB RAM / {ranks}"
 
 
 def resize(cluster: Cluster, *, nodes: int | None = None, gpus_per_node: int | None = None) -> Cluster:

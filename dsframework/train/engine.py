@@ -26,11 +26,12 @@ from dsframework.train.setup import StartupClock, prepare
 __all__ = ["Preempted", "train"]
 
 
-def train(run: RunConfig, *, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
-    """Train as configured; returns the last logged metrics (on every rank)."""
+def train(run: RunConfig, *, resume: bool = False, overwrite: bool = False, force: bool = False) -> dict[str, Any]:
+    """Train as configured; returns the last logged metrics (on every rank). `force`: on where the
+    predicted memory does not fit this node (`dsf train --force`, `dsf launch --force`)."""
     clock = StartupClock()  # the process's age so far: the interpreter and the imports before this
     try:
-        session = prepare(run, resume=resume, overwrite=overwrite, clock=clock)  # rank 0 locks output_dir
+        session = prepare(run, resume=resume, overwrite=overwrite, force=force, clock=clock)  # rank 0 locks output_dir
         # Rank 0's metric sinks (metrics.jsonl, TensorBoard, CSV, W&B): closed however the loop ends
         # (done, a UserError, SIGTERM's Preempted), so every file holds every logged step.
         sinks = open_sinks(run, resume_step=session.step if resume else None, enabled=session.rank == 0)

@@ -7,8 +7,10 @@
 `prepare` runs these phases in order; each is a function that takes what it needs and returns a
 value, and each is timed (StartupClock: rank 0 prints the breakdown once the engine is ready):
 
-1. `preflight`: everything a user can get wrong (output directory, precision, model and layout),
-   checked before a byte is written or deleted and before any rank waits at the rendezvous;
+1. `preflight`: everything a user can get wrong (output directory and that it can be written,
+   precision, model and layout, data.seq_len against the model's positions, the predicted memory
+   against this node's), checked before a byte is written or deleted and before any rank waits at
+   the rendezvous;
 2. `form_world`: the process group, the layout at the world it reports, its groups;
 3. `load_data`, rank 0 first: the texts, the tokenizer (`obtain_tokenizer`), the token stores and
    the model config, then `claim_outputs` (the output directory written, or the checkpoint's model
@@ -25,6 +27,8 @@ value, and each is timed (StartupClock: rank 0 prints the breakdown once the eng
 from __future__ import annotations
 
 import os
+import sys
+import tempfile
 import time
 import warnings
 from contextlib import contextmanager
@@ -52,7 +56,7 @@ from dsframework.layout import ParallelDims, check_model_layout
 from dsframework.models.autoep_compat import bridge_output_capture_registry
 from dsframework.models.build import ModelSource, build_model, built_line, rank_placement, resolve_model
 from dsframework.models.construct import build_for_layout, check_pretrained_files, host_peak
-from dsframework.models.hf import count_parameters
+from dsframework.models.hf import check_positions, count_parameters
 from dsframework.models.lora import apply_lora
 from dsframework.models.loss import check_chunked_loss_layout, use_chunked_loss
 from dsframework.models.tensor_parallel import TensorParallelCausalLM
@@ -64,6 +68,9 @@ from dsframework.models.pipeline import (
 )
 from dsframework.parallel.host import rank_zero_first
 from dsframework.parallel.topology import build_grid, build_topology
+from dsframework.planner.cluster import local_cluster, local_gpu_preset
+from dsframework.planner.count import model_counts
+from dsframework.planner.fit import fit_run
 from dsframework.runtime_facts import loss_chunking as rank_loss_chunking
 from dsframework.train.compiling import compile_engine, use_inductor_cache
 from dsframework.train.expert_load import ExpertLoad
@@ -73,15 +80,16 @@ from dsframework.train.world import init_distributed
 from dsframework.types import Engine, Grid, HFConfig, accelerator
 
 
-def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False,
+def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False, force: bool = False,
             clock: StartupClock | None = None) -> Session:
     """World, data, model and DeepSpeed engine; restored from the latest checkpoint on resume.
-    `clock` (started by `engine.train` as the process's first dsf work) times the phases."""
+    `clock` (started by `engine.train` as the process's first dsf work) times the phases; `force`
+    trains on where the predicted memory does not fit (a warning)."""
     clock = clock or StartupClock()
     with clock.phase("imports"):
         import_libraries()
     with clock.phase("checks"):
-        resuming, source = preflight(run, resume=resume, overwrite=overwrite)
+        resuming, source = preflight(run, resume=resume, overwrite=overwrite, force=force)
         run = resuming.keep_expert_blocks(run) if resuming else run
         adam = checked_adam(run)
     with clock.phase("rendezvous"):
@@ -171,11 +179,13 @@ def import_libraries() -> None:
     warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated")
 
 
-def preflight(run: RunConfig, *, resume: bool, overwrite: bool) -> tuple[ResumePlan | None, Any]:
+def preflight(run: RunConfig, *, resume: bool, overwrite: bool,
+              force: bool = False) -> tuple[ResumePlan | None, Any]:
     """(what a resume starts from, None without --resume; the model's source): everything a user can
     get wrong, checked before the first byte is written or deleted and before the rendezvous."""
 
     resuming = check_output_dir(run, resume=resume, overwrite=overwrite)
+    check_writable(run)
     check_chunked_loss_layout(run.train.chunked_loss, pp=run.parallel.pp)
     use_inductor_cache()  # (before DeepSpeed imports inductor; train.compile=auto may compile later)
     if run.train.precision == "fp16" and not accelerator().is_fp16_supported():
@@ -187,6 +197,7 @@ def preflight(run: RunConfig, *, resume: bool, overwrite: bool) -> tuple[ResumeP
     dims = checked_layout(run, source.config, world=int(os.environ.get("WORLD_SIZE", "1")))
     if source.pretrained_dir is not None and (dims.tp_enabled or dims.pp_enabled):
         check_pretrained_files(source.pretrained_dir, source.config, sliced=True)
+    check_model_fits(run, source.config, dims, force=force)
     if int(os.environ.get("RANK", "0")) == 0:  # every check passed: one run per output directory from here,
         hold_output_dir(run.output_dir)        # held until this process ends (the first thing written)
     return resuming, source
@@ -407,6 +418,59 @@ def check_output_dir(run: RunConfig, *, resume: bool, overwrite: bool) -> Resume
         if not overwrite:  # TensorBoard / CSV directories outside output_dir
             check_no_previous_outputs(run.logging)
     return resuming
+
+
+def check_writable(run: RunConfig) -> None:
+    """output_dir can be written on this rank's host: a probe file made and removed in it (or in its
+    nearest existing parent, where dsf train makes it), and in its checkpoints/ when there is one.
+    A read-only filesystem or a file in the way is one line here, not an OSError after the data.
+
+        check_writable(run)   # output_dir='/mnt/ro/run': cannot be written (Read-only file system ...)
+    """
+    wanted = Path(run.output_dir).absolute()
+    place = wanted
+    while not place.exists() and place != place.parent:
+        place = place.parent
+    if not place.is_dir():
+        where = "is a file" if place == wanted else f"lies under {place}, which is a file"
+        raise UserError("output_dir", run.output_dir, f"{where}, not a directory",
+                        "set output_dir to a directory (--set output_dir=NEW_DIR)")
+    for folder in (place, run.checkpoint_dir.absolute()) if run.checkpoint_dir.is_dir() else (place,):
+        try:  # os.access would not do: it lets root write anywhere, even where a read-only mount refuses
+            handle, probe = tempfile.mkstemp(prefix=".dsf-write-probe-", dir=folder)
+            os.close(handle)
+            os.unlink(probe)
+        except OSError as err:
+            raise UserError("output_dir", run.output_dir, f"cannot be written ({err.strerror}: {folder})",
+                            "make it writable, or set output_dir to a writable directory") from None
+
+
+def check_model_fits(run: RunConfig, config: HFConfig, dims: ParallelDims, *, force: bool) -> None:
+    """data.seq_len within the model's positions (models/hf.py check_positions: past a learned table
+    refused, past unscaled rotary ones a warning from rank 0), and the memory `dsf launch` predicts
+    for this layout (planner/fit.py fit_run) within this node's: on CPU ranks each rank's share of
+    the RAM and the node's RAM to build and offload; on GPU ranks the host's part alone. Every rank
+    checks its own node; with --force a refusal is rank 0's warning.
+
+        check_model_fits(run, source.config, dims, force=False)   # llama-7b, 2 CPU ranks, 24 GiB: UserError
+    """
+    rank0 = os.environ.get("RANK", "0") == "0"
+    warning = check_positions(model_counts(config).model, seq_len=run.data.seq_len)
+    if warning and rank0:
+        print(f"dsf: warning: {warning}", file=sys.stderr, flush=True)
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", dims.world)))
+    nodes = max(dims.world // ranks, 1)
+    cluster, source = local_cluster(nodes=nodes, ranks_per_node=ranks)
+    found = None if cluster.is_cpu else local_gpu_preset()
+    preset = run.logging.cluster or (found[0] if found else "cpu-local")
+    error = fit_run(run, config, dims, cluster).refusal(run, source=source, preset=preset, nodes=nodes,
+                                                        ranks_per_node=ranks, device=cluster.is_cpu, verb="train")
+    if error is None:
+        return
+    if not force:
+        raise error
+    if rank0:
+        print(f"dsf: warning: {error}; training anyway (--force)", file=sys.stderr, flush=True)
 
 
 def checked_layout(run: RunConfig, config: HFConfig, *, world: int) -> ParallelDims:

@@ -301,6 +301,10 @@ CASES = [
          ("train", "{run}/checkpoints/run.yaml", "--resume", *sets("parallel.zero_stage=1", "output_dir={run}")),
          expect=("parallel.zero_stage=1", "differs from the checkpoint's 2", "parallel.zero_stage=2"),
          guard=("{run}",), needs_run_copy=True, process=AFTER_GROUP),
+    Case("train-resume-with-an-empty-latest",  # the real save's manifest verifies: named, not --overwrite
+         ("train", "{run}/checkpoints/run.yaml", "--resume", *sets("output_dir={run}")),
+         expect=("{run}/checkpoints/latest", "is empty", "echo global_step2 > {run}/checkpoints/latest"),
+         files={"run/checkpoints/latest": ""}, guard=("{run}",), needs_run_copy=True),
     # --- dsf train: model and data ----------------------------------------------------------------
     train_case("train-tp-larger-than-world", OUT + "parallel: {tp: 2}\n",
                expect=("world size", "1", "tp*pp", "{1}"), files=NOT_A_RUN),

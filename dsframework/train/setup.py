@@ -455,16 +455,25 @@ def check_model_fits(run: RunConfig, config: HFConfig, dims: ParallelDims, *, fo
         check_model_fits(run, source.config, dims, force=False)   # llama-7b, 2 CPU ranks, 24 GiB: UserError
     """
     rank0 = os.environ.get("RANK", "0") == "0"
-    warning = check_positions(model_counts(config).model, seq_len=run.data.seq_len)
-    if warning and rank0:
-        print(f"dsf: warning: {warning}", file=sys.stderr, flush=True)
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", dims.world)))
     nodes = max(dims.world // ranks, 1)
     cluster, source = local_cluster(nodes=nodes, ranks_per_node=ranks)
     found = None if cluster.is_cpu else local_gpu_preset()
     preset = run.logging.cluster or (found[0] if found else "cpu-local")
-    error = fit_run(run, config, dims, cluster).refusal(run, source=source, preset=preset, nodes=nodes,
-                                                        ranks_per_node=ranks, device=cluster.is_cpu, verb="train")
+    try:
+        warning = check_positions(model_counts(config).model, seq_len=run.data.seq_len)
+        fit = fit_run(run, config, dims, cluster)
+    except UserError:
+        raise
+    except Exception as err:  # noqa: BLE001 - a model the planner cannot count still trains (gemma3n's per-layer
+        if rank0:             # widths, llama4's multimodal config): the check is skipped, and said so
+            print(f"dsf: warning: pre-flight memory check skipped: the planner cannot count this "
+                  f"{getattr(config, 'model_type', 'model')} ({type(err).__name__}: {err})"[:300], file=sys.stderr, flush=True)
+        return
+    if warning and rank0:
+        print(f"dsf: warning: {warning}", file=sys.stderr, flush=True)
+    error = fit.refusal(run, source=source, preset=preset, nodes=nodes, ranks_per_node=ranks,
+                        device=cluster.is_cpu, verb="train")
     if error is None:
         return
     if not force:

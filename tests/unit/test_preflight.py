@@ -176,11 +176,15 @@ def test_an_output_dir_on_a_read_only_filesystem_is_refused(tmp_path, hf_home, c
 
 
 def test_a_writable_output_dir_is_left_as_it_was(tmp_path, hf_home, capfd, monkeypatch):
-    """The probe is removed: a run refused later (here at the process group) leaves no file behind."""
+    """The probe is removed: a run refused later (here at the process group) leaves no file behind but
+    the lock it took at the end of pre-flight (checkpoints/outputs.py: its first write), released."""
+    from dsframework.checkpoints.outputs import LOCK, holder
+
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "notes.txt").write_text("keep me\n")
     gets_to_the_process_group(tmp_path, hf_home, capfd, monkeypatch)
-    assert snapshot(tmp_path / "out") == {"notes.txt": b"keep me\n"}
+    assert snapshot(tmp_path / "out") == {"notes.txt": b"keep me\n", LOCK: (tmp_path / "out" / LOCK).read_bytes()}
+    assert holder(tmp_path / "out") is None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 

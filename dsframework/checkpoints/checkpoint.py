@@ -12,8 +12,9 @@
         run.yaml                 the resolved run config
 
     save(engine, ckpt_dir, step=100, consumed_samples=3200, layout=dims)   # dims: the run's ParallelDims
-    pending = start_save(engine, ckpt_dir, step=100, consumed_samples=3200, layout=dims)  # the same in two
-    commit(engine, pending)              # halves: checkpoint.writer=decoupled commits after the next step
+    pending = start_save(engine, ckpt_dir, step=100, consumed_samples=3200, layout=dims)  # the same in parts:
+    finish_writes(engine, pending)       # checkpoint.writer=decoupled: after the next step (files on disk,
+    publish(engine, pending)             # summed in a thread during the step after it; then `latest`)
     manifest = verify(ckpt_dir, "global_step100")  # its Manifest; UserError naming a missing or truncated file
     saved_layout(manifest)               # the ParallelDims it was saved at (None: no manifest)
     state = load(engine, ckpt_dir)       # {"step": 100, "consumed_samples": 3200}
@@ -41,12 +42,14 @@ import shutil
 import signal
 import time
 from argparse import Namespace
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, cast
 
-from dsframework.checkpoints.integrity import first_problem_of_ranks, gather_checksums, newest_intact, problem
+from dsframework.checkpoints.integrity import (first_problem_of_ranks, gather_checksums, newest_intact, own_checksums,
+                                               problem)
 from dsframework.checkpoints.integrity import step_of as step_of  # tag_for's inverse (-1: not a step's tag)
 from dsframework.checkpoints.manifest import MANIFEST, Manifest
 from dsframework.checkpoints.space import disk_full_error, last_save_bytes, low_space_line
@@ -322,11 +325,6 @@ def use_decoupled_writer(engine: Any) -> bool:
     return decoupled
 
 
-def writer_waited(engine: Any) -> float:
-    """The seconds the trainer waited for the decoupled writer since last asked (0 with the sync one)."""
-    return engine.checkpoint_engine.take_waited() if is_decoupled(engine) else 0.0
-
-
 def is_decoupled(engine: Any) -> bool:
     """Whether `engine` writes checkpoints in the background (checkpoint.writer=decoupled)."""
     return bool(engine.checkpoint_engine.is_decoupled())
@@ -350,6 +348,7 @@ class Pending:
     layout: ParallelDims
     trainable: dict[str, list[int]] | None  # the names that train, with frozen parameters left out
     seconds: float  # the trainer's seconds spent on it so far
+    sums: Future | None = None  # this rank's checksums, being summed (finish_writes; publish reads them)
 
 
 def save(engine: Engine, ckpt_dir: Path, *, step: int, consumed_samples: int, layout: ParallelDims) -> str:
@@ -400,10 +399,16 @@ def room_for_save(ckpt_dir: Path) -> str | None:
 
 
 def commit(engine: Engine, pending: Pending) -> str:
-    """Make `pending` the latest checkpoint (all ranks call it); returns its tag. With the decoupled
-    writer it first waits until DeepSpeed's writer has finished this rank's files (at once if DeepSpeed
-    committed them at an optimizer step since). Then, once every rank's files are on disk, rank 0 writes
-    the manifest, renames `<tag>.partial` to `<tag>` and names it in `latest`."""
+    """Make `pending` the latest checkpoint (all ranks call it); returns its tag: `finish_writes`,
+    then `publish`."""
+    finish_writes(engine, pending)
+    return publish(engine, pending)
+
+
+def finish_writes(engine: Engine, pending: Pending) -> None:
+    """Every rank: wait until this rank's files of `pending` are on disk (the decoupled writer: at once
+    if DeepSpeed committed them at an optimizer step since), then sum them in a background thread
+    (`pending.sums`): with the decoupled writer, during the next step (published after it)."""
     import torch.distributed as dist
 
     started = time.perf_counter()
@@ -412,10 +417,25 @@ def commit(engine: Engine, pending: Pending) -> str:
         info = writer.get_commit_info()
         if info is not None:  # not yet committed by an optimizer step
             writer.commit(info)
-    dist.barrier()  # every rank's files are on disk
+    if isinstance(writer, DecoupledWriter):
+        pending.seconds += writer.take_waited()  # (inside the step that waited, or just now)
     partial = pending.ckpt_dir / (pending.tag + PARTIAL)
     own = [*(writer.take_saved() if isinstance(writer, SavedFiles) else []), partial / f"rng_rank{dist.get_rank()}.pt"]
-    sums = gather_checksums(partial, own=own)  # each rank its own files; rank 0 gets them all
+    pending.sums = _summing().submit(own_checksums, partial, own)
+    pending.seconds += time.perf_counter() - started
+
+
+def publish(engine: Engine, pending: Pending) -> str:
+    """Every rank, after `finish_writes`: once every rank's files are on disk and summed, rank 0 writes
+    the manifest (sizes and checksums), renames `<tag>.partial` to `<tag>` and names it in `latest`."""
+    import torch.distributed as dist
+
+    started = time.perf_counter()
+    assert pending.sums is not None, "publish follows finish_writes"
+    mine = pending.sums.result()
+    dist.barrier()  # every rank's files are on disk
+    partial = pending.ckpt_dir / (pending.tag + PARTIAL)
+    sums = gather_checksums(partial, mine)  # each rank its own files; rank 0 gets them all
     failed = None
     if dist.get_rank() == 0:
         try:
@@ -427,6 +447,16 @@ def commit(engine: Engine, pending: Pending) -> str:
     agree_written(partial, failed)  # (and the barrier after the commit)
     pending.seconds += time.perf_counter() - started
     return pending.tag
+
+
+_pool: list[ThreadPoolExecutor] = []
+
+
+def _summing() -> ThreadPoolExecutor:
+    """The thread that sums a checkpoint's files beside the training loop (one, made on first use)."""
+    if not _pool:
+        _pool.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsf-checksums"))
+    return _pool[0]
 
 
 def _publish(pending: Pending, sums: dict[str, str] | None) -> None:

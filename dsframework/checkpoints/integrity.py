@@ -1,7 +1,8 @@
 """Checkpoints that prove they are intact: a CRC-32 of every file, computed when it is saved by the
 rank that wrote it, kept in the manifest, and checked when a resume or an export reads it.
 
-    sums = gather_checksums(partial, own=[...paths this rank saved...])   # every rank; rank 0 gets all
+    mine = own_checksums(partial, [...paths this rank saved...])   # this rank (in a thread)
+    sums = gather_checksums(partial, mine)   # every rank; rank 0 gets them all
     problem(tag_dir, manifest, names)        # ('x.pt', 'has changed since it was saved (...)') for the first bad one
     bad = first_problem_of_ranks(tag_dir, manifest)   # the same, every rank a share of the files
     newest_intact(ckpt_dir, before="global_step6")    # the newest earlier tag whose files all check, or None
@@ -9,8 +10,9 @@ rank that wrote it, kept in the manifest, and checked when a resume or an export
 A size check alone misses a file changed in place (a bad disk, a partial copy over an old one): the
 run then loads it and fails steps later with a wrong diagnosis ("loss is not finite"). zlib's CRC-32
 reads at a few GB/s and releases the GIL, so each rank sums its own files in threads, right after
-they are on disk (the sync writer: inside the save; the decoupled writer: at the commit after the
-next step). A manifest without checksums (a dsf before them) is checked by size alone.
+they are on disk (the sync writer: at the save's commit; the decoupled writer: in a background
+thread during the step after its files are written, published after that step, off the step's
+path). A manifest without checksums (a dsf before them) is checked by size alone.
 """
 from __future__ import annotations
 
@@ -43,14 +45,18 @@ def checksums(paths: Iterable[Path], *, threads: int = 4) -> dict[Path, str]:
         return dict(zip(paths, pool.map(checksum, paths)))
 
 
-def gather_checksums(partial: Path, *, own: Iterable[Path]) -> dict[str, str] | None:
-    """Every rank: the checksums of the files it saved into `partial` (`own`), gathered on the host
-    group; rank 0 also sums every file no rank claimed (DeepSpeed's copied zero_to_fp32.py, or all of
-    them from an engine whose writer does not record what it saved). Rank 0 gets {name in partial:
-    checksum}, the others None."""
+def own_checksums(partial: Path, own: Iterable[Path]) -> dict[str, str]:
+    """{name in `partial`: checksum} of the files this rank saved there (`own`); run in a thread."""
+    return {str(p.relative_to(partial)): s for p, s in checksums(p for p in own if p.is_file()).items()}
+
+
+def gather_checksums(partial: Path, mine: dict[str, str]) -> dict[str, str] | None:
+    """Every rank, once every rank's files are in `partial`: the checksums each summed of its own
+    files (`mine`, own_checksums) gathered on the host group; rank 0 also sums every file no rank
+    claimed (DeepSpeed's copied zero_to_fp32.py, or all of them from an engine whose writer does not
+    record what it saved). Rank 0 gets {name in partial: checksum}, the others None."""
     import torch.distributed as dist
 
-    mine = {str(p.relative_to(partial)): s for p, s in checksums(p for p in own if p.is_file()).items()}
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine, group=host_group())  # pickled: host-side
     if dist.get_rank() != 0:

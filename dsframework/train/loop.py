@@ -56,24 +56,18 @@ def run_steps(run: RunConfig, session: Session, sinks: Any, *, resume: bool) -> 
     step, consumed = session.step, session.consumed_samples
     sampler = BlockSampler(len(session.train_blocks), micro_batch=batch.micro_batch, grad_accum=batch.grad_accum,
                            dp_size=dims.dp, dp_rank=session.dp_rank, seed=run.data.seed)
-    meter = FlopsMeter.for_run(run, session.model_config, world=dims.world)
-    if session.rank == 0:
-        clear_preempted(run.output_dir)
-        print_summary(run, session, meter)
-    last: dict[str, Any] = {}
-    watch = HangWatch.for_run(run, device=engine.device)
-    if not resume and run.logging.eval_every:
-        watch.enter("eval", step=step)
-        last = {"step": 0, "eval_loss": evaluate(session)}  # the baseline the run is judged against
-        sinks.log(last, step=0)
+    meter, watch, last = start_steps(run, session, sinks, resume=resume)
     bar = tqdm(total=run.train.steps, initial=step, disable=session.rank != 0 or not run.logging.progress,
                dynamic_ncols=True, desc="train")
     window, stop = Window(session, meter, watch), min(run.train.steps, run.train.stop_after or run.train.steps)
     probe, stop_request = CompileProbe(run, session, watch), StopRequest()
     nonfinite = NonFiniteWatch(enabled=run.train.precision != "fp16", device=engine.device)
-    pending = None  # a checkpoint the decoupled writer still writes, committed with the next step
+    # A checkpoint the decoupled writer still writes (pending): its files finished after the next step,
+    # summed during the step after that (publishing), then published.
+    pending = publishing = None
     while step < stop:
-        step_loss = train_committing(session, sampler, consumed, watch, step=step + 1, pending=pending, window=window)
+        step_loss, publishing = train_committing(session, sampler, consumed, watch, step=step + 1, pending=pending,
+                                                 publishing=publishing, window=window)
         step, consumed, pending = step + 1, consumed + batch.global_batch, None
         window.add_step()
         probe.after_step(steps_left=stop - step)
@@ -88,6 +82,8 @@ def run_steps(run: RunConfig, session: Session, sinks: Any, *, resume: bool) -> 
             report(run, session, last, sinks=sinks, bar=bar)
         signum = stop_request.agreed()  # 0: none; else the stop signal the ranks agreed on
         preempted = signum != 0
+        if publishing is not None and (done or preempted):  # the run ends at this step: published first
+            publishing = publish_checkpoint(run, session, publishing, window=window, watch=watch)
         if checkpoint_due(run, step, done=done, preempted=preempted):
             check_finite(run, nonfinite)  # a diverged model is never saved over the last good one
             pending = save_checkpoint(run, session, step=step, consumed=consumed, window=window, watch=watch,
@@ -105,6 +101,23 @@ def run_steps(run: RunConfig, session: Session, sinks: Any, *, resume: bool) -> 
         mark_finished(run.output_dir, step=step)  # exit 0 for any launcher, even if a signal comes now
         print(f"dsf: done at step {step}; checkpoints in {run.checkpoint_dir}", flush=True)
     return last
+
+
+def start_steps(run: RunConfig, session: Session, sinks: Any, *, resume: bool) -> tuple[FlopsMeter, HangWatch,
+                                                                                          dict[str, Any]]:
+    """(the FLOPs meter, the hang watch, the baseline's metrics): the run's summary line and, on a
+    fresh run with logging.eval_every, the evaluation the run is judged against (step 0)."""
+    meter = FlopsMeter.for_run(run, session.model_config, world=session.dims.world)
+    if session.rank == 0:
+        clear_preempted(run.output_dir)
+        print_summary(run, session, meter)
+    last: dict[str, Any] = {}
+    watch = HangWatch.for_run(run, device=session.engine.device)
+    if not resume and run.logging.eval_every:
+        watch.enter("eval", step=session.step)
+        last = {"step": 0, "eval_loss": evaluate(session)}  # the baseline the run is judged against
+        sinks.log(last, step=0)
+    return meter, watch, last
 
 
 def preempt(run: RunConfig, session: Session, *, step: int, signum: int) -> None:
@@ -139,30 +152,44 @@ def save_checkpoint(run: RunConfig, session: Session, *, step: int, consumed: in
 
 def commit_checkpoint(run: RunConfig, session: Session, pending: ckpt.Pending, *, window: Window,
                       watch: HangWatch) -> None:
-    """Commit `pending` (it becomes `latest`) and count what it cost the trainer in the window and in
-    checkpoint_times.jsonl: with the decoupled writer, queuing the shards, the wait for DeepSpeed's
-    writer inside the next optimizer step, and the commit; with the sync writer, the whole save."""
+    """Commit `pending` now (it becomes `latest`): its files finished and published, the cost counted."""
     watch.enter("checkpoint")
-    ckpt.commit(session.engine, pending)
-    engine = session.engine
-    seconds = pending.seconds + ckpt.writer_waited(engine)
-    window.checkpoint_s += seconds
+    ckpt.finish_writes(session.engine, pending)
+    publish_checkpoint(run, session, pending, window=window, watch=watch)
+
+
+def publish_checkpoint(run: RunConfig, session: Session, pending: ckpt.Pending, *, window: Window,
+                       watch: HangWatch) -> None:
+    """Publish `pending` (its files finished and being summed: it becomes `latest`) and count what it
+    cost the trainer in the window and in checkpoint_times.jsonl: with the decoupled writer, queuing the
+    shards, the wait for DeepSpeed's writer inside the next optimizer step and the publishing; with the
+    sync writer, the whole save. Rank 0 then removes what checkpoint.keep no longer keeps."""
+    watch.enter("checkpoint")
+    ckpt.publish(session.engine, pending)
+    window.checkpoint_s += pending.seconds
     if session.rank == 0:  # what dsf launch's goodput count charges to checkpointing (a resume keeps it)
-        record_checkpoint_time(run.output_dir, step=pending.step, seconds=seconds)
+        record_checkpoint_time(run.output_dir, step=pending.step, seconds=pending.seconds)
         prune(run.checkpoint_dir, keep=run.checkpoint.keep, keep_every=run.checkpoint.keep_every)
 
 
 def train_committing(session: Session, sampler: BlockSampler, consumed: int, watch: HangWatch, *, step: int,
-                     pending: ckpt.Pending | None, window: Window) -> Any:
-    """Train step `step` (train_watched); its loss. A checkpoint DeepSpeed's decoupled writer still
-    writes (`pending`) is committed after it: DeepSpeed's engine.step() waits for the writer before the
-    optimizer changes the weights. The pipeline engine's step does not, so there it is committed first."""
+                     pending: ckpt.Pending | None, publishing: ckpt.Pending | None,
+                     window: Window) -> tuple[Any, ckpt.Pending | None]:
+    """Train step `step` (train_watched); (its loss, the checkpoint to publish after the next step).
+    A checkpoint DeepSpeed's decoupled writer still writes (`pending`) has its files finished after the
+    step (DeepSpeed's engine.step() waits for the writer before the optimizer changes the weights) and
+    summed in the background during the next one; `publishing`, summed during this one, is published
+    after it. The pipeline engine's step does not wait for the writer, so there it is committed first."""
+    run = session.run
     if pending is not None and session.dims.pp_enabled:
-        pending = commit_checkpoint(session.run, session, pending, window=window, watch=watch)
+        pending = commit_checkpoint(run, session, pending, window=window, watch=watch)
     step_loss = train_watched(session, sampler, consumed, watch, step=step, committing=pending is not None)
     if pending is not None:
-        commit_checkpoint(session.run, session, pending, window=window, watch=watch)
-    return step_loss
+        watch.enter("checkpoint")
+        ckpt.finish_writes(session.engine, pending)
+    if publishing is not None:
+        publish_checkpoint(run, session, publishing, window=window, watch=watch)
+    return step_loss, pending
 
 
 def train_watched(session: Session, sampler: BlockSampler, consumed: int, watch: HangWatch, *, step: int,

@@ -31,9 +31,12 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # each ends the w
 
 
 def stop_signals() -> tuple[signal.Signals, ...]:
-    """The STOP_SIGNALS this process was not started with ignored: `nohup` ignores SIGHUP, and a
-    script's `cmd &` SIGINT, for the whole job; dsf keeps it so."""
-    return tuple(sig for sig in STOP_SIGNALS if signal.getsignal(sig) is not signal.SIG_IGN)
+    """The STOP_SIGNALS this process handles: SIGTERM always (a preemption's signal: dsf's srun line
+    starts deepspeed's runner with it ignored, and every process below inherits that, so each sets
+    its own handler), SIGINT and SIGHUP unless the process was started with them ignored (`nohup`
+    ignores SIGHUP, and a script's `cmd &` SIGINT, for the whole job; dsf keeps it so)."""
+    return tuple(sig for sig in STOP_SIGNALS
+                 if sig == signal.SIGTERM or signal.getsignal(sig) is not signal.SIG_IGN)
 
 
 def mark_preempted(output_dir: str | Path, *, step: int, checkpoint: str) -> None:

@@ -266,7 +266,9 @@ def preempted(slurm, tmp_path_factory):
     shown = slurm.run(0, ["scontrol", "-o", "show", "job", job], env=env, timeout=15).stdout
     exit_code = re.search(r"ExitCode=(\d+):", shown)
     print(f"preempted job {job}: {state} {took:.1f} s after SIGTERM, {exit_code and exit_code.group(0)}")
-    assert not job_processes(slurm), "the preempted job left processes"
+    # (SLURM's step daemons may still be tearing the step down as the batch job ends: within 60 s of
+    # the signal nothing of the job is left, as issue 34 asks)
+    wait_until(lambda: not job_processes(slurm), timeout=max(60 - took, 5), what="the preempted job's processes to end")
     latest = out / "checkpoints" / "latest"
     return (workdir, job, output, took, max(losses(out)), latest.read_text().strip() if latest.exists() else None,
             int(exit_code.group(1)) if exit_code else None)

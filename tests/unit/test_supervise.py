@@ -39,3 +39,22 @@ def test_only_train_under_a_launcher_is_watched(monkeypatch):
     monkeypatch.delenv("RANK")
     monkeypatch.delenv("DSF_RANK_TRAINER")
     assert not under_launcher(["train", "run.yaml"])
+
+
+def test_sigterm_is_always_a_stop_signal_and_an_inherited_ignore_of_the_others_is_kept():
+    """dsf's srun line starts deepspeed's runner with SIGTERM ignored (every process below inherits
+    it): the ranks must still checkpoint on it. `nohup`'s SIGHUP and a background SIGINT stay ignored."""
+    import signal
+
+    from dsframework.protocol.exits import stop_signals
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
+    try:
+        for sig in before:
+            signal.signal(sig, signal.SIG_IGN)
+        assert stop_signals() == (signal.SIGTERM,)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        assert set(stop_signals()) == {signal.SIGTERM, signal.SIGINT}
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)

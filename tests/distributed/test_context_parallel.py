@@ -127,11 +127,16 @@ def test_resume_refuses_another_context_parallel_size(cp_runs, tmp_path):
     """A checkpoint saved at cp 2 resumed at cp 1: one line naming the field, exit 2, nothing touched."""
     import subprocess
 
+    from dsframework.checkpoints.outputs import LOCK
     from tests.distributed.launcher import BIN, TINY_YAML, rank_env
 
     run_dir = tmp_path / "moved"
     shutil.copytree(cp_runs["dir-cp2xdp2-zero3-llama"], run_dir)
-    before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
+
+    def files() -> dict:  # (but the lock a resume past pre-flight takes: checkpoints/outputs.py)
+        return {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.name != LOCK}
+
+    before = files()
     settings = [s for s in RUNS["cp2xdp2-zero3-llama"][1] if s != "parallel.cp=2"]
     sets = [a for o in run_overrides(run_dir, settings) for a in ("--set", o)]
     proc = subprocess.run([str(BIN / "dsf"), "train", str(TINY_YAML), *sets, "--resume"], capture_output=True,
@@ -140,7 +145,7 @@ def test_resume_refuses_another_context_parallel_size(cp_runs, tmp_path):
     assert proc.stderr.strip().splitlines()[-1].startswith(
         "dsf: error: parallel.cp=1: differs from the checkpoint's 2"), proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
-    assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before
+    assert files() == before
 
 
 def _whole_sequence_saved_bytes(name: str, micro_batch: int, seq_len: int) -> tuple[int, float]:

@@ -179,10 +179,11 @@ class JobStop:
 
     The signal goes to every process of the job: on one node, to the runner's process group (the
     runner, DeepSpeed's per-node launcher, which passes it on to each rank's tree as SIGTERM, and
-    the ranks: `local`); across nodes, SIGTERM to the runner, which interrupts pdsh and `pkill`s its
-    per-node launchers on every node (srun likewise signals every task of its step), or, once the
-    runner is gone, to those launchers by dsf's own `sweep` over pdsh. The ranks agree on a step, save
-    a checkpoint and exit; after STOP_GRACE_S what is left is killed, everywhere.
+    the ranks: `local`); across nodes with pdsh, SIGTERM to every node's per-node launcher by dsf's
+    own `sweep` over pdsh (signalled, deepspeed's runner would abort pdsh, and the closing ssh
+    sessions would end the ranks before they save); with srun, SIGTERM to srun, which signals every
+    task of its step. The ranks agree on a step, save a checkpoint and exit; after STOP_GRACE_S what
+    is left is killed, everywhere.
 
         stop = JobStop(runner, local=True)      # sweep=(env, hosts, world_info) across nodes
         signal.signal(signal.SIGTERM, stop.forward)
@@ -199,12 +200,13 @@ class JobStop:
     def forward(self, signum: int, frame: object = None) -> None:
         if self.signum is None:
             self.signum, self.deadline = signum, time.monotonic() + STOP_GRACE_S
+        if self.sweep is not None:  # pdsh across nodes: SIGTERM to every node's per-node launcher, which passes
+            _sweep(*self.sweep, kill=False)  # it on to its ranks. (Not to deepspeed's runner: it aborts pdsh,
+            return                           # whose ssh sessions close and take the ranks down unsaved.)
         if not self.local and self.runner.poll() is None:
-            self.runner.send_signal(signal.SIGTERM)  # (deepspeed's runner stops pdsh on it, srun its tasks)
+            self.runner.send_signal(signal.SIGTERM)  # (srun signals every task of its step)
             return
         _signal_group(self.runner, signum)
-        if self.sweep is not None:  # the runner is gone: the per-node launchers, as its own teardown does
-            _sweep(*self.sweep, kill=False)
 
     def overdue(self) -> bool:
         """Past the grace after a stop signal. A runner found dead of a signal it was sent by
@@ -331,8 +333,11 @@ def _stop(runner: subprocess.Popen, env: Mapping[str, str], hosts: list[str], wo
 def _sweep(env: Mapping[str, str], hosts: list[str], world_info: str, *, kill: bool) -> None:
     """SIGTERM to this job's per-node launchers on every node (they pass it on to their ranks, which
     checkpoint); `kill`: 2 s later, SIGKILL to those still there (their ranks die with them)."""
-    # "[d]" so the pattern does not match the remote shell running it; base64 holds no other regex character
-    pattern = shlex.quote(f"[d]eepspeed.launcher.launch --world_info={world_info}")
+    # The launcher's own command line only: anchored at its python (the ssh session's `bash -c "cd ...;
+    # python -u -m deepspeed.launcher.launch ..."` that pdsh started, and this sweep's own shell, hold
+    # the same words; a TERM to that shell would close the session and end the ranks before they save).
+    # "[d]" keeps the pattern from matching itself; base64 holds no other regex character.
+    pattern = shlex.quote(f"^[^ ]*python[^ ]* -u -m [d]eepspeed[.]launcher[.]launch --world_info={world_info}")
     command = f"pkill -TERM -f {pattern}; " + (f"sleep 2; pkill -KILL -f {pattern}; " if kill else "") + "true"
     sweep = ["pdsh", "-S", "-f", "1024", "-w", ",".join(hosts), command]
     try:

@@ -156,6 +156,40 @@ def test_rank_stopped_on_node1_is_caught_as_hung_and_named(pdsh_cluster, tmp_pat
     assert line and "its process is stopped" in line and " of step " in line, output[-3000:]
 
 
+def test_sigterm_to_dsf_launch_alone_checkpoints_on_every_node_and_leaves_nothing(pdsh_cluster, tmp_path):
+    """SIGTERM to `dsf launch`'s pid alone (what `kill`, a supervisor or a scheduler sends to the pid it
+    knows), pdsh across 2 nodes x 2 ranks: every rank stops at one agreed step with a checkpoint,
+    `dsf launch` exits 143 (preempted, steps remain) within 60 s, and nothing of the job is left on
+    either node. (The same signal to the deepspeed runner, its group and one rank on one node:
+    tests/distributed/test_faults.py; a preempted checkpoint resumed exactly across nodes: SLURM's below.)"""
+    out, log = tmp_path / "out", tmp_path / "job.log"
+    job = pdsh_cluster.popen(0, dsf_launch_cmd(tmp_path, "pdsh", overrides=UNTIL_STOPPED), log=log, cwd=tmp_path,
+                             env=node_env(pdsh_cluster))
+    try:
+        def started() -> bool:
+            assert job.poll() is None, f"job ended early ({job.returncode}):\n{log.read_text()[-3000:]}"
+            return last_logged_step(out / "metrics.jsonl") >= 1 and len(trainers(pdsh_cluster, 1)) == 2
+
+        wait_until(started, timeout=TIMEOUT, what="step 1 on both nodes", every=0.3)
+        launcher = [pid for pid, line in pdsh_cluster.processes(0, "dsf launch") if "python" in line]
+        assert len(launcher) == 1, pdsh_cluster.processes(0, "dsf launch")
+        os.kill(launcher[0], signal.SIGTERM)
+        sent = time.monotonic()
+        code = job.wait(timeout=LIMIT + 15)
+        seconds = time.monotonic() - sent
+        assert_nothing_left(pdsh_cluster)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    output = log.read_text()
+    stopped = max(losses(out))
+    assert code == 143 and seconds < 60, f"exit {code} {seconds:.0f} s after SIGTERM\n{output[-3000:]}"
+    assert f"stopped by SIGTERM at step {stopped}" in output, output[-3000:]
+    assert (out / "checkpoints" / "latest").read_text() == f"global_step{stopped}"
+    assert not list((out / "checkpoints").glob("*.partial"))
+
+
 RESTART_STEPS, RESTART_EVERY = 24, 4
 
 

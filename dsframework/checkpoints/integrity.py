@@ -24,15 +24,16 @@ from typing import Any, Iterable
 from dsframework.checkpoints.manifest import MANIFEST, Manifest
 from dsframework.parallel.host import host_group
 
-CHUNK = 16 << 20
+CHUNK = 4 << 20  # read into one buffer per file: a few MiB of memory per thread, whatever the file's size
 
 
 def checksum(path: Path) -> str:
     """'crc32:1a2b3c4d' of the file at `path`."""
-    crc = 0
+    crc, buffer = 0, bytearray(CHUNK)
+    view = memoryview(buffer)
     with open(path, "rb", buffering=0) as f:
-        while block := f.read(CHUNK):
-            crc = zlib.crc32(block, crc)
+        while read := f.readinto(buffer):
+            crc = zlib.crc32(view[:read], crc)
     return f"crc32:{crc:08x}"
 
 

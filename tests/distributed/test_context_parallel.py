@@ -133,8 +133,9 @@ def test_resume_refuses_another_context_parallel_size(cp_runs, tmp_path):
     run_dir = tmp_path / "moved"
     shutil.copytree(cp_runs["dir-cp2xdp2-zero3-llama"], run_dir)
 
-    def files() -> dict:  # (but the lock a resume past pre-flight takes: checkpoints/outputs.py)
-        return {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.name != LOCK}
+    def files() -> dict:  # every file's mtime (but the lock a resume past pre-flight takes: checkpoints/outputs.py;
+        # a directory's own mtime moves with pre-flight's write probe, made and removed in it)
+        return {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file() and p.name != LOCK}
 
     before = files()
     settings = [s for s in RUNS["cp2xdp2-zero3-llama"][1] if s != "parallel.cp=2"]

@@ -8,8 +8,8 @@ and the rule that no command writes over another run's files.
     remove_written(run.output_dir, fallback)      # --overwrite: only what the record (else `fallback`) names
     check_export_target(out_dir, ckpt_dir)        # dsf export: never into, over or around a run's files
 
-The lock is `fcntl.flock` on `<output_dir>/dsf.lock`, taken by rank 0 of `dsf train` and held until
-the process ends: the kernel releases it when the holder dies, however it dies, so a crash leaves no
+The lock is `fcntl.flock` on `<output_dir>/dsf.lock`, taken by rank 0 of `dsf train` (at the end of
+pre-flight; for an output_dir that is not there yet, when it makes it) and held until the process ends: the kernel releases it when the holder dies, however it dies, so a crash leaves no
 stale lock (the file stays, naming the last holder; a lock, not the file, is what refuses). A child
 forked by the holder (a data worker, DeepSpeed's decoupled writer) closes its copy of the descriptor
 at once, so it neither keeps the lock after the trainer ends nor can release it. On a shared

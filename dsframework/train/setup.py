@@ -198,8 +198,8 @@ def preflight(run: RunConfig, *, resume: bool, overwrite: bool,
     if source.pretrained_dir is not None and (dims.tp_enabled or dims.pp_enabled):
         check_pretrained_files(source.pretrained_dir, source.config, sliced=True)
     check_model_fits(run, source.config, dims, force=force)
-    if int(os.environ.get("RANK", "0")) == 0:  # every check passed: one run per output directory from here,
-        hold_output_dir(run.output_dir)        # held until this process ends (the first thing written)
+    if int(os.environ.get("RANK", "0")) == 0 and Path(run.output_dir).is_dir():  # every check passed: one run
+        hold_output_dir(run.output_dir)  # per output directory from here, held to exit (a new one: at its first write)
     return resuming, source
 
 
@@ -282,6 +282,7 @@ def claim_outputs(run: RunConfig, config: HFConfig, tokenizer: Any, *, resume: b
         _check_same_model(run, config)
         ckpt.check_same_adapters(run.checkpoint_dir, run.model.lora)
     elif rank == 0:
+        hold_output_dir(run.output_dir)  # (taken in pre-flight when output_dir was there; else made and taken now)
         if overwrite:  # what the previous run recorded writing, nothing else (output_dir is locked: ours)
             remove_written(run.output_dir, fallback=TRAINER_OUTPUTS)
             remove_previous_outputs(run.logging)

@@ -23,7 +23,7 @@ from dsframework.models.hf import check_positions
 from dsframework.models.pipeline import check_model_parallelism
 from dsframework.planner.cluster import load_cluster, local_cluster, local_gpu_preset
 from dsframework.planner.count import model_counts
-from dsframework.planner.fit import fit_run
+from dsframework.planner.run_fit import fit_run
 
 
 def resources(hostfile: Path | None, num_gpus: int):
@@ -64,7 +64,7 @@ def plan_cluster(cluster_name: str | None, run_cluster: str | None, *, on_gpu: b
 def memory_check(run, config, dims, active, cluster_name: str | None, *, force: bool) -> str:
     """'predicted X GiB of Y GiB available (where Y comes from); host H GiB of R GiB per node'; a
     UserError when either does not fit (a warning with --force). The planner's memory model and fit
-    rule for the run's own layout (planner/fit.py fit_run: the device per rank; a node's RAM to build,
+    rule for the run's own layout (planner/run_fit.py fit_run: the device per rank; a node's RAM to build,
     offload and export; a LoRA run's adapters alone), the rule `dsf train`'s pre-flight applies too."""
     ranks_per_node = max(len(slots) for slots in active.values())
     if cluster_name:

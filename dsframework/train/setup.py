@@ -70,7 +70,7 @@ from dsframework.parallel.host import rank_zero_first
 from dsframework.parallel.topology import build_grid, build_topology
 from dsframework.planner.cluster import local_cluster, local_gpu_preset
 from dsframework.planner.count import model_counts
-from dsframework.planner.fit import fit_run
+from dsframework.planner.run_fit import fit_run
 from dsframework.runtime_facts import loss_chunking as rank_loss_chunking
 from dsframework.train.compiling import compile_engine, use_inductor_cache
 from dsframework.train.expert_load import ExpertLoad
@@ -449,7 +449,7 @@ def check_writable(run: RunConfig) -> None:
 def check_model_fits(run: RunConfig, config: HFConfig, dims: ParallelDims, *, force: bool) -> None:
     """data.seq_len within the model's positions (models/hf.py check_positions: past a learned table
     refused, past unscaled rotary ones a warning from rank 0), and the memory `dsf launch` predicts
-    for this layout (planner/fit.py fit_run) within this node's: on CPU ranks each rank's share of
+    for this layout (planner/run_fit.py fit_run) within this node's: on CPU ranks each rank's share of
     the RAM and the node's RAM to build and offload; on GPU ranks the host's part alone. Every rank
     checks its own node; with --force a refusal is rank 0's warning.
 

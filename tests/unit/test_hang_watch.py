@@ -121,7 +121,7 @@ def test_the_watcher_names_and_kills_a_rank_that_stops_beating(pulse, how, named
     monkeypatch.setenv("LOCAL_RANK", "1")
     child = subprocess.Popen([sys.executable, "-c", CHILD, how], env={**os.environ, ENV: str(pulse.path)})
     started = time.monotonic()
-    code = supervise._wait_watching(child, pulse)
+    code = supervise._wait_watching(child, pulse, stop=lambda signum, frame: child.send_signal(signum))
     took = time.monotonic() - started
     err = capfd.readouterr().err
     if named_after is None:

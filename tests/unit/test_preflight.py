@@ -96,7 +96,7 @@ def test_a_gpu_rank_counts_only_what_lives_on_the_host():
     from dsframework.layout import ParallelDims
     from dsframework.models.build import resolve_model
     from dsframework.planner.cluster import load_cluster
-    from dsframework.planner.fit import fit_run
+    from dsframework.planner.run_fit import fit_run
 
     def refusal(*settings: str, device: bool):
         run = build_run_config({}, ["model.name=llama-70b", "parallel.zero_stage=3", "train.global_batch=8",

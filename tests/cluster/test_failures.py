@@ -103,21 +103,20 @@ def trainers(cluster, node: int) -> dict[int, int]:
     return found
 
 
-def rank_failure_on_node1(cluster, tmp_path, sig: int, *, overrides=()) -> tuple[int | None, float, str]:
-    """Start the 2 x 2 job (node1 runs ranks 2 and 3), send `sig` to rank 3's trainer once step 1 is
-    logged, wait for the job's end: (exit code, seconds from the signal to the end, the output)."""
+def signal_the_job(cluster, tmp_path, sig: int, victim, *, overrides=()) -> tuple[int | None, float, str]:
+    """Start the 2 x 2 job (node1 runs ranks 2 and 3), send `sig` to the pid `victim(cluster)` names once
+    step 1 is logged on both nodes, wait for the job's end and for nothing of it to be left: (exit code,
+    seconds from the signal to the end, the output)."""
     out = tmp_path / "out"
     job = cluster.popen(0, dsf_launch_cmd(tmp_path, "pdsh", overrides=[*UNTIL_STOPPED, *overrides]),
                         log=tmp_path / "job.log", cwd=tmp_path, env=node_env(cluster))
     try:
         def started() -> bool:
             assert job.poll() is None, f"job ended early ({job.returncode}):\n{(tmp_path / 'job.log').read_text()[-3000:]}"
-            return last_logged_step(out / "metrics.jsonl") >= 1
+            return last_logged_step(out / "metrics.jsonl") >= 1 and len(trainers(cluster, 1)) == 2
 
-        wait_until(started, timeout=TIMEOUT, what="step 1", every=0.3)
-        victims = trainers(cluster, 1)
-        assert sorted(victims) == [2, 3], f"node1 runs ranks 2 and 3: {victims}"
-        os.kill(victims[3], sig)
+        wait_until(started, timeout=TIMEOUT, what="step 1 on both nodes", every=0.3)
+        os.kill(victim(cluster), sig)
         sent = time.monotonic()
         try:
             code = job.wait(timeout=LIMIT + 15)
@@ -130,6 +129,17 @@ def rank_failure_on_node1(cluster, tmp_path, sig: int, *, overrides=()) -> tuple
             os.killpg(job.pid, signal.SIGKILL)
             job.wait()
     return code, seconds, (tmp_path / "job.log").read_text()
+
+
+def rank_3_on_node1(cluster) -> int:
+    victims = trainers(cluster, 1)
+    assert sorted(victims) == [2, 3], f"node1 runs ranks 2 and 3: {victims}"
+    return victims[3]
+
+
+def rank_failure_on_node1(cluster, tmp_path, sig: int, *, overrides=()) -> tuple[int | None, float, str]:
+    """`sig` to rank 3's trainer (on node1): signal_the_job's (exit code, seconds, output)."""
+    return signal_the_job(cluster, tmp_path, sig, rank_3_on_node1, overrides=overrides)
 
 
 def test_rank_killed_on_node1_ends_the_job_and_is_named(pdsh_cluster, tmp_path):
@@ -156,33 +166,20 @@ def test_rank_stopped_on_node1_is_caught_as_hung_and_named(pdsh_cluster, tmp_pat
     assert line and "its process is stopped" in line and " of step " in line, output[-3000:]
 
 
+def dsf_launch_pid(cluster) -> int:
+    launcher = [pid for pid, line in cluster.processes(0, "dsf launch") if "python" in line]
+    assert len(launcher) == 1, cluster.processes(0, "dsf launch")
+    return launcher[0]
+
+
 def test_sigterm_to_dsf_launch_alone_checkpoints_on_every_node_and_leaves_nothing(pdsh_cluster, tmp_path):
     """SIGTERM to `dsf launch`'s pid alone (what `kill`, a supervisor or a scheduler sends to the pid it
     knows), pdsh across 2 nodes x 2 ranks: every rank stops at one agreed step with a checkpoint,
     `dsf launch` exits 143 (preempted, steps remain) within 60 s, and nothing of the job is left on
     either node. (The same signal to the deepspeed runner, its group and one rank on one node:
     tests/distributed/test_faults.py; a preempted checkpoint resumed exactly across nodes: SLURM's below.)"""
-    out, log = tmp_path / "out", tmp_path / "job.log"
-    job = pdsh_cluster.popen(0, dsf_launch_cmd(tmp_path, "pdsh", overrides=UNTIL_STOPPED), log=log, cwd=tmp_path,
-                             env=node_env(pdsh_cluster))
-    try:
-        def started() -> bool:
-            assert job.poll() is None, f"job ended early ({job.returncode}):\n{log.read_text()[-3000:]}"
-            return last_logged_step(out / "metrics.jsonl") >= 1 and len(trainers(pdsh_cluster, 1)) == 2
-
-        wait_until(started, timeout=TIMEOUT, what="step 1 on both nodes", every=0.3)
-        launcher = [pid for pid, line in pdsh_cluster.processes(0, "dsf launch") if "python" in line]
-        assert len(launcher) == 1, pdsh_cluster.processes(0, "dsf launch")
-        os.kill(launcher[0], signal.SIGTERM)
-        sent = time.monotonic()
-        code = job.wait(timeout=LIMIT + 15)
-        seconds = time.monotonic() - sent
-        assert_nothing_left(pdsh_cluster)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.wait()
-    output = log.read_text()
+    out = tmp_path / "out"
+    code, seconds, output = signal_the_job(pdsh_cluster, tmp_path, signal.SIGTERM, dsf_launch_pid)
     stopped = max(losses(out))
     assert code == 143 and seconds < 60, f"exit {code} {seconds:.0f} s after SIGTERM\n{output[-3000:]}"
     assert f"stopped by SIGTERM at step {stopped}" in output, output[-3000:]

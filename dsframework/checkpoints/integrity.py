@@ -109,12 +109,17 @@ def step_of(tag: str) -> int:
     return int(number) if number.isdigit() else -1
 
 
+def step_tags(ckpt_dir: Path) -> list[str]:
+    """The committed checkpoints in `ckpt_dir` (its global_stepN folders; a save in flight is
+    global_stepN.partial), oldest first: what a prune, a fallback and a resume without `latest` look through."""
+    return sorted((p.name for p in Path(ckpt_dir).glob("global_step*") if p.is_dir() and step_of(p.name) >= 0),
+                  key=step_of)
+
+
 def tags_before(ckpt_dir: Path, tag: str) -> list[str]:
     """The complete checkpoints (a folder with a manifest) older than `tag`, newest first."""
-    step = step_of(tag)
-    found = [p.name for p in Path(ckpt_dir).glob("global_step*")
-             if p.is_dir() and 0 <= step_of(p.name) < step and (p / MANIFEST).is_file()]
-    return sorted(found, key=step_of, reverse=True)
+    return [t for t in reversed(step_tags(ckpt_dir))
+            if step_of(t) < step_of(tag) and (Path(ckpt_dir) / t / MANIFEST).is_file()]
 
 
 def newest_intact(ckpt_dir: Path, *, before: str, sums: bool = True) -> str | None:

@@ -18,6 +18,7 @@ filesystem the lock holds across nodes where the filesystem gives `flock` (NFSv4
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -56,9 +57,15 @@ def hold_output_dir(output_dir: str | Path) -> Path:
         os.close(fd)
         raise UserError("output_dir", str(output_dir), f"is in use by another run ({holder_text(directory)})",
                         "wait for it to end, stop it, or --set output_dir=NEW_DIR") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
-                              "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode() + b"\n", 0)
+    try:  # a disk already full refuses these ~80 bytes: one line, and the lock let go
+        with contextlib.suppress(OSError):  # (a lock file that is a device cannot be truncated)
+            os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                                  "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode() + b"\n", 0)
+    except OSError as err:
+        os.close(fd)
+        raise UserError("output_dir", str(output_dir), f"cannot be written ({err.strerror or err})",
+                        "free space there, or set output_dir to a directory on another disk") from None
     _held[directory] = fd
     return directory / LOCK
 

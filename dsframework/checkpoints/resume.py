@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from dsframework.checkpoints import checkpoint as ckpt
-from dsframework.checkpoints.integrity import newest_intact, tags_before
+from dsframework.checkpoints.integrity import newest_intact, step_tags, tags_before
 from dsframework.checkpoints.manifest import Manifest
 from dsframework.checkpoints.reshard import Resharding, universal_tag
 from dsframework.config import RunConfig
@@ -96,9 +96,7 @@ class ResumePlan:
 def newest_complete_tag(ckpt_dir: Path) -> str | None:
     """The newest `global_stepN` in `ckpt_dir` whose manifest verifies (every file there, as saved),
     or None. What a resume could start from when `latest` names nothing."""
-    steps = sorted((p.name for p in Path(ckpt_dir).glob("global_step*") if p.is_dir() and ckpt.step_of(p.name) >= 0),
-                   key=ckpt.step_of, reverse=True)
-    for tag in steps:
+    for tag in reversed(step_tags(ckpt_dir)):
         try:
             if ckpt.verify(ckpt_dir, tag) is not None:  # (None: no manifest, nothing to verify it by)
                 return tag

@@ -17,20 +17,14 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from dsframework.checkpoints.integrity import step_of
+from dsframework.checkpoints.integrity import step_of, step_tags
 from dsframework.checkpoints.manifest import MANIFEST, Manifest
 from dsframework.errors import UserError
 from dsframework.files import free_bytes, gib
 
-def complete_tags(ckpt_dir: Path) -> list[str]:
-    """The committed checkpoints (global_stepN folders), oldest first."""
-    return sorted((p.name for p in Path(ckpt_dir).glob("global_step*") if p.is_dir() and step_of(p.name) >= 0),
-                  key=step_of)
-
-
 def last_save_bytes(ckpt_dir: Path) -> int | None:
     """The size of the newest committed checkpoint, from its manifest (None: none yet)."""
-    for tag in reversed(complete_tags(ckpt_dir)):
+    for tag in reversed(step_tags(ckpt_dir)):
         path = Path(ckpt_dir) / tag / MANIFEST
         if path.is_file():
             return sum(Manifest.read(path).files.values())
@@ -44,7 +38,7 @@ def prune(ckpt_dir: Path, *, keep: int, keep_every: int = 0) -> list[str]:
     if keep <= 0:
         return []
     ckpt_dir = Path(ckpt_dir)
-    tags = complete_tags(ckpt_dir)
+    tags = step_tags(ckpt_dir)
     latest = (ckpt_dir / "latest").read_text().strip() if (ckpt_dir / "latest").is_file() else None
     old = [t for t in tags[:-keep] if t != latest and not (keep_every and step_of(t) % keep_every == 0)]
     for tag in old:
@@ -59,7 +53,7 @@ def low_space_line(ckpt_dir: Path) -> str | None:
     if needed is None or free >= needed:
         return None
     return (f"{ckpt_dir} has {gib(free)} free and the last checkpoint took {gib(needed)} "
-            f"(last good checkpoint: {complete_tags(ckpt_dir)[-1]})")
+            f"(last good checkpoint: {step_tags(ckpt_dir)[-1]})")
 
 
 def low_space_error(line: str) -> UserError:

@@ -64,6 +64,17 @@ def test_the_lock_refuses_a_second_holder_names_it_and_dies_with_its_holder(tmp_
     assert outputs.holder(run) is None
 
 
+def test_a_lock_that_cannot_be_written_is_one_line_and_not_held(tmp_path):
+    """A disk already full: the lock file (here /dev/full, which answers every write with ENOSPC)
+    refuses its holder's name; one line naming output_dir, and the lock is let go."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / outputs.LOCK).symlink_to("/dev/full")
+    with pytest.raises(UserError, match=rf"output_dir='{run}': cannot be written \(No space left on device\)"):
+        outputs.hold_output_dir(run)
+    assert outputs.holder(run) is None and run.resolve() not in outputs._held
+
+
 def test_the_trainer_outputs_are_the_protocols_file_names():
     assert {PREEMPTED_MARKER, FINISHED_MARKER, CHECKPOINT_TIMES} <= set(outputs.TRAINER_OUTPUTS)
 
@@ -153,10 +164,10 @@ def test_keep_removes_the_oldest_and_keeps_every_mth(tmp_path):
     (tmp_path / "latest").write_text("global_step60")
     assert space.prune(tmp_path, keep=0) == []
     assert space.prune(tmp_path, keep=2, keep_every=20) == ["global_step10", "global_step30"]
-    assert space.complete_tags(tmp_path) == ["global_step20", "global_step40", "global_step50", "global_step60"]
+    assert integrity.step_tags(tmp_path) == ["global_step20", "global_step40", "global_step50", "global_step60"]
     assert (tmp_path / "global_step20.universal").is_dir()
     assert space.prune(tmp_path, keep=1) == ["global_step20", "global_step40", "global_step50"]
-    assert space.complete_tags(tmp_path) == ["global_step60"] and not (tmp_path / "global_step20.universal").exists()
+    assert integrity.step_tags(tmp_path) == ["global_step60"] and not (tmp_path / "global_step20.universal").exists()
 
 
 def test_low_space_compares_the_free_space_with_the_last_checkpoint(tmp_path):

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, cast
 
+from dsframework.checkpoints.adam_products import restore_adam_products
 from dsframework.checkpoints.integrity import (first_problem_of_ranks, gather_checksums, newest_intact, own_checksums,
                                                problem)
 from dsframework.checkpoints.integrity import step_of as step_of  # tag_for's inverse (-1: not a step's tag)
@@ -630,4 +631,5 @@ def load(engine: Engine, ckpt_dir: Path, *, tag: str | None = None) -> dict[str,
     rng_file = Path(ckpt_dir) / tag / f"rng_rank{engine.global_rank}.pt"
     if rng_file.is_file():  # a rank beyond the saved world (resumed at a larger dp) has none
         _set_rng_states(torch.load(rng_file, weights_only=False))
+    restore_adam_products(engine)  # (DeepSpeed's host Adam: what makes the next step the straight run's)
     return client_state["dsf"]

@@ -32,7 +32,8 @@ SHARED_MODULES = ("test_zero", "test_resume", "test_faults", "test_layouts", "te
                   "test_export_stream", "test_lora", "test_sft", "test_experts", "test_compile", "test_hpz",
                   "test_context_parallel", "test_metric_sinks", "test_restarts", "test_export_experts_stream",
                   "test_nothing_lost")
-NEEDS = {"test_compile": ("test_zero",)}  # test_compile's eager baselines are test_zero's runs
+NEEDS = {"test_compile": ("test_zero",),  # test_compile's eager baselines are test_zero's runs
+         "test_nothing_lost": ("test_faults",)}  # its undisturbed run is faults-common
 
 
 def shared_specs(ranks: int, root: Path, modules: set[str]) -> list[str]:

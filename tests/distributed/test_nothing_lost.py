@@ -12,7 +12,7 @@ next to them, each judged by its one line, its exit code, what is left on disk a
   token store's build on a full disk: one line, nothing partial.
 
 "Exactly" is 1e-6 relative against one uninterrupted run of the same config (the shared launch's
-`lost-common`). The lock, checksums and disk rules without training: tests/unit/test_outputs.py.
+`faults-common`). The lock, checksums and disk rules without training: tests/unit/test_outputs.py.
 """
 from __future__ import annotations
 
@@ -33,19 +33,19 @@ from dsframework.errors import UserError
 
 from tests.distributed.launcher import (BIN, REPO, TINY_YAML, assert_close, launch, losses, rank_env, run_overrides,
                                         train_launch)
-from tests.distributed.test_faults import LONG, session_processes, start_job, wait_for, wait_for_step
+from tests.distributed.test_faults import COMMON, LONG, session_processes, start_job, wait_for, wait_for_step
 
-COMMON = ["parallel.zero_stage=1", "train.steps=6", "checkpoint.every=2", "checkpoint.save_final=true"]
 
 
 def shared_specs(ranks: int, root: Path) -> list[str]:
-    """conftest.shared_runs' spec at world 2: `lost-common`, the undisturbed run (checkpoints 2, 4, 6)."""
-    return [f"lost-common|eager|{';'.join(COMMON)}"] if ranks == 2 else []
+    """None of its own: the undisturbed run is test_faults' `faults-common` (COMMON, checkpoints 2, 4,
+    6), in the same shared launch (conftest.NEEDS)."""
+    return []
 
 
 @pytest.fixture(scope="module")
 def straight(shared_runs) -> tuple[Path, dict[int, float]]:
-    out = shared_runs(2)[0] / "lost-common"
+    out = shared_runs(2)[0] / "faults-common"
     return out, losses(out)
 
 

@@ -1,13 +1,14 @@
 """What the planner knows of a model (ModelDesc: shapes, parameter counts, FLOPs) and one tensor
 rank's parameters (TensorShares), imported without torch: the search, the memory and speed models
-and `dsf plan`'s disk cache read them; planner/model.py's `describe_model` counts them on the model.
+and `dsf plan`'s disk cache read them; planner/model.py's `describe_model` counts them on the model,
+planner/analytic.py's `analytic_desc` from the config alone (plain dense decoders).
 
     desc = describe_model(config)     # planner/model.py (builds the model on the meta device)
     desc.total_params, desc.flops_per_token(seq_len=4096), desc.shares(2).items, desc.tp_problem(8)
 
-A describer reads a ModelDesc's features through the rules at the end of this module
-(`layer_features`, `activation_of`, `dropout_of`, `tensors_split`, `unsplit_matrices`): pure, fed
-what it read of a decoder layer (names, shapes, norms), so that a describer without torch reads the same.
+Both describers read a ModelDesc's features through the rules at the end of this module
+(`layer_features`, `activation_of`, `dropout_of`, `tensors_split`, `unsplit_matrices`): the same
+rule, fed the meta model's modules by one and a decoder layer's tensors, listed, by the other.
 """
 from __future__ import annotations
 
@@ -188,7 +189,7 @@ class ModelDesc:
         return 6.0 * (self.matrices_unsplit - (self.idle_expert_params if self.experts_unsplit else 0))
 
 
-# --- the rules a describer reads a ModelDesc's fields by (planner/model.py's, pure) ---------------
+# --- the rules both describers read a ModelDesc's fields by (planner/model.py, planner/analytic.py) ---
 
 def problem_text(error: Exception) -> str:
     """What tp_problem / pp_problem say for a refusal: its first line (its type's name if it has none)."""

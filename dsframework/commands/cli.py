@@ -316,9 +316,8 @@ def _plan_job(flags: dict, user: "_UserRun | None"):
     """(the model described, the Workload, pinned sizes, its DescCache or None) of `dsf plan`: from the
     flags, and with --run from the run config too (its model and overrides; its loss chunk; LoRA's
     adapters, at tp = pp = cp = ep = 1; a chat or prompt/completion format at pp = cp = 1). A model
-    described before comes from planner/desc_cache.py's file: no torch, no transformers."""
+    described as `_plan_model` says."""
     from dsframework.config import ModelSpec
-    from dsframework.planner.desc_cache import DescCache
     from dsframework.planner.files import job_values
     from dsframework.planner.memory import Workload
 
@@ -334,16 +333,6 @@ def _plan_job(flags: dict, user: "_UserRun | None"):
 
         return resolve_model(spec).config
 
-    def model_counts(config):  # torch: only when the model is counted
-        from dsframework.planner.count import model_counts
-
-        return model_counts(config)
-
-    def describe_model(config, *, name):
-        from dsframework.planner.model import describe_model
-
-        return describe_model(config, name=name)
-
     job = Workload(seq_len=values["--seq-len"], global_batch=values["--global-batch"],
                    precision=values["--precision"], loss_chunk_tokens=run.train.loss_chunk_tokens if run else None)
     pins: dict[str, int] = {}
@@ -355,11 +344,37 @@ def _plan_job(flags: dict, user: "_UserRun | None"):
         count = count_lora_parameters(load_config(), run.model.lora)
         job = replace(job, trainable_params=count.trainable, trainable_persistent=count.persistent)
         pins.update(tp=1, pp=1, cp=1, ep=1)
-    cache = DescCache.for_spec({**spec.model_dump(mode="json"), "--model": values["--model"]})
-    desc = cache.load(load_counts=lambda: model_counts(load_config())) if cache is not None else None
-    if desc is None:
-        desc = describe_model(load_config(), name=values["--model"])
+    desc, cache = _plan_model(spec, values["--model"], load_config)
     return desc, job, pins, cache
+
+
+def _plan_model(spec, name: str, load_config):
+    """(the model `spec` names, described; its DescCache or None) for `dsf plan`. Described before: read
+    back from planner/desc_cache.py's file; a plain dense model (Llama, Mistral, Qwen2, Qwen3): counted
+    from its config alone (planner/analytic.py), neither importing torch nor transformers; any other:
+    counted on the model built on the meta device (planner/model.py, `load_config()` its config)."""
+    from dsframework.models.presets import config_fields
+    from dsframework.planner.analytic import analytic_desc
+    from dsframework.planner.desc_cache import DescCache
+
+    @functools.cache
+    def analytic():
+        fields = config_fields(spec.name)
+        return analytic_desc(fields, name=name, overrides=spec.overrides) if fields is not None else None
+
+    def counts():  # a tp the file lacks: from the config where it can be, else on the model (torch)
+        from dsframework.planner.count import model_counts
+
+        quick = analytic()
+        return quick.counts if quick is not None and quick.counts is not None else model_counts(load_config())
+
+    cache = DescCache.for_spec({**spec.model_dump(mode="json"), "--model": name})
+    desc = (cache.load(load_counts=counts) if cache is not None else None) or analytic()
+    if desc is None:
+        from dsframework.planner.model import describe_model
+
+        desc = describe_model(load_config(), name=name)
+    return desc, cache
 
 
 def _write_plan_files(plan, output_dir: Path, *, model_name: str, cluster_name: str, user: "_UserRun | None") -> None:

@@ -33,7 +33,7 @@ from typing import Any, Iterator, cast
 from dsframework.checkpoints.export import export_checkpoint, locate
 from dsframework.data import load_tokenizer
 from dsframework.errors import UserError
-from dsframework.models.build import WEIGHT_FILES  # what from_pretrained loads
+from dsframework.models.hf import WEIGHT_FILES  # what from_pretrained loads
 from dsframework.types import HFModel
 
 

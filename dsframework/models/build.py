@@ -34,13 +34,11 @@ from dsframework.errors import UserError, did_you_mean
 from dsframework.models.construct import (ConstructorValueUnknown, build_for_layout, check_pretrained_files,
                                           placed, reads_every_tensor)
 from dsframework.models.experts import train_router_loss
-from dsframework.models.hf import causal_lm_class, check_causal_lm, skip_transformers_init
+from dsframework.models.hf import WEIGHT_FILES, causal_lm_class, check_causal_lm, skip_transformers_init
 from dsframework.models.lora import check_lora_targets
 from dsframework.models.presets import PRESETS
 from dsframework.types import HFConfig, accelerator
 
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                "pytorch_model.bin.index.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 

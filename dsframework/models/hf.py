@@ -14,6 +14,11 @@ from typing import Any, cast
 from dsframework.errors import UserError
 from dsframework.types import HFConfig
 
+# The files that make a directory with a config.json a pretrained model (what from_pretrained loads);
+# here, without torch, for the planner too (a directory of weights is checked on its model).
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+
 
 def causal_lm_class(config: HFConfig) -> type:
     """The AutoModelForCausalLM class for a config, imported now (not lazily inside zero.Init)."""

@@ -1,6 +1,8 @@
-"""Built-in model presets: transformers config fields by name, no weights and no hub access.
+"""Built-in model presets: transformers config fields by name, no weights and no hub access; and the
+fields any `model.name` names, read without transformers (`config_fields`, for the planner).
 
     PRESETS["tiny-llama"]["num_key_value_heads"]   # 2: grouped-query attention even when tiny
+    config_fields("runs/my-model")    # its config.json as a dict (None: a directory of weights)
 
 The tiny presets train on a CPU in seconds; the real-size ones (llama-7b, llama-70b, ...; qwen3-8b,
 gemma3-12b, phi4-14b, olmo2-13b, the mixture of experts qwen3-30b-a3b in their published shapes) exist for planning and for GPUs. A randomly
@@ -8,7 +10,11 @@ initialised model takes the tokenizer's vocabulary size at build time.
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
+
+from dsframework.models.hf import WEIGHT_FILES
 
 _LLAMA_DEFAULTS = {"model_type": "llama", "hidden_act": "silu", "rms_norm_eps": 1e-5,
                    "rope_theta": 10000.0, "tie_word_embeddings": False, "attention_dropout": 0.0}
@@ -77,3 +83,21 @@ PRESETS: dict[str, dict[str, Any]] = {
                   "n_positions": 1024, "tie_word_embeddings": True},
 }
 
+
+def config_fields(name: str) -> dict[str, Any] | None:
+    """The fields of the config `name` names, found where models/build.py's resolve_model finds them
+    (a preset, a config.json, a directory's config.json) and read as plain JSON: no transformers, no
+    defaults filled in. None where resolve_model must decide: a directory of weights (it checks them on
+    the model), anything unreadable or no JSON object (its error names the problem)."""
+    if name in PRESETS:
+        return dict(PRESETS[name])
+    path = Path(name).expanduser()
+    try:
+        if path.is_dir():
+            if any((path / weights).exists() for weights in WEIGHT_FILES):
+                return None
+            path = path / "config.json"
+        fields = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return fields if isinstance(fields, dict) else None

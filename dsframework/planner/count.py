@@ -25,7 +25,7 @@ from dsframework.models.hf import causal_lm_class, skip_transformers_init
 from dsframework.models.tensor_parallel import shard_model
 from dsframework.models.pipeline import hf_names, pipeline_layer_descriptions
 from dsframework.parallel.tensor import LayoutOnlyGroup
-from dsframework.planner.desc import SharesByTp, TensorShares
+from dsframework.planner.desc import SharesByTp, TensorShares, problem_text
 from dsframework.types import HFConfig
 
 
@@ -52,10 +52,6 @@ def _shallow_config(config: HFConfig, depth: int) -> Any:
     return shallow
 
 
-def _problem(error: Exception) -> str:
-    return str(error).splitlines()[0] if str(error) else type(error).__name__
-
-
 class ModelCounts(SharesByTp):
     """A config's parameters, counted (see the module docstring); `model_counts` caches one per config."""
 
@@ -78,7 +74,7 @@ class ModelCounts(SharesByTp):
         try:
             specs = pipeline_layer_descriptions(self.config)
         except Exception as error:  # noqa: BLE001 - any refusal means: no pipeline for this model
-            return self._module_tree_paths(), _problem(error)
+            return self._module_tree_paths(), problem_text(error)
         out = []
         for index, spec in enumerate(specs):
             paths = tuple(dict.fromkeys(p for group in hf_names(spec).values() for p in group))
@@ -106,7 +102,7 @@ class ModelCounts(SharesByTp):
         try:
             return self._count(tp)
         except Exception as error:  # noqa: BLE001 - shard_model's refusal, whatever its type
-            return _problem(error)
+            return problem_text(error)
 
     def _count(self, tp: int) -> TensorShares:
         if tp == 1:

@@ -1,15 +1,21 @@
 """What the planner knows of a model (ModelDesc: shapes, parameter counts, FLOPs) and one tensor
 rank's parameters (TensorShares), imported without torch: the search, the memory and speed models
-and `dsf plan`'s disk cache read them; planner/model.py's `describe_model` counts them on the model.
+and `dsf plan`'s disk cache read them; planner/model.py's `describe_model` counts them on the model,
+planner/analytic.py's `analytic_desc` from the config alone (plain dense decoders).
 
     desc = describe_model(config)     # planner/model.py (builds the model on the meta device)
     desc.total_params, desc.flops_per_token(seq_len=4096), desc.shares(2).items, desc.tp_problem(8)
+
+Both describers read a ModelDesc's features through the rules at the end of this module
+(`layer_features`, `activation_of`, `dropout_of`, `tensors_split`, `unsplit_matrices`): the same
+rule, fed the meta model's modules by one and a decoder layer's tensors, listed, by the other.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 
 @dataclass(frozen=True)
@@ -181,3 +187,67 @@ class ModelDesc:
         """Of `flops_per_token`, the matmuls each tensor rank runs whole (`matrices_unsplit`, the
         experts a token passes through when they are among them): tensor parallelism divides the rest."""
         return 6.0 * (self.matrices_unsplit - (self.idle_expert_params if self.experts_unsplit else 0))
+
+
+# --- the rules both describers read a ModelDesc's fields by (planner/model.py, planner/analytic.py) ---
+
+def problem_text(error: Exception) -> str:
+    """What tp_problem / pp_problem say for a refusal: its first line (its type's name if it has none)."""
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
+def layer_features(config: Any, named: Sequence[tuple[str, tuple[int, ...]]], norms: Sequence[tuple[str, str]], *,
+                   q: int, kv: int, ffn: int) -> dict[str, Any]:
+    """What the activation count needs from one decoder layer: `named` its matrices (path in the
+    layer, shape), `norms` its norm modules (path, class name). A gated MLP (its matrices of width ffn
+    or 2 ffn hold 3 x hidden x ffn), a fused q|k|v projection (a matrix q + 2 kv wide), its norms
+    (those of the layer itself and, inside attention, q/k norms) and their kind."""
+    h = config.hidden_size
+    matrices = [shape for _, shape in named]
+    # (gate|up fused: 2 ffn); attention's matrices left out, whose fused q|k|v may be 2 ffn wide too
+    mlp = sum(a * b for name, (a, b) in named if "att" not in name and {a, b} & {ffn, 2 * ffn})
+    layer_norms = [kind for name, kind in norms if "." not in name]
+    return dict(gated_mlp=mlp >= 3 * h * ffn, fused_qkv=any(q + 2 * kv in shape for shape in matrices),
+                layer_norms=len(layer_norms), qk_norm=any("." in name for name, _ in norms),
+                norms_share_input=len(layer_norms) >= 2 and bool(getattr(config, "use_parallel_residual", False)),
+                norm="rms" if any("RMS" in kind for kind in layer_norms) else "layer")
+
+
+def activation_of(config: Any) -> str:
+    """The MLP's activation function, as the config names it (GPT-2's default: gelu)."""
+    for field_name in ("hidden_activation", "hidden_act", "activation_function"):
+        if getattr(config, field_name, None):
+            return getattr(config, field_name)
+    return "gelu"
+
+
+def dropout_of(config: Any) -> float:
+    """The largest dropout probability in the layers (residual, attention, hidden)."""
+    fields = ("resid_pdrop", "attn_pdrop", "attention_dropout", "hidden_dropout", "residual_dropout")
+    return max([float(getattr(config, f, 0.0) or 0.0) for f in fields])
+
+
+def tensors_split(whole: Sequence[tuple[int, bool]], counts: Counts, *, first: int) -> tuple[tuple[int, bool], ...]:
+    """The first decoder layer's tensors at tp = 1, `whole` its (elements, a matrix?) in order:
+    (elements, split by tensor parallelism?), the split read from a rank of tp = 2 (`first`: the
+    layer's index among the pipeline layers); where tp cannot split the model, assumed of its matrices."""
+    if counts.tp_problem(2) is not None:
+        return tuple(whole)
+    halves = counts.shares(2).items[first][0]
+    return tuple((n, half < n) for (n, _), half in zip(whole, halves))
+
+
+def unsplit_matrices(layers: Sequence[Sequence[tuple[str, int, int]]], counts: Counts, *, first: int) -> dict[str, Any]:
+    """The decoder layers' matrices a rank of tp = 2 holds whole, `layers` each layer's tensors
+    (path, elements, dimensions) in order (none where tp cannot split the model: the planner then
+    counts every matrix as split, as for a dense model)."""
+    if counts.tp_problem(2) is not None:
+        return dict(matrices_unsplit=0, experts_unsplit=False)
+    whole, experts = 0, False
+    for index, tensors in enumerate(layers):
+        halves = counts.shares(2).items[first + index][0]
+        for (name, numel, dim), half in zip(tensors, halves):
+            if dim > 1 and half == numel:
+                whole += half
+                experts = experts or ".experts." in f".{name}"
+    return dict(matrices_unsplit=whole, experts_unsplit=experts)

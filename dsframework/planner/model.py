@@ -21,27 +21,18 @@ from typing import Any, cast
 from dsframework.models.experts import AUTOEP_MODEL_TYPES, expert_layout
 from dsframework.models.plans import context_parallel_problem, sliding_window
 from dsframework.planner.count import ModelCounts, model_counts
-from dsframework.planner.desc import Counts, ModelDesc, TensorShares
+from dsframework.planner.desc import (Counts, ModelDesc, TensorShares, activation_of, dropout_of, layer_features,
+                                      tensors_split, unsplit_matrices)
 from dsframework.types import HFConfig
 
 __all__ = ["Counts", "ModelDesc", "TensorShares", "describe_model"]  # ModelDesc's home is planner/desc.py
 
 
 def _features(config: HFConfig, layer: Any, *, q: int, kv: int, ffn: int) -> dict[str, Any]:
-    """What the activation count needs from one decoder layer's modules: a gated MLP (its matrices
-    of width ffn or 2 ffn hold 3 x hidden x ffn), a fused q|k|v projection (a matrix q + 2 kv wide), its norms (those of
-    the layer itself and, inside attention, q/k norms) and their kind."""
-    h = config.hidden_size
+    """desc.layer_features of one decoder layer's modules: its matrices and its norm modules."""
     named = [(name, tuple(p.shape)) for name, p in layer.named_parameters() if p.dim() == 2]
-    matrices = [shape for _, shape in named]
-    # (gate|up fused: 2 ffn); attention's matrices left out, whose fused q|k|v may be 2 ffn wide too
-    mlp = sum(a * b for name, (a, b) in named if "att" not in name and {a, b} & {ffn, 2 * ffn})
     norms = [(name, type(module).__name__) for name, module in layer.named_modules() if "Norm" in type(module).__name__]
-    layer_norms = [kind for name, kind in norms if "." not in name]
-    return dict(gated_mlp=mlp >= 3 * h * ffn, fused_qkv=any(q + 2 * kv in shape for shape in matrices),
-                layer_norms=len(layer_norms), qk_norm=any("." in name for name, _ in norms),
-                norms_share_input=len(layer_norms) >= 2 and bool(getattr(config, "use_parallel_residual", False)),
-                norm="rms" if any("RMS" in kind for kind in layer_norms) else "layer")
+    return layer_features(config, named, norms, q=q, kv=kv, ffn=ffn)
 
 
 def _experts(config: HFConfig, model: Any) -> dict[str, Any]:
@@ -55,44 +46,24 @@ def _experts(config: HFConfig, model: Any) -> dict[str, Any]:
                 autoep=config.model_type in AUTOEP_MODEL_TYPES)
 
 
-def _activation(config: HFConfig) -> str:
-    for field_name in ("hidden_activation", "hidden_act", "activation_function"):
-        if getattr(config, field_name, None):
-            return getattr(config, field_name)
-    return "gelu"
-
-
-def _dropout(config: HFConfig) -> float:
-    """The largest dropout probability in the layers (residual, attention, hidden)."""
-    fields = ("resid_pdrop", "attn_pdrop", "attention_dropout", "hidden_dropout", "residual_dropout")
-    return max([float(getattr(config, f, 0.0) or 0.0) for f in fields])
+def _first_layer(counts: ModelCounts) -> int:
+    """The first decoder layer's index among the pipeline layers (asked only where tp = 2 splits the
+    model: the rules read its tp = 2 share; 0, unread, otherwise)."""
+    if counts.tp_problem(2) is not None:
+        return 0
+    return next(i for i, (_, kind) in enumerate(counts.specs_paths) if kind == "layer")
 
 
 def _tp1_layer_tensors(counts: ModelCounts, layer: Any) -> tuple[tuple[int, bool], ...]:
-    """One decoder layer's tensors at tp = 1: (elements, split by tensor parallelism?), the split
-    read from a rank of tp = 2 (or, where the model cannot be split, assumed of its matrices)."""
+    """One decoder layer's tensors at tp = 1: (elements, split by tensor parallelism?) (desc.tensors_split)."""
     whole = [(p.numel(), p.dim() > 1) for p in layer.parameters()]
-    if counts.tp_problem(2) is not None:
-        return tuple(whole)
-    first = next(i for i, (_, kind) in enumerate(counts.specs_paths) if kind == "layer")
-    halves = counts.shares(2).items[first][0]
-    return tuple((n, half < n) for (n, _), half in zip(whole, halves))
+    return tensors_split(whole, counts, first=_first_layer(counts))
 
 
 def _unsplit_matrices(counts: ModelCounts, layers: Any) -> dict[str, Any]:
-    """The decoder layers' matrices a rank of tp = 2 holds whole (none where tp cannot split the
-    model: the planner then counts every matrix as split, as for a dense model)."""
-    if counts.tp_problem(2) is not None:
-        return dict(matrices_unsplit=0, experts_unsplit=False)
-    first = next(i for i, (_, kind) in enumerate(counts.specs_paths) if kind == "layer")
-    whole, experts = 0, False
-    for index, layer in enumerate(layers):
-        halves = counts.shares(2).items[first + index][0]
-        for (name, param), half in zip(layer.named_parameters(), halves):
-            if param.dim() > 1 and half == param.numel():
-                whole += half
-                experts = experts or ".experts." in f".{name}"
-    return dict(matrices_unsplit=whole, experts_unsplit=experts)
+    """The decoder layers' matrices a rank of tp = 2 holds whole (desc.unsplit_matrices)."""
+    tensors = [[(name, p.numel(), p.dim()) for name, p in layer.named_parameters()] for layer in layers]
+    return unsplit_matrices(tensors, counts, first=_first_layer(counts))
 
 
 def describe_model(config: HFConfig, *, name: str | None = None) -> ModelDesc:
@@ -118,7 +89,7 @@ def describe_model(config: HFConfig, *, name: str | None = None) -> ModelDesc:
         head_dim=head_dim, layers=len(layers), vocab=config.vocab_size, embedding_params=embedding,
         position_params=position, layer_tensors=_tp1_layer_tensors(counts, layers[0]),
         final_norm_params=total - embedding - position - all_layers - head_params, head_params=head_params,
-        tied=tied, total_params=total, dropout=_dropout(config), activation=_activation(config),
+        tied=tied, total_params=total, dropout=dropout_of(config), activation=activation_of(config),
         sliding_window=sliding_window(config), eager_attention=model.config._attn_implementation == "eager",
         attn_softcapping=bool(getattr(config, "attn_logit_softcapping", None)),
         logit_softcapping=bool(getattr(config, "final_logit_softcapping", None)),

@@ -23,7 +23,8 @@ from dsframework.types import Engine
 def restore_adam_products(engine: Engine) -> int:
     """Replay the steps the loaded optimizer has taken through its host Adam op (see the module
     docstring); returns how many (0: not a host Adam, or no step taken yet)."""
-    return replay_adam_products(getattr(engine.optimizer, "optimizer", engine.optimizer), engine.device)
+    wrapper = getattr(engine, "optimizer", None)  # (None: an engine built without one)
+    return 0 if wrapper is None else replay_adam_products(getattr(wrapper, "optimizer", wrapper), engine.device)
 
 
 def replay_adam_products(optimizer: Any, device: Any) -> int:
@@ -37,7 +38,7 @@ def replay_adam_products(optimizer: Any, device: Any) -> int:
     group = optimizer.param_groups[0]
     beta1, beta2 = group["betas"]
     # grad, param, exp_avg, exp_avg_sq: lr 0 and a zero grad leave them as they are (nothing reads them)
-    tensors = [torch.zeros(1, dtype=torch.float32) for _ in range(4)]
+    tensors = [torch.zeros(1, dtype=torch.float32) for _ in range(4)]  # host: the host Adam ops' own memory
     for step in range(1, steps + 1):
         replay(step, beta1, beta2, group, tensors)
     return steps

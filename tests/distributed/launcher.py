@@ -116,6 +116,27 @@ def dsf(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     return proc
 
 
+def dsf_started(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """One `dsf` process (no launcher: world 1), started now; `one_line` collects a refused one."""
+    return subprocess.Popen([str(BIN / "dsf"), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=REPO, env={**rank_env(), **(env or {})})
+
+
+def train_args(output_dir: Path, overrides: list[str], *flags: str) -> list[str]:
+    """`dsf train`'s arguments for the tiny run into `output_dir` (BASE_OVERRIDES, then `overrides`)."""
+    return ["train", str(TINY_YAML), *[a for o in run_overrides(output_dir, overrides) for a in ("--set", o)], *flags]
+
+
+def one_line(proc: subprocess.Popen, *, timeout: int = 180) -> str:
+    """The one `dsf: error:` line of a process that exits 2 without a traceback."""
+    out, err = proc.communicate(timeout=timeout)
+    report = f"exit {proc.returncode}\n--- stdout ---\n{out[-2000:]}\n--- stderr ---\n{err[-3000:]}"
+    assert proc.returncode == 2 and "Traceback" not in err, report
+    lines = {line for line in err.splitlines() if line.startswith("dsf: error: ")}
+    assert len(lines) == 1, report
+    return lines.pop()
+
+
 def _dsf_in_process(args: tuple[str, ...]) -> subprocess.CompletedProcess:
     import deepspeed  # noqa: F401 - before CliRunner swaps sys.stdout: deepspeed's logger binds the real one
     from click.testing import CliRunner

@@ -36,9 +36,12 @@ import psutil
 import pytest
 
 from dsframework.checkpoints.checkpoint import verify
+from dsframework.checkpoints.export import export_checkpoint
+from dsframework.checkpoints.integrity import step_tags
+from dsframework.errors import UserError
 
-from tests.distributed.launcher import (BIN, REPO, TINY_YAML, Prefixed, assert_close, free_port, losses, rank_env,
-                                        read_metrics, run_overrides, train_run)
+from tests.distributed.launcher import (BIN, REPO, TINY_YAML, Prefixed, assert_close, dsf_started, free_port, losses,
+                                        one_line, rank_env, read_metrics, run_overrides, train_args, train_run)
 
 # 6 steps, a checkpoint every 2 (global_step2/4/6), ZeRO-1 so the optimizer state is sharded.
 COMMON = ["parallel.zero_stage=1", "train.steps=6", "checkpoint.every=2", "checkpoint.save_final=true"]
@@ -183,14 +186,25 @@ SIGNALLED = (("deepspeed", "group", signal.SIGTERM),  # every process of the job
              ("dsf launch", "dsf launch", signal.SIGTERM))
 
 
-def signal_segment(out: Path, log: Path, starts: str, target: str, sig: signal.Signals, *, after: int) -> tuple:
-    """Run the job from `out`'s latest checkpoint (from scratch for the first), send `sig` to `target`
-    once step `after` is logged, and wait for every process of the job to end: (exit code, seconds
-    from the signal to the last process, output)."""
+# The first job also checkpoints every 2 steps keeping 2 (checkpoint.keep), and while it trains a second
+# `dsf train` (plain, --overwrite, --resume) and `dsf export --overwrite` are aimed at its output_dir.
+FIRST_JOB = ["checkpoint.every=2", "checkpoint.keep=2"]
+
+
+def signal_segment(out: Path, log: Path, starts: str, target: str, sig: signal.Signals, *, after: int,
+                   while_live=None) -> tuple:
+    """Run the job from `out`'s latest checkpoint (from scratch for the first, with FIRST_JOB), call
+    `while_live(out)` once step `after` + 2 is logged, then send `sig` to `target`, and wait for every
+    process of the job to end: (exit code, seconds from the signal to the last process, output,
+    what `while_live` returned)."""
+    overrides = LONG if after else [*LONG, *FIRST_JOB]
     resume = ("--resume",) if after else ()
-    job = start_job(out, LONG, log=log, flags=resume) if starts == "deepspeed" else start_launch(out, LONG, log=log)
+    job = (start_job(out, overrides, log=log, flags=resume) if starts == "deepspeed"
+           else start_launch(out, overrides, log=log))
     try:
         wait_for_step(out, after + 2, job, log)
+        seen = while_live(out) if while_live else None
+        assert job.poll() is None, f"the job ended before its signal:\n{log.read_text()[-3000:]}"
         signalled = time.monotonic()
         if target == "group":
             os.killpg(job.pid, sig)
@@ -205,30 +219,54 @@ def signal_segment(out: Path, log: Path, starts: str, target: str, sig: signal.S
             proc.kill()
         if job.poll() is None:
             job.kill()
-    return code, took, log.read_text()
+    return code, took, log.read_text(), seen
+
+
+def refused_while_live(out: Path) -> tuple[int, dict[str, str]]:
+    """(the live rank 0's pid, the one line of each command aimed at its output_dir `out`): a second
+    `dsf train` plain, with --overwrite and with --resume, each its own process, and `dsf export
+    --overwrite` onto it (in this process: its UserError is the CLI's one line and exit 2)."""
+    wait_for(lambda: (out / "checkpoints" / "latest").is_file(), timeout=60, what="its first checkpoint")
+    trainers = [trainer(out, 0), trainer(out, 1)]
+    for proc in trainers:  # paused, the lock held, while the commands start (~10 s), so the run is still
+        proc.suspend()     # short when its SIGTERM comes (the straight twin is LONG_STRAIGHT_STEPS long)
+    try:
+        second = {"plain": dsf_started(*train_args(out, COMMON)),
+                  "overwrite": dsf_started(*train_args(out, COMMON, "--overwrite")),
+                  "resume": dsf_started(*train_args(out, COMMON, "--resume"))}
+        with pytest.raises(UserError) as export:
+            export_checkpoint(out / "checkpoints", out, overwrite=True)
+        lines = {name: one_line(proc) for name, proc in second.items()}
+    finally:
+        for proc in trainers:  # (within the hang watch's 60 s: faults.hang_timeout=auto)
+            proc.resume()
+    return trainers[0].pid, {**lines, "export": str(export.value)}
 
 
 @pytest.fixture(scope="module")
-def signalled(tmp_path_factory) -> tuple[Path, list[tuple]]:
+def signalled(tmp_path_factory) -> tuple[Path, list[tuple], tuple[int, dict[str, str]]]:
     """The run stopped by each of SIGNALLED in turn: (output_dir, [(code, took, output, stopped step,
-    `latest` then, the partial checkpoints then)])."""
+    `latest` then, the partial checkpoints then, the committed ones then)], refused_while_live's answer
+    in the first job)."""
     work = tmp_path_factory.mktemp("signalled")
-    out, ends, stopped = work / "run", [], 0
+    out, ends, stopped, live = work / "run", [], 0, None
     for i, (starts, target, sig) in enumerate(SIGNALLED):
-        code, took, output = signal_segment(out, work / f"job{i}.log", starts, target, sig, after=stopped)
+        code, took, output, seen = signal_segment(out, work / f"job{i}.log", starts, target, sig, after=stopped,
+                                                  while_live=None if i else refused_while_live)
+        live = live or seen
         stopped = max(losses(out))
         ckpts = out / "checkpoints"
         latest = (ckpts / "latest").read_text().strip()
-        ends.append((code, took, output, stopped, latest, list(ckpts.glob("*.partial"))))
-    return out, ends
+        ends.append((code, took, output, stopped, latest, list(ckpts.glob("*.partial")), step_tags(ckpts)))
+    return out, ends, live
 
 
 @pytest.mark.parametrize("segment", range(len(SIGNALLED)),
                          ids=[f"{sig.name}-to-{target}-of-{starts}" for starts, target, sig in SIGNALLED])
 def test_a_stop_signal_to_any_pid_checkpoints_and_ends_the_whole_job(signalled, segment):
-    out, ends = signalled
+    out, ends, _ = signalled
     starts, target, sig = SIGNALLED[segment]
-    code, took, output, stopped, latest, partial = ends[segment]
+    code, took, output, stopped, latest, partial, _ = ends[segment]
     assert took < 60, f"the job's last process ended {took:.0f} s after the signal"
     said = [line for line in output.splitlines() if line.startswith("dsf: stopped by ")]
     # the ranks agree on the largest signal any had: DeepSpeed's per-node launcher passes each on as SIGTERM
@@ -246,10 +284,25 @@ def test_a_stop_signal_to_any_pid_checkpoints_and_ends_the_whole_job(signalled, 
         assert (out / "checkpoints" / f"global_step{earlier}" / "dsf_manifest.json").is_file()
 
 
+def test_a_live_run_refuses_a_second_run_and_an_export_onto_it(signalled):
+    """The first job, while it trained: every command aimed at its output_dir refused in one line naming
+    the live rank 0's pid, the job going on to its signal; its metrics one run's, none interleaved;
+    checkpoint.keep=2 left two checkpoints, the newest the one its SIGTERM saved."""
+    out, ends, (rank0, lines) = signalled
+    code, took, output, stopped, latest, partial, tags = ends[0]
+    for name in ("plain", "overwrite", "resume"):
+        assert f"output_dir='{out}': is in use by another run (host " in lines[name], lines[name]
+        assert f"pid {rank0}" in lines[name], (rank0, lines[name])
+    assert lines["export"].startswith(f"OUT_DIR='{out}': is a run's output_dir, in use by host "), lines["export"]
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(set(steps)), "one run's metrics at a time, none lost or interleaved"
+    assert len(tags) == 2 and tags[-1] == latest == f"global_step{stopped}", tags
+
+
 def test_every_stop_resumed_exactly_and_a_signal_after_the_last_step_is_finished(tmp_path, signalled, straight_runs):
     """The run stopped by each signal and resumed each time, then run to its end under dsf launch, with
     SIGTERM to dsf launch once rank 0 says it is done: exit 0 (finished), not 143 (preempted)."""
-    out, ends = signalled
+    out, ends, _ = signalled
     stopped = ends[-1][3]
     assert stopped + 2 <= LONG_STRAIGHT_STEPS, f"preempted at step {stopped}, later than the test expects"
     log = tmp_path / "last.log"

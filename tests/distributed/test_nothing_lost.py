@@ -1,8 +1,7 @@
 """Nothing lost: faults injected for real into 2-rank runs (CPU, gloo) and the commands a user runs
 next to them, each judged by its one line, its exit code, what is left on disk and what still runs.
 
-- a second `dsf train` on a live run's output_dir (plain, --overwrite, --resume) and `dsf export`
-  onto it: refused naming the holder's host and pid, the live run untouched; checkpoint.keep=2 keeps 2;
+- (a second `dsf train` and `dsf export` onto a live run: test_faults.py, in its first stopped job);
 - a byte flipped inside a saved optimizer file (same size): resume and export name the file and the
   newest checkpoint that checks; checkpoint.fallback=previous resumes from it, exactly;
 - `dsf export` onto its own checkpoints, or onto the run's output_dir: refused, nothing changed;
@@ -16,10 +15,8 @@ next to them, each judged by its one line, its exit code, what is left on disk a
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import signal
 import subprocess
 from pathlib import Path
 
@@ -31,9 +28,9 @@ from dsframework.checkpoints.outputs import LOCK
 from dsframework.checkpoints.export import export_checkpoint
 from dsframework.errors import UserError
 
-from tests.distributed.launcher import (BIN, REPO, TINY_YAML, assert_close, launch, losses, rank_env, run_overrides,
-                                        train_launch)
-from tests.distributed.test_faults import COMMON, LONG, session_processes, start_job, wait_for, wait_for_step
+from tests.distributed.launcher import (BIN, TINY_YAML, assert_close, dsf_started, launch, losses, one_line,
+                                        run_overrides, train_args, train_launch)
+from tests.distributed.test_faults import COMMON
 
 
 
@@ -49,63 +46,9 @@ def straight(shared_runs) -> tuple[Path, dict[int, float]]:
     return out, losses(out)
 
 
-def dsf(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """One `dsf` process (no launcher: world 1), started now; `finish` collects it."""
-    return subprocess.Popen([str(BIN / "dsf"), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=REPO, env={**rank_env(), **(env or {})})
-
-
-def train_args(output_dir: Path, overrides: list[str], *flags: str) -> list[str]:
-    return ["train", str(TINY_YAML), *[a for o in run_overrides(output_dir, overrides) for a in ("--set", o)], *flags]
-
-
-def one_line(proc: subprocess.Popen, *, timeout: int = 180) -> str:
-    """The one `dsf: error:` line of a process that exits 2 without a traceback."""
-    out, err = proc.communicate(timeout=timeout)
-    report = f"exit {proc.returncode}\n--- stdout ---\n{out[-2000:]}\n--- stderr ---\n{err[-3000:]}"
-    assert proc.returncode == 2 and "Traceback" not in err, report
-    lines = {line for line in err.splitlines() if line.startswith("dsf: error: ")}
-    assert len(lines) == 1 and len(err.strip().splitlines()) >= 1, report
-    return lines.pop()
-
-
 def snapshot(root: Path) -> dict[str, bytes]:
     """Every file under `root` and its bytes, but the lock file a run that got past pre-flight takes."""
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and p.name != LOCK}
-
-
-def test_a_live_run_refuses_a_second_run_and_an_export_onto_it(tmp_path):
-    out, log = tmp_path / "live", tmp_path / "job.log"
-    job = start_job(out, [*LONG, "checkpoint.every=2", "checkpoint.keep=2"], log=log)
-    try:
-        wait_for_step(out, 4, job, log)
-        rank0 = next(p for p in session_processes(job.pid)
-                     if p.environ().get("DSF_RANK_TRAINER") == "1" and p.environ().get("RANK") == "0")
-        second = {"plain": dsf(*train_args(out, COMMON)),
-                  "overwrite": dsf(*train_args(out, COMMON, "--overwrite")),
-                  "resume": dsf(*train_args(out, COMMON, "--resume"))}
-        # (dsf export in this process: its UserError is the CLI's one line and exit 2, test_bad_input's rule)
-        with pytest.raises(UserError) as export:
-            export_checkpoint(out / "checkpoints", out, overwrite=True)
-        lines = {name: one_line(proc) for name, proc in second.items()}
-        lines["export"] = str(export.value)
-        assert job.poll() is None, f"the live run ended:\n{log.read_text()[-3000:]}"
-        os.killpg(job.pid, signal.SIGTERM)  # the live run checkpoints and stops, as a scheduler's SIGTERM asks
-        wait_for(lambda: not session_processes(job.pid), timeout=60, what="the live run to checkpoint and exit")
-    finally:
-        for proc in session_processes(job.pid):
-            proc.kill()
-    for name in ("plain", "overwrite", "resume"):
-        assert f"output_dir='{out}': is in use by another run (host " in lines[name], lines[name]
-        assert f"pid {rank0.pid}" in lines[name], (rank0.pid, lines[name])
-    assert lines["export"].startswith(f"OUT_DIR='{out}': is a run's output_dir, in use by host "), lines["export"]
-    output = log.read_text()
-    stopped = max(losses(out))
-    assert "Traceback" not in output and f"stopped by SIGTERM at step {stopped}" in output, output[-3000:]
-    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert steps == sorted(set(steps)) and steps[-1] == stopped, "one run's metrics, none lost or interleaved"
-    tags = sorted(p.name for p in (out / "checkpoints").glob("global_step*"))
-    assert len(tags) == 2 and (out / "checkpoints" / "latest").read_text() == f"global_step{stopped}", tags
 
 
 def export_refusal(ckpt_dir: Path, out: Path) -> str:
@@ -130,7 +73,7 @@ def test_a_changed_byte_is_named_and_fallback_resumes_exactly(tmp_path, straight
     victim = run / "checkpoints" / "global_step6" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     flip(victim)
     before = snapshot(run)
-    resume = dsf(*train_args(run, COMMON, "--resume"))
+    resume = dsf_started(*train_args(run, COMMON, "--resume"))
     lines = {name: export_refusal(run / "checkpoints", out) for name, out in
              (("export", tmp_path / "hf"), ("onto-checkpoints", run / "checkpoints"), ("onto-run", run))}
     lines["resume"] = one_line(resume).removeprefix("dsf: error: ")
@@ -205,7 +148,7 @@ def test_a_full_disk_costs_no_checkpoint(tmp_path, straight):
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs (root)")
 def test_export_and_the_token_store_on_a_full_disk_are_one_line(tmp_path, straight):
     with Tmpfs(tmp_path / "small", "64k") as small:
-        store = dsf(*train_args(tmp_path / "run", COMMON), env={"HF_DATASETS_CACHE": str(small / "cache")})
+        store = dsf_started(*train_args(tmp_path / "run", COMMON), env={"HF_DATASETS_CACHE": str(small / "cache")})
         export = export_refusal(straight[0] / "checkpoints", small / "hf")
         line = one_line(store)
         assert export.startswith(f"OUT_DIR='{small / 'hf'}': could not be written: the disk is full ("), export

@@ -8,13 +8,27 @@ resumed step of the chain in tests/distributed/test_faults.py that drifted by 3.
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
 
 from dsframework.checkpoints.adam_products import replay_adam_products
+from dsframework.jit import pin_build_tools
 
 SIZE, BETAS = 65536, (0.9, 0.95)
+
+
+@pytest.fixture
+def built_ops(monkeypatch):
+    """The ops the setup built in this environment (as `dsf train` finds them: jit.pin_build_tools),
+    not a build of their own in ~/.cache (a minute each on a fresh machine); the environment restored after."""
+    for name in ("TORCH_EXTENSIONS_DIR", "PATH"):
+        if name in os.environ:
+            monkeypatch.setenv(name, os.environ[name])
+        else:
+            monkeypatch.delenv(name, raising=False)
+    pin_build_tools()
 
 
 def as_a_fresh_process_finds_it(optimizer) -> None:
@@ -52,9 +66,8 @@ def tenth_step(kind: str, *, replay: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return straight.detach(), resumed.detach()
 
 
-@pytest.mark.distributed  # (DeepSpeed's op builders run py-cpuinfo and lscpu as processes)
 @pytest.mark.parametrize("kind", ["DeepSpeedCPUAdam", "FusedAdam"])  # ZeRO-Offload's; the CPU accelerator's
-def test_a_reloaded_host_adam_steps_as_the_straight_one_once_its_products_are_replayed(kind):
+def test_a_reloaded_host_adam_steps_as_the_straight_one_once_its_products_are_replayed(kind, built_ops):
     straight, resumed = tenth_step(kind, replay=False)
     assert not torch.equal(straight, resumed), "DeepSpeed's op no longer keeps running products: drop the replay"
     assert (straight - resumed).abs().max() < 1e-6  # (an ulp here and there)

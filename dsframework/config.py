@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from dsframework.errors import UserError, did_you_mean
 from dsframework.layout import composition_problem
+from dsframework.runtime_facts import sequence_parallel_auto
 
 
 class _Spec(BaseModel):
@@ -180,6 +181,11 @@ class ParallelSpec(_Spec):
         default="none", description="recompute activations in the backward pass: none or full (every layer)")
     zero_knobs: ZeroKnobsSpec = Field(default_factory=ZeroKnobsSpec, description="ZeRO's bucket, persistence and "
                                       "prefetch sizes (elements); unset: dsf's defaults")
+    sequence_parallel: Literal["auto"] | bool = Field(
+        default="auto", description="Megatron's sequence parallelism with tp > 1: between the attention and MLP "
+        "blocks each tensor rank holds seq_len / tp of the tokens (norms, residuals, dropout and their "
+        "activations split tp ways); auto: on with tp > 1 where the architecture allows it and tp (x cp) "
+        "divides data.seq_len")
 
     @field_validator("zero_knobs")
     @classmethod
@@ -207,6 +213,14 @@ class ParallelSpec(_Spec):
             raise ValueError(f"needs zero_stage=3, got zero_stage={stage}; set parallel.zero_stage=3 "
                              "or parallel.offload_param=none")
         return device
+
+    @field_validator("sequence_parallel")
+    @classmethod
+    def _sequence_parallel_needs_tp(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is True and info.data.get("tp") == 1:
+            raise UserError("parallel.sequence_parallel", True, "splits the sequence over the tensor ranks, and "
+                            "parallel.tp is 1", "set parallel.tp > 1, or parallel.sequence_parallel=auto")
+        return value
 
     @model_validator(mode="after")
     def _axes_compose(self) -> "ParallelSpec":
@@ -390,6 +404,10 @@ class RunConfig(_Spec):
                             "replaces the MoE blocks peft would wrap (not tried here)",
                             "set parallel.ep=1 parallel.autoep=false (LoRA on a mixture of experts at ep 1 trains "
                             "its adapters under ZeRO)")
+        if par.sequence_parallel is True and self.data.seq_len % (par.tp * par.cp):
+            raise UserError("parallel.sequence_parallel", True, f"splits each sequence tp x cp = {par.tp * par.cp} "
+                            f"ways, which does not divide data.seq_len={self.data.seq_len}",
+                            f"choose data.seq_len a multiple of {par.tp * par.cp}, or parallel.sequence_parallel=auto")
         if self.data.format != "text" and (par.pp, par.cp) != (1, 1):
             raise UserError("data.format", self.data.format, f"runs at tp x dp with ZeRO 0-3 (got pp={par.pp}, "
                             f"cp={par.cp}): its loss is normalised over the trained tokens of the whole batch",
@@ -399,6 +417,15 @@ class RunConfig(_Spec):
     @property
     def checkpoint_dir(self) -> Path:
         return Path(self.output_dir) / "checkpoints"
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Whether the tensor ranks split the sequence (parallel.sequence_parallel, auto resolved; the
+        architecture may still refuse: train/setup.py)."""
+        par = self.parallel
+        if par.sequence_parallel == "auto":  # (the architecture decides the rest: train/setup.py)
+            return sequence_parallel_auto(tp=par.tp, cp=par.cp, seq_len=self.data.seq_len)
+        return bool(par.sequence_parallel)
 
 
 # --- loading -----------------------------------------------------------------------------------

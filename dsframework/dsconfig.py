@@ -138,7 +138,7 @@ def _zero_section(parallel: ParallelSpec) -> dict[str, Any]:
 
 def build_ds_config(train: TrainSpec, parallel: ParallelSpec, *, dp_size: int, wall_clock_breakdown: bool = False,
                     load_universal: bool = False, checkpoint_writer: str = "sync",
-                    torch_adam: bool = False) -> dict[str, Any]:
+                    torch_adam: bool = False, sequence_parallel: bool = False) -> dict[str, Any]:
     """The DeepSpeed JSON (as a dict) for a train/parallel spec at a data-parallel size, whole:
     `dsf train` adds DeepSpeed's per-step timers (logging.breakdown), to resume at another
     layout, `load_universal` (the checkpoint it loads is a universal one), and the checkpoint
@@ -161,11 +161,12 @@ def build_ds_config(train: TrainSpec, parallel: ParallelSpec, *, dp_size: int, w
     }
     if parallel.pp > 1:
         # DeepSpeed's pipeline engine reads pipe/grad_partitioned (with tensor parallelism, the
-        # activations sent between stages are split over the tensor ranks); the other keys record
-        # the layout `dsf train` builds its PipelineModule with, for whoever reads the JSON.
+        # activations sent between stages are split over the tensor ranks, which it assumes hold the
+        # same ones: with sequence parallelism each holds its own slice already, and is sent whole);
+        # the other keys record the layout `dsf train` builds its PipelineModule with.
         ds["pipeline"] = {"stages": parallel.pp, "partition": parallel.partition_method,
                           "activation_checkpoint_interval": int(parallel.activation_checkpointing == "full"),
-                          "pipe_partitioned": True, "grad_partitioned": True}
+                          "pipe_partitioned": not sequence_parallel, "grad_partitioned": not sequence_parallel}
     if parallel.cp > 1:
         # DeepSpeed Ulysses: ZeRO shards and reduces over data x context ranks; the batch counts replicas.
         ds["sequence_parallel_size"] = parallel.cp

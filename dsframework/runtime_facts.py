@@ -74,6 +74,13 @@ def loss_chunking(setting: bool | str, *, vocab: int, tp: int, pp: int, cp: int,
 
 # --- vocabulary padding --------------------------------------------------------------------------
 
+def sequence_parallel_auto(*, tp: int, cp: int, seq_len: int, experts: int = 0) -> bool:
+    """parallel.sequence_parallel=auto: on with tp > 1 where tp x cp divides the sequence, for a dense
+    model (a mixture of experts' blocks, left whole by the tp plans, would route a slice of the
+    tokens: models/tensor_parallel.sequence_parallel_problem). The planner counts what the run does."""
+    return tp > 1 and seq_len % (tp * cp) == 0 and not experts
+
+
 def padded_vocab(num_embeddings: int, *, tp: int, multiple: int | None = None) -> int:
     """Rows of the vocab-parallel embedding / head over all tensor ranks: `num_embeddings` padded
     to a multiple of lcm(`multiple`, tp) with zero rows; each rank holds this / tp of them."""

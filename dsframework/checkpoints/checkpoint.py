@@ -59,6 +59,7 @@ from dsframework.files import disk_full, written_then_renamed
 from dsframework.layout import ParallelDims
 from dsframework.models.lora import has_frozen_parameters
 from dsframework.parallel.host import all_reduce_host, host_group
+from dsframework.parallel.rng import set_tracked_rng_states, tracked_rng_states
 from dsframework.types import Engine, HFConfig, HFModel, accelerator
 
 TOKENIZER_DIR = "tokenizer"
@@ -91,7 +92,8 @@ def _rng_states() -> dict[str, Any]:
     import numpy as np
     import torch
 
-    states = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    states = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+              "tensor_parallel": tracked_rng_states()}  # tp > 1: the attention core's own stream
     device = accelerator()
     if device.device_name() != "cpu":
         states["accelerator"] = device.get_rng_state()
@@ -107,6 +109,7 @@ def _set_rng_states(states: dict[str, Any]) -> None:
     torch.set_rng_state(states["torch"])
     if "accelerator" in states:
         accelerator().set_rng_state(states["accelerator"])
+    set_tracked_rng_states(states.get("tensor_parallel", {}))
 
 
 def _write_atomically(path: Path, text: str) -> None:

@@ -121,7 +121,8 @@ def config_cmd(world_size: int | None, output: Path | None, force: bool, auto_kn
             notes = _auto_knobs(sections, run, dims, model_name=model_name, cluster_name=cluster_name,
                                 seq_len=seq_len, gpus_per_node=gpus_per_node)
             run = build_run_config(sections)
-        ds = build_ds_config(run.train, run.parallel, dp_size=dims.dp, checkpoint_writer=run.checkpoint.writer)
+        ds = build_ds_config(run.train, run.parallel, dp_size=dims.dp, checkpoint_writer=run.checkpoint.writer,
+                             sequence_parallel=run.sequence_parallel)
     except UserError as err:  # name the flag the user typed, not the config field behind it
         raise UserError(_flag_for(err.field), err.value, err.rule, err.fix) from None
     if world_size is None:
@@ -175,7 +176,8 @@ def _auto_knobs(sections: dict, run, dims, *, model_name: str, cluster_name: str
     desc = describe_model(resolve_model(ModelSpec(name=model_name)).config, name=model_name)
     train = run.train
     batch = resolve_batch(train.micro_batch, train.grad_accum, train.global_batch, dp_size=dims.dp)
-    layout = run_layout(run.parallel, dims, micro_batch=batch.micro_batch, grad_accum=batch.grad_accum)
+    layout = run_layout(run.parallel, dims, micro_batch=batch.micro_batch, grad_accum=batch.grad_accum,
+                        sequence_parallel=run.sequence_parallel)
     job = replace(run_job(run, global_batch=batch.global_batch), seq_len=seq_len)
     notes = []
     if train.global_batch is not None and train.micro_batch is None and train.grad_accum is None:
@@ -392,7 +394,7 @@ def _write_plan_files(plan, output_dir: Path, *, model_name: str, cluster_name: 
         text, data, run_note, said = _placeholder_run(plan, output_dir, model_name=model_name,
                                                       cluster_field=cluster_field)
     run = build_run_config(data)
-    ds = build_ds_config(run.train, run.parallel, dp_size=best.layout.dims.dp)
+    ds = build_ds_config(run.train, run.parallel, dp_size=best.layout.dims.dp, sequence_parallel=run.sequence_parallel)
     validate_ds_config(ds, dp_size=best.layout.dims.dp)
     start = start_lines(plan.cluster, world=best.layout.dims.world, run_yaml=str(output_dir / "run.yaml"),
                         cluster_field=cluster_field)

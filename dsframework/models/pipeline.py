@@ -83,6 +83,7 @@ from dsframework.parallel.tensor import (
     LayoutOnlyGroup,
     VocabParallelEmbedding,
     VocabParallelLMHead,
+    gather_from_sequence_parallel_region,
 )
 from dsframework.runtime_facts import partition_balanced, partition_uniform
 from dsframework.types import HFConfig
@@ -251,6 +252,25 @@ class EmbeddingPipe(_StagePart):
         return _run_base(self.skeleton, self.stub_plan, input_ids=input_ids).args[0]
 
 
+def _whole_length(hidden_states: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+    """What the skeleton's forward takes for the hidden states (it reads their shape for the mask
+    and the positions): with sequence parallelism, between layers each tensor rank holds a slice of
+    the sequence, so a stand-in of the whole length (a broadcast view: nothing is copied)."""
+    ranks = getattr(layer, "sequence_ranks", 1)
+    if ranks == 1 or getattr(layer, "takes_whole_sequence", False):
+        return hidden_states
+    b, s, h = hidden_states.shape
+    return hidden_states[:, :1].expand(b, s * ranks, h)
+
+
+def _sequence_gathered(hidden_states: torch.Tensor, head: nn.Module) -> torch.Tensor:
+    """The whole sequence for a vocab-parallel head after sequence-parallel layers (its input
+    gradient is whole on every rank after its own all-reduce: the gather's backward keeps a slice)."""
+    if not getattr(head, "sequence_parallel", False):
+        return hidden_states
+    return gather_from_sequence_parallel_region(hidden_states, group=getattr(head, "group"), partial_grads=False)
+
+
 class DecoderLayerPipe(_StagePart):
     """Decoder layer `index`, called with the arguments the model's own forward would give it
     (found by running that forward on the stage's skeleton up to this layer)."""
@@ -263,7 +283,7 @@ class DecoderLayerPipe(_StagePart):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         self.stub_plan["stop"] = self.index
-        stop = _run_base(self.skeleton, self.stub_plan, inputs_embeds=hidden_states)
+        stop = _run_base(self.skeleton, self.stub_plan, inputs_embeds=_whole_length(hidden_states, self.layer))
         args, kwargs = stop.args, dict(stop.kwargs)
         if args:
             args = (hidden_states, *args[1:])
@@ -280,10 +300,13 @@ class FinalNormPipe(_StagePart):
         super().__init__()
         self._hold(base.obj, plan.obj, plan.obj.last)
         self.last_layer = len(getattr(base.obj, plan.obj.layers)) - 1
+        # (not a child: another stage's layer; object.__setattr__ keeps it out of nn.Module's bookkeeping)
+        object.__setattr__(self, "layer_before", getattr(base.obj, plan.obj.layers)[-1])
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         self.stub_plan.update(inject=self.last_layer, hidden=hidden_states)
-        return _run_base(self.skeleton, self.stub_plan, inputs_embeds=hidden_states).last_hidden_state
+        return _run_base(self.skeleton, self.stub_plan,
+                         inputs_embeds=_whole_length(hidden_states, cast(nn.Module, self.layer_before))).last_hidden_state
 
 
 class LMHeadPipe(nn.Module):
@@ -298,7 +321,7 @@ class LMHeadPipe(nn.Module):
         object.__setattr__(self, "post", post.obj)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden_states)
+        logits = self.lm_head(_sequence_gathered(hidden_states, self.lm_head))
         return logits if self.post is None else self.post(logits)
 
 
@@ -307,6 +330,7 @@ def tied_lm_head(embedding: EmbeddingPipe, hidden_states: torch.Tensor, post: An
     with a vocab-parallel embedding, this rank's vocab slice of them (VocabParallelLMHead); then
     the model's own post-processing `post` (models/logits.py), if any."""
     if isinstance(embedding.token_embedding, VocabParallelEmbedding):
+        hidden_states = _sequence_gathered(hidden_states, embedding.token_embedding)
         logits = VocabParallelLMHead.tied_to(embedding.token_embedding)(hidden_states)
     else:
         logits = F.linear(hidden_states, cast(torch.Tensor, embedding.token_embedding.weight))

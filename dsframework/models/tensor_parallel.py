@@ -23,7 +23,7 @@ never gathered (the plan's own `lm_head: colwise_gather_output` would gather the
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence, cast
+from typing import Any, Callable, Mapping, Sequence, cast
 
 import torch
 from torch import nn
@@ -33,12 +33,16 @@ from dsframework.models.hf import causal_lm_class, is_tied, module_path
 from dsframework.models.logits import processed_head
 from dsframework.models.loss import causal_lm_loss, chunked_causal_lm_loss, vocab_parallel_token_loss
 from dsframework.models.plans import STYLES, WORKING_LAYOUTS, architecture_plan, check_architecture, pattern_regex
+from dsframework.parallel.rng import fork_around
 from dsframework.parallel.tensor import (
     ColumnParallelLinear,
     LayoutOnlyGroup,
     RowParallelLinear,
+    SequenceParallelBlock,
     VocabParallelEmbedding,
     VocabParallelLMHead,
+    gather_from_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
     shard_index,
     tensor_parallel_rank,
     tensor_parallel_size,
@@ -88,11 +92,17 @@ def _vocab_embedding(module: nn.Embedding, *, group: Any) -> VocabParallelEmbedd
     return sharded
 
 
-def _all_reduce_gradients(module: nn.Module, *, group: Any) -> None:
-    """Sum `module`'s parameter gradients over the tensor group (a norm that sees only this rank's
-    heads: its gradient is partial). A hook on the gradient before it accumulates, so gradient
-    accumulation and DeepSpeed's own hooks see the summed gradient once; installed at the first
-    forward, on whichever Parameter objects the module holds by then (construction replaces them)."""
+def _replicated(param: nn.Parameter) -> bool:
+    return not getattr(param, "tensor_model_parallel", False)
+
+
+def _all_reduce_gradients(module: nn.Module, *, group: Any, only: Callable[[nn.Parameter], bool] = _replicated) -> None:
+    """Sum the gradients of `module`'s own parameters that `only` selects (default: the replicated
+    ones) over the tensor group: a norm that sees only this rank's heads, or with sequence
+    parallelism only its slice of the tokens, has a partial gradient. A hook on the gradient
+    before it accumulates, so gradient accumulation and DeepSpeed's own hooks see the summed
+    gradient once; installed at the first forward, on whichever Parameter objects the module holds
+    by then (construction replaces them)."""
     def sum_over_tensor_ranks(grad: torch.Tensor) -> torch.Tensor:
         grad = grad.clone()
         torch.distributed.all_reduce(grad, group=group)
@@ -100,14 +110,15 @@ def _all_reduce_gradients(module: nn.Module, *, group: Any) -> None:
 
     def install(mod: nn.Module, args: Any) -> None:
         for param in mod.parameters(recurse=False):
-            if param.requires_grad and not getattr(param, "grad_summed_over_tensor_ranks", False):
+            if param.requires_grad and only(param) and not getattr(param, "grad_summed_over_tensor_ranks", False):
                 param.register_hook(sum_over_tensor_ranks)
                 setattr(param, "grad_summed_over_tensor_ranks", True)
 
     if tensor_parallel_size(group) > 1:
         module.register_forward_pre_hook(install)
     for param in module.parameters(recurse=False):
-        setattr(param, "replicated_grad_allreduce", True)
+        if only(param):
+            setattr(param, "replicated_grad_allreduce", True)
 
 
 def _set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
@@ -177,6 +188,7 @@ class TensorParallelCausalLM(nn.Module):
         self.model, self.group = model, group
         self.config = model.config
         self.loss_chunk_tokens: int | None = None  # models/loss.py use_chunked_loss: the loss in chunks
+        self.sequence_parallel = getattr(model, "sequence_parallel", False)  # use_sequence_parallel's
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 shift_labels: torch.Tensor | None = None, num_items_in_batch: Any = None, **kwargs: Any):
@@ -187,6 +199,8 @@ class TensorParallelCausalLM(nn.Module):
         head = processed_head(self.model)  # this rank's vocab slice, post-processed as the model's forward does
         if labels is None and shift_labels is None:
             return TensorParallelOutput(loss=None, logits=head(hidden))
+        if self.sequence_parallel:  # the decoder ends with this rank's slice of the sequence
+            hidden = gather_from_sequence_parallel_region(hidden, group=self.group, partial_grads=False)
         if self.loss_chunk_tokens:
             return TensorParallelOutput(loss=chunked_causal_lm_loss(
                 head, hidden, labels, shifted=shift_labels, chunk_tokens=self.loss_chunk_tokens,
@@ -213,6 +227,129 @@ def shard_model(model: Any, *, group: Any) -> Any:
     if model.config.model_type in AFTER_SHARD:
         AFTER_SHARD[model.config.model_type](model, group)
     return model
+
+
+# --- sequence parallelism -------------------------------------------------------------------------
+
+def _decoder_layers(model: Any) -> tuple[Any, nn.ModuleList | None]:
+    """(the architecture's plan, its decoder layers' ModuleList, or None without a pipeline plan)."""
+    plan = architecture_plan(model.config)
+    return plan, (getattr(model.base_model, plan.pp.layers, None) if plan.pp is not None else None)
+
+
+def heads_are_split(model: Any) -> bool:
+    """Whether each tensor rank's attention runs on its own heads: not where the plan gathers a
+    column-parallel output back (Phi-3's and OLMo 2's plans: every rank runs all heads, replicated,
+    and their dropout must draw the same mask on every rank)."""
+    return not any(isinstance(m, ColumnParallelLinear) and m.gather_output for m in model.modules())
+
+
+def _gathered_blocks(layer: nn.Module) -> list[nn.Module]:
+    """The children of a decoder layer that hold column-parallel layers (its attention, its MLP):
+    under sequence parallelism each takes the whole sequence at its input."""
+    return [block for block in layer.children() if any(isinstance(m, ColumnParallelLinear) for m in block.modules())]
+
+
+def sequence_parallel_problem(model: Any) -> str | None:
+    """Why the sharded `model` cannot split its sequence over the tensor ranks between its
+    attention and MLP blocks (None: it can). Outside them a layer may hold only norms: a module
+    that mixes tokens (a state-space mixer) or routes them (experts that the plan leaves whole)
+    would see a slice of the sequence."""
+    plan, layers = _decoder_layers(model)
+    if layers is None:
+        return f"dsf finds {model.config.model_type}'s decoder layers through its pipeline plan, which it lacks"
+    for index, layer in enumerate(layers):
+        inside = {id(m) for block in _gathered_blocks(layer) for m in block.modules()}
+        for path, module in layer.named_modules():
+            if id(module) in inside or not list(module.parameters(recurse=False)):
+                continue
+            if isinstance(module, RowParallelLinear) or "norm" not in type(module).__name__.lower():
+                return (f"layers.{index}.{path} ({type(module).__name__}) is outside the blocks the tp plan splits "
+                        "and not a norm")
+    return None
+
+
+def use_sequence_parallel(model: Any, *, group: Any, regather: bool = True) -> None:
+    """Megatron's sequence parallelism on a model `shard_model` split (Korthikanti et al. 2022):
+    between the attention and MLP blocks each tensor rank holds seq_len / tp of the tokens (its
+    norms, residuals and dropout run on those alone, and store a tp-th of the activations). The
+    first decoder layer takes this rank's slice; each block holding column-parallel layers (the
+    attention, the MLP) all-gathers the sequence at its input (its own code reads the sequence
+    length there; with `regather`, its backward gathers it again rather than keep it: off under
+    full activation checkpointing), row-parallel layers reduce-scatter it instead of all-reducing.
+    Outside the blocks, and after a row-parallel layer inside one, each rank holds its own tokens:
+    the replicated parameters there (norms, row-parallel biases) sum their gradients over the
+    tensor group, and dropout draws each rank's own stream (parallel/rng.py). The head gets the
+    whole sequence back (TensorParallelCausalLM, the pipeline's last stage). Call
+    `sequence_parallel_problem` first."""
+    plan, layers = _decoder_layers(model)
+    assert layers is not None and plan.pp is not None
+    norm = [model.base_model.get_submodule(name) for name in plan.pp.last]
+    for layer in layers:  # (sequence_ranks: read by the pipeline's stages, models/pipeline.py _whole_length)
+        setattr(layer, "sequence_ranks", tensor_parallel_size(group))
+        blocks = _gathered_blocks(layer)
+        inside = {id(m) for block in blocks for m in block.modules()}
+        _split_tokens_region([m for m in layer.modules() if id(m) not in inside], group=group)
+        for block in blocks:
+            _gathered_block(block, group, regather=regather)
+    for module in norm:
+        _split_tokens_region(list(module.modules()), group=group)
+    setattr(layers[0], "takes_whole_sequence", True)
+    layers[0].register_forward_pre_hook(_first_layer_takes_its_slice(group), with_kwargs=True)
+    for module in (model.get_input_embeddings(), model.get_output_embeddings()):
+        setattr(module, "sequence_parallel", True)  # (the pipeline's heads gather the sequence back)
+    model.sequence_parallel = True
+
+
+def _split_tokens_region(modules: list[nn.Module], *, group: Any) -> None:
+    """Modules that see this rank's slice of the sequence: their replicated parameters' gradients
+    are partial (summed over the tensor group), their dropout draws this rank's stream."""
+    for module in modules:
+        if list(module.parameters(recurse=False)):
+            _all_reduce_gradients(module, group=group)
+        if isinstance(module, nn.Dropout):
+            fork_around(module)
+
+
+def _gathered_block(block: nn.Module, group: Any, *, regather: bool) -> None:
+    """`block`'s input gathered (SequenceParallelBlock) for its forward alone; its row-parallel
+    layers reduce-scatter, and what follows them in the block (a residual dropout, a row bias) is
+    on this rank's tokens; the rest of the block runs as without sequence parallelism."""
+    scope = SequenceParallelBlock(group, regather=regather)
+    past_row = [False]
+
+    def enter(hidden: torch.Tensor) -> torch.Tensor:
+        past_row[0] = False
+        return scope.enter(hidden)
+
+    def row_done(module: nn.Module, args: Any, output: Any) -> None:
+        past_row[0] = True
+
+    block.register_forward_pre_hook(_on_hidden_states(enter), with_kwargs=True)
+    block.register_forward_hook(lambda module, args, output: scope.leave())
+    for module in block.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            module.sequence_parallel = True
+        if isinstance(module, RowParallelLinear):
+            module.register_forward_hook(row_done)
+            if module.bias is not None:
+                _all_reduce_gradients(module, group=group)  # (its weight is split: only the bias)
+        if isinstance(module, nn.Dropout):  # (before the row layer: the default stream, or the core's fork)
+            fork_around(module, when=lambda: past_row[0])
+
+
+def _on_hidden_states(change: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
+    """A forward pre-hook (with kwargs) that applies `change` to the module's hidden states: its
+    first positional argument, or `hidden_states=`."""
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if args:
+            return (change(args[0]), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": change(kwargs["hidden_states"])}
+    return hook
+
+
+def _first_layer_takes_its_slice(group: Any) -> Callable:
+    return _on_hidden_states(lambda hidden: scatter_to_sequence_parallel_region(hidden, group=group))
 
 
 # --- merging shards back (dsf export) ------------------------------------------------------------

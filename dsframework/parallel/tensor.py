@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -50,7 +50,8 @@ __all__ = [
     "scatter_to_tensor_parallel_region", "gather_from_tensor_parallel_region",
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "VocabParallelLMHead",
     "vocab_parallel_cross_entropy", "shard_index", "tensor_parallel_rank", "tensor_parallel_size",
-    "LayoutOnlyGroup",
+    "LayoutOnlyGroup", "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
+    "reduce_scatter_to_sequence_parallel_region", "SequenceParallelBlock",
 ]
 
 
@@ -132,51 +133,109 @@ def _gather_along_last_dim(x: torch.Tensor, group: ProcessGroup | None) -> torch
     return torch.cat(parts, dim=-1)
 
 
+# Sequence parallelism: the sequence dimension of [batch, seq, hidden] split over the group.
+SEQ_DIM = 1
+# torch 2.13 names them *_single (and warns at the old names); the GPU image's torch 2.11 has the old ones only
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _gather_sequence(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """The ranks' sequence slices concatenated in rank order: [b, s/tp, h] -> [b, s, h]."""
+    tp = tensor_parallel_size(group)
+    if tp == 1:
+        return x
+    local = x.movedim(SEQ_DIM, 0).contiguous()  # one contiguous block per rank (a view when batch is 1)
+    out = local.new_empty((tp * local.size(0), *local.shape[1:]))
+    _ALL_GATHER(out, local, group=group)
+    return out.movedim(0, SEQ_DIM)
+
+
+def _reduce_scatter_sequence(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """The sum over the group, of which each rank keeps its sequence slice: [b, s, h] -> [b, s/tp, h]."""
+    tp = tensor_parallel_size(group)
+    if tp == 1:
+        return x
+    whole = x.movedim(SEQ_DIM, 0).contiguous()
+    part = divide(whole.size(0), tp, what="sequence length split over tensor-parallel ranks (sequence parallel)")
+    out = whole.new_empty((part, *whole.shape[1:]))
+    _REDUCE_SCATTER(out, whole, group=group)
+    return out.movedim(0, SEQ_DIM).contiguous()
+
+
+def _split_sequence(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """This rank's contiguous slice of the sequence of a replicated tensor."""
+    tp = tensor_parallel_size(group)
+    if tp == 1:
+        return x
+    part = divide(x.size(SEQ_DIM), tp, what="sequence length split over tensor-parallel ranks (sequence parallel)")
+    return x.narrow(SEQ_DIM, tensor_parallel_rank(group) * part, part).contiguous()
+
+
 # ---------------------------------------------------------------------------------------------
 # One autograd.Function per pattern.
 # ---------------------------------------------------------------------------------------------
 
-class _CopyToTensorParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
+def _identity(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    return x
+
+
+def _mapping(name: str, forward: Callable, backward: Callable) -> type:
+    """An autograd.Function: `forward(x, group)` forward, `backward(grad, group)` backward."""
+    def run_forward(ctx, x, group):
         ctx.group = group
-        return x
+        return forward(x, group)
+
+    def run_backward(ctx, grad):
+        return backward(grad, ctx.group), None
+
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(run_forward),
+                                                   "backward": staticmethod(run_backward)})
+
+
+_CopyToTensorParallelRegion = _mapping("_CopyToTensorParallelRegion", _identity, _reduce)
+_ReduceFromTensorParallelRegion = _mapping("_ReduceFromTensorParallelRegion", _reduce, _identity)
+_ScatterToTensorParallelRegion = _mapping("_ScatterToTensorParallelRegion", _split_along_last_dim,
+                                          _gather_along_last_dim)
+_GatherFromTensorParallelRegion = _mapping("_GatherFromTensorParallelRegion", _gather_along_last_dim,
+                                           _split_along_last_dim)
+_ScatterToSequenceParallelRegion = _mapping("_ScatterToSequenceParallelRegion", _split_sequence, _gather_sequence)
+# The consumers' gradients are partial sums (column-parallel layers): reduce-scattered back
+_GatherFromSequenceParallelRegion = _mapping("_GatherFromSequenceParallelRegion", _gather_sequence,
+                                             _reduce_scatter_sequence)
+# The consumer's gradient is whole on every rank (after the vocab-parallel head's all-reduce): sliced back
+_GatherSequenceToReplicatedRegion = _mapping("_GatherSequenceToReplicatedRegion", _gather_sequence, _split_sequence)
+_ReduceScatterToSequenceParallelRegion = _mapping("_ReduceScatterToSequenceParallelRegion", _reduce_scatter_sequence,
+                                                  _gather_sequence)
+
+
+class _ColumnParallelMatmul(torch.autograd.Function):
+    """y = x W^T + b on a replicated input; backward sums the input gradient over the group while
+    the weight gradient's matmul runs (Megatron's async input-gradient all-reduce): the reduction
+    is issued first, as an async op, and waited for only before the gradients are returned."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, reduce_input_grad):
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.has_bias, ctx.reduce = group, bias is not None, reduce_input_grad
+        return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce(grad, ctx.group), None
-
-
-class _ReduceFromTensorParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        return _reduce(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class _ScatterToTensorParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split_along_last_dim(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_along_last_dim(grad, ctx.group), None
-
-
-class _GatherFromTensorParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_along_last_dim(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _split_along_last_dim(grad, ctx.group), None
+        x, weight = ctx.saved_tensors
+        grad_input = pending = None
+        if ctx.needs_input_grad[0]:
+            grad_input = grad.matmul(weight)
+            if ctx.reduce and tensor_parallel_size(ctx.group) > 1:
+                pending = dist.all_reduce(grad_input, group=ctx.group, async_op=True)
+        grad_weight = grad_bias = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = grad.reshape(-1, grad.size(-1)).t().matmul(x.reshape(-1, x.size(-1)))
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad.reshape(-1, grad.size(-1)).sum(dim=0)
+        if pending is not None:
+            pending.wait()
+        return grad_input, grad_weight, grad_bias, None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -217,6 +276,94 @@ def gather_from_tensor_parallel_region(x: torch.Tensor, *, group: ProcessGroup |
     """
     _checked(group)
     return _GatherFromTensorParallelRegion.apply(x, group)
+
+
+def scatter_to_sequence_parallel_region(x: torch.Tensor, *, group: ProcessGroup | None) -> torch.Tensor:
+    """Enter the sequence-parallel region: keep this rank's slice of the sequence (dim 1).
+
+    forward: split along the sequence, backward: all-gather along the sequence.
+    """
+    _checked(group)
+    return _ScatterToSequenceParallelRegion.apply(x, group)
+
+
+def gather_from_sequence_parallel_region(x: torch.Tensor, *, group: ProcessGroup | None,
+                                         partial_grads: bool = True) -> torch.Tensor:
+    """The whole sequence from the ranks' slices. `partial_grads`: its consumers' gradients are
+    partial sums over the group (column-parallel layers); else they are whole on every rank (the
+    vocab-parallel head, whose own input all-reduce made them so).
+
+    forward: all-gather along the sequence, backward: reduce-scatter along the sequence (or, without
+    partial_grads, keep this rank's slice).
+    """
+    _checked(group)
+    if partial_grads:
+        return _GatherFromSequenceParallelRegion.apply(x, group)
+    return _GatherSequenceToReplicatedRegion.apply(x, group)
+
+
+class _Regathered:
+    """What the backward keeps of a gathered sequence: this rank's slice, gathered again when first
+    unpacked (once for all the block's matmuls that saved it) and dropped with them."""
+
+    def __init__(self, part: torch.Tensor, group: ProcessGroup | None) -> None:
+        self.part, self.group, self.whole = part, group, None
+
+    def whole_sequence(self) -> torch.Tensor:
+        if self.whole is None:
+            with torch.no_grad():
+                self.whole = _gather_sequence(self.part, self.group)
+        return self.whole
+
+
+class SequenceParallelBlock:
+    """The input of a block whose column-parallel layers need the whole sequence (an attention,
+    an MLP), gathered from the ranks' slices; with `regather`, the backward keeps only this rank's
+    slice of it and gathers it again (Korthikanti et al. 2022: the layer stores sbh(34/t + ...)).
+
+        block = SequenceParallelBlock(group, regather=True)
+        whole = block.enter(hidden_slice)      # the block's forward pre-hook: its new input
+        ...                                    # the block runs; its matmuls save `whole`
+        block.leave()                          # its forward hook
+
+    Not under torch's checkpoint (full activation checkpointing): its own saved-tensor hooks would
+    stand in front of the checkpoint's, which recomputes the block (and the gather) anyway.
+    """
+
+    def __init__(self, group: ProcessGroup | None, *, regather: bool) -> None:
+        self.group, self.regather = group, regather
+        self.hooks: list = []
+
+    def enter(self, hidden: torch.Tensor) -> torch.Tensor:
+        whole = gather_from_sequence_parallel_region(hidden, group=self.group)
+        if self.regather and torch.is_grad_enabled() and tensor_parallel_size(self.group) > 1:
+            kept = _Regathered(hidden.detach(), self.group)
+            ptr, shape = whole.data_ptr(), whole.shape
+
+            def pack(saved: torch.Tensor) -> Any:
+                return kept if saved.data_ptr() == ptr and saved.shape == shape else saved
+
+            def unpack(saved: Any) -> torch.Tensor:
+                return saved.whole_sequence() if isinstance(saved, _Regathered) else saved
+
+            hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+            hooks.__enter__()
+            self.hooks.append(hooks)
+        return whole
+
+    def leave(self) -> None:
+        if self.hooks:
+            self.hooks.pop().__exit__(None, None, None)
+
+
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, *, group: ProcessGroup | None) -> torch.Tensor:
+    """Leave a tensor-parallel region into the sequence-parallel one: sum the ranks' partial
+    results and keep this rank's slice of the sequence.
+
+    forward: reduce-scatter along the sequence, backward: all-gather along the sequence.
+    """
+    _checked(group)
+    return _ReduceScatterToSequenceParallelRegion.apply(x, group)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -295,7 +442,8 @@ class ColumnParallelLinear(nn.Module):
 
     Weight shard: [out_features / tp, in_features]. Input: replicated [..., in_features].
     Output: this rank's [..., out_features / tp], or all of it with `gather_output=True`.
-    forward: copy x, local matmul (, all-gather); backward: all-reduce the input gradient.
+    forward: local matmul (, all-gather); backward: all-reduce the input gradient, overlapped with
+    the weight gradient's matmul.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
@@ -356,8 +504,12 @@ class ColumnParallelLinear(nn.Module):
                     requires_grad=bias.requires_grad), partition_dim=0, dense_index=rows)
         return layer
 
+    # The input was all-gathered from the ranks' slices of the sequence (its block's gather, whose
+    # backward reduce-scatters the summed input gradients): not all-reduced here
+    sequence_parallel = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(copy_to_tensor_parallel_region(x, group=self.group), self.weight, self.bias)
+        y = _ColumnParallelMatmul.apply(x, self.weight, self.bias, _checked(self.group), not self.sequence_parallel)
         return gather_from_tensor_parallel_region(y, group=self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -429,10 +581,15 @@ class RowParallelLinear(nn.Module):
                 layer.bias = nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad)
         return layer
 
+    sequence_parallel = False  # the output is this rank's slice of the sequence: reduce-scattered
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, group=self.group)
-        y = reduce_from_tensor_parallel_region(F.linear(x, self.weight), group=self.group)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(F.linear(x, self.weight), group=self.group)
+        else:
+            y = reduce_from_tensor_parallel_region(F.linear(x, self.weight), group=self.group)
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:

@@ -1,6 +1,7 @@
 """Will one given run fit? The planner's memory model and fit rule, for a layout already chosen.
 
-    layout = run_layout(run.parallel, dims, micro_batch=batch.micro_batch, grad_accum=batch.grad_accum)
+    layout = run_layout(run.parallel, dims, micro_batch=batch.micro_batch, grad_accum=batch.grad_accum,
+                        sequence_parallel=run.sequence_parallel)
     job = run_job(run, global_batch=batch.global_batch)   # or Workload(seq_len=512, global_batch=32, precision="bf16")
     fit = check_fit(describe_model(config), layout, job, cluster)
     fit.fits, fit.need / GiB, fit.available / GiB      # busiest rank (with headroom) vs usable per rank
@@ -75,13 +76,15 @@ class Fit:
                 f"{self.host_available / GiB:.1f} GiB available")
 
 
-def run_layout(parallel: Any, dims: ParallelDims, *, micro_batch: int, grad_accum: int) -> Layout:
+def run_layout(parallel: Any, dims: ParallelDims, *, micro_batch: int, grad_accum: int,
+               sequence_parallel: bool = False) -> Layout:
     """The planner's Layout of a run config's `parallel` section at `dims` (its ParallelDims.of;
-    nvme offload counts as offloaded; its zero_knobs, where set, replace dsf's defaults)."""
+    nvme offload counts as offloaded; its zero_knobs, where set, replace dsf's defaults), with the
+    run's `sequence_parallel` (RunConfig.sequence_parallel: auto resolved)."""
     return Layout(dims, offload_optimizer=parallel.offload_optimizer != "none",
                   offload_param=parallel.offload_param != "none", micro_batch=micro_batch,
                   grad_accum=grad_accum, activation_checkpointing=parallel.activation_checkpointing,
-                  knobs=Knobs.of(getattr(parallel, "zero_knobs", None)))
+                  knobs=Knobs.of(getattr(parallel, "zero_knobs", None)), sequence_parallel=sequence_parallel)
 
 
 def run_job(run: Any, *, global_batch: int) -> Workload:

@@ -190,6 +190,7 @@ class Layout:
     grad_accum: int = 1
     activation_checkpointing: Literal["none", "full"] = "none"
     knobs: Knobs = DEFAULT_KNOBS  # ZeRO's buckets and ZeRO-3's persistence / prefetch settings
+    sequence_parallel: bool = False  # tp > 1: norms, residuals and their activations split over the tensor ranks
 
 
 @dataclass(frozen=True)
@@ -310,13 +311,15 @@ def ulysses_kv_heads(desc: ModelDesc, *, tp: int, cp: int) -> int:
 
 
 def layer_activation_bytes(desc: ModelDesc, *, micro_batch: int, seq_len: int, tp: int, precision: str,
-                           cp: int = 1) -> float:
+                           cp: int = 1, sequence_parallel: bool = False) -> float:
     """Bytes one decoder layer saves for backward on one rank, one micro-batch (see the module
     docstring). `seq_len` is the whole sequence; with context parallelism each rank holds
     seq_len / cp of its tokens, and in attention (after Ulysses' all-to-all) q, k, v, the output
     and the log-sum-exp of the whole sequence for heads / cp heads: the same elements per token of
     its shard, k and v at `ulysses_kv_heads`, and the output saved twice (sdpa's, and the
-    all-to-all's result, which o_proj keeps)."""
+    all-to-all's result, which o_proj keeps). With sequence parallelism the norms (their outputs, the
+    blocks' inputs, kept as this rank's slice and gathered again in the backward) and the residual
+    dropout's masks are a tensor rank's share too: Korthikanti et al.'s sbh(34/t + 5as/ht)."""
     bs = micro_batch * seq_len / cp  # this rank's tokens
     h, f, a, hd = desc.hidden, desc.ffn, desc.heads, desc.head_dim
     q = a * hd  # the queries' (and the attention output's) width
@@ -335,11 +338,13 @@ def layer_activation_bytes(desc: ModelDesc, *, micro_batch: int, seq_len: int, t
     qk_norms = (q + kv) * (4 + w) + (a + kv // hd) * 4 if desc.qk_norm else 0  # fp32 input, normalized; rsqrt
     split = (attention + mlp) * w + qk_norms + a * 4  # + the lse in fp32
     extra = 0.0
-    if desc.dropout > 0:  # masks (1 byte); attention dropout forces the s x s math kernel
-        extra = 2 * h + 5 * a * seq_len / tp * w / 2
+    masks = 2 * h if desc.dropout > 0 else 0  # the residual dropouts' masks (1 byte)
+    if desc.dropout > 0:  # attention dropout forces the s x s math kernel
+        extra = 5 * a * seq_len / tp * w / 2
     elif desc.eager_attention:  # eager attention keeps the softmax's s x s output (+ tanh's, capped)
         extra = (1 + desc.attn_softcapping) * a * seq_len / tp * w
-    return bs * (norms + split / tp + extra)
+    whole = (norms + masks) / (tp if sequence_parallel else 1)
+    return bs * (whole + split / tp + extra)
 
 
 def _norm_bytes(desc: ModelDesc, h: int, w: int) -> int:
@@ -370,10 +375,11 @@ def loss_chunk(desc: ModelDesc, layout: Layout, job: Workload) -> int | None:
 
 
 def _edge_activation_bytes(desc: ModelDesc, shape: StageShape, *, micro_batch: int, seq_len: int, tp: int,
-                           precision: str, cp: int = 1, chunked: bool = False) -> float:
+                           precision: str, cp: int = 1, chunked: bool = False, sequence_parallel: bool = False) -> float:
     """The first stage's token ids; the last stage's final norm and fp32 logits for the loss
     (for this rank's seq_len / cp tokens). A `chunked` loss keeps no logits: each chunk's are
-    recomputed in the backward from the final norm's output, already counted here."""
+    recomputed in the backward from the final norm's output, already counted here. With sequence
+    parallelism the final norm runs on this rank's tokens, and the head keeps its output gathered."""
     bs = micro_batch * seq_len / cp
     w = 4 if precision == "fp32" else 2
     total = 0.0
@@ -382,6 +388,8 @@ def _edge_activation_bytes(desc: ModelDesc, shape: StageShape, *, micro_batch: i
     if shape.last:
         h = desc.hidden
         norm = _norm_bytes(desc, h, w)
+        if sequence_parallel:
+            norm = (norm - h * w) / tp + h * w
         logits = 0 if chunked else _padded_vocab_rows(desc.vocab, tp) * 4 * (1 + desc.logit_softcapping)
         total += bs * (norm + logits + 8)  # logits fp32, labels
     return total
@@ -538,8 +546,9 @@ def stage_memories(desc: ModelDesc, layout: Layout, job: Workload, *, distinct: 
     in flight (1F1B: min(pp - index, grad_accum)), so never more memory (what memory_per_rank needs)."""
     dims = layout.dims
     layer_act = layer_activation_bytes(desc, micro_batch=layout.micro_batch, seq_len=job.seq_len, tp=dims.tp,
-                                       precision=job.precision, cp=dims.cp)
-    kept_per_layer = (layout.micro_batch * job.seq_len / dims.cp * desc.hidden * job.param_bytes
+                                       precision=job.precision, cp=dims.cp, sequence_parallel=layout.sequence_parallel)
+    split = dims.tp if layout.sequence_parallel else 1  # (a layer's input: this rank's slice of the sequence)
+    kept_per_layer = (layout.micro_batch * job.seq_len / dims.cp / split * desc.hidden * job.param_bytes
                       if layout.activation_checkpointing == "full" else layer_act)
     memories = []
     chunk = loss_chunk(desc, layout, job)
@@ -547,7 +556,8 @@ def stage_memories(desc: ModelDesc, layout: Layout, job: Workload, *, distinct: 
     for index, shape in stages:
         in_flight = min(dims.pp - index, layout.grad_accum) if dims.pp > 1 else 1
         edge = _edge_activation_bytes(desc, shape, micro_batch=layout.micro_batch, seq_len=job.seq_len,
-                                      tp=dims.tp, precision=job.precision, cp=dims.cp, chunked=chunk is not None)
+                                      tp=dims.tp, precision=job.precision, cp=dims.cp, chunked=chunk is not None,
+                                      sequence_parallel=layout.sequence_parallel)
         train = trained(desc, shape, job)
         states = _model_states(desc, shape, layout, job, train)
         hpz = states.pop("hpz_secondary")

@@ -63,7 +63,8 @@ def fit_run(run: Any, config: Any, dims: ParallelDims, cluster: Cluster) -> RunF
     """check_fit of a run config (its batch, layout and job) at `dims` on `cluster`; a LoRA run
     (model.lora) counts gradients and optimizer states of its adapters alone (count_lora_parameters)."""
     batch = resolve_batch(run.train.micro_batch, run.train.grad_accum, run.train.global_batch, dp_size=dims.dp)
-    layout = run_layout(run.parallel, dims, micro_batch=batch.micro_batch, grad_accum=batch.grad_accum)
+    layout = run_layout(run.parallel, dims, micro_batch=batch.micro_batch, grad_accum=batch.grad_accum,
+                        sequence_parallel=run.sequence_parallel)
     job = run_job(run, global_batch=batch.global_batch)
     lora = ""
     if run.model.lora is not None:  # only the adapters have gradients and optimizer states

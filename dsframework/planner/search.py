@@ -37,6 +37,7 @@ from dsframework.planner.knobs import KnobChoice, with_knobs
 from dsframework.planner.memory import HostMemory, Workload, Layout, Memory
 from dsframework.planner.desc import ModelDesc
 from dsframework.planner.speed import StepTime, step_time
+from dsframework.runtime_facts import sequence_parallel_auto
 
 MAX_MICRO_BATCH = 64
 
@@ -186,7 +187,9 @@ def enumerate_layouts(desc: ModelDesc, cluster: Cluster, job: Workload, *, tp: i
                                 for checkpointing in ("none", "full"):
                                     yield Layout(grid, offload_optimizer=offload_optimizer, offload_param=offload_param,
                                                  micro_batch=micro, grad_accum=per_replica // micro,
-                                                 activation_checkpointing=checkpointing)
+                                                 activation_checkpointing=checkpointing,
+                                                 sequence_parallel=sequence_parallel_auto(
+                                                     tp=grid.tp, cp=grid.cp, seq_len=job.seq_len, experts=desc.experts))
 
 
 def evaluate(desc: ModelDesc, layout: Layout, job: Workload, cluster: Cluster, *, knobs: bool = True) -> Candidate:

@@ -222,6 +222,8 @@ def _memory_bound(desc: ModelDesc, layout: Layout, job: Workload, cluster: Clust
     (a tensor rank's share) on the last stage."""
     dims, w = layout.dims, job.param_bytes
     whole = desc.layer_norms * NORM_ELEMENTS * desc.hidden + 2 * RESIDUAL_ELEMENTS * desc.hidden
+    if layout.sequence_parallel:  # each tensor rank norms and adds its own slice of the tokens
+        whole /= dims.tp
     activation = ACTIVATION_ELEMENTS_GATED if desc.gated_mlp else ACTIVATION_ELEMENTS
     split = (activation * desc.ffn + ROTARY_ELEMENTS * (desc.heads + desc.kv_heads) * desc.head_dim) / dims.tp
     forwards = 1 + (layout.activation_checkpointing == "full")
@@ -237,8 +239,11 @@ def _memory_bound(desc: ModelDesc, layout: Layout, job: Workload, cluster: Clust
 
 def _tp_comm(layout: Layout, cluster: Cluster, step: _Step) -> float:
     """Tensor parallel: 2 all-reduces forward, 2 backward per layer and micro-batch (+2 recompute),
-    and 4 more for the vocab-parallel embedding and loss."""
-    tp_calls = ((4 + 2 * step.recompute) * step.busiest.layers + 4) * step.micro_batches
+    and 4 more for the vocab-parallel embedding and loss. Sequence parallelism turns each into an
+    all-gather and a reduce-scatter (the same bytes), and gathers the blocks' inputs again in the
+    backward (one all-reduce's worth a layer; not with full recompute, which gathers them anyway)."""
+    regather = 1 if layout.sequence_parallel and layout.activation_checkpointing != "full" else 0
+    tp_calls = ((4 + regather + 2 * step.recompute) * step.busiest.layers + 4) * step.micro_batches
     return (1 - TP_OVERLAP) * tp_calls * _ring(step.activation_bytes, layout.dims.tp,
                                                _bandwidth(cluster, layout.dims.tp), all_reduce=True,
                                                latency=step.lat)

@@ -220,7 +220,7 @@ def print_summary(run: RunConfig, session: Session, meter: FlopsMeter) -> None:
     dims, batch, train_blocks = session.dims, session.batch, session.train_blocks
     experts = describe_experts(session.model_config, ep=dims.ep)
     print(f"dsf: {session.num_parameters:,} parameters" + (f" ({experts})" if experts else "")
-          + f" | world {dims.world} = {dims} "
+          + f" | world {dims.world} = {dims}" + (" sequence-parallel" if session.sequence_parallel else "") + " "
           f"| ZeRO-{dims.zero_stage} | batch {batch.micro_batch} x {batch.grad_accum} x {dims.dp}"
           f" = {batch.global_batch} | {len(train_blocks):,} train / {len(session.eval_blocks):,} eval "
           f"blocks of {run.data.seq_len} tokens | peak {meter.peak_per_rank / 1e12:.3g} TFLOP/s per rank "

@@ -53,13 +53,15 @@ from dsframework.dsconfig import Batch, build_ds_config, resolve_batch
 from dsframework.errors import UserError
 from dsframework.jit import AdamChoice, adam_choice, load_adam_op
 from dsframework.layout import ParallelDims, check_model_layout
+from dsframework.models.attention import fork_tensor_parallel_rng, wrap_attention
 from dsframework.models.autoep_compat import bridge_output_capture_registry
 from dsframework.models.build import ModelSource, build_model, built_line, rank_placement, resolve_model
 from dsframework.models.construct import build_for_layout, check_pretrained_files, host_peak
-from dsframework.models.hf import check_positions, count_parameters
+from dsframework.models.hf import causal_lm_class, check_positions, count_parameters
 from dsframework.models.lora import apply_lora
 from dsframework.models.loss import check_chunked_loss_layout, use_chunked_loss
-from dsframework.models.tensor_parallel import TensorParallelCausalLM
+from dsframework.models.tensor_parallel import (TensorParallelCausalLM, heads_are_split, sequence_parallel_problem,
+                                                shard_model, use_sequence_parallel)
 from dsframework.parallel.context import ContextParallelGrid, use_ulysses_attention
 from dsframework.models.pipeline import (
     build_pipeline_module,
@@ -67,6 +69,8 @@ from dsframework.models.pipeline import (
     stage_table,
 )
 from dsframework.parallel.host import rank_zero_first
+from dsframework.parallel.rng import checkpoint_contexts, seed_tensor_parallel_rng
+from dsframework.parallel.tensor import LayoutOnlyGroup
 from dsframework.parallel.topology import build_grid, build_topology
 from dsframework.planner.cluster import local_cluster, local_gpu_preset
 from dsframework.planner.count import model_counts
@@ -103,9 +107,11 @@ def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False, fo
     data = load_data(run, source, world, clock, resume=resume, overwrite=overwrite)
     with clock.phase("restore"):  # on resume at another layout, the ranks convert the checkpoint
         load_tag, universal = resuming.load_tag(run, world.dims, data.config) if resuming else (None, False)
+    world.sequence_parallel = sequence_parallel_on(run, data.config, world)
     ds_config = build_ds_config(run.train, run.parallel, dp_size=world.dims.dp,
                                 wall_clock_breakdown=run.logging.breakdown, load_universal=universal,
-                                checkpoint_writer=run.checkpoint.writer, torch_adam=adam.torch_adam)
+                                checkpoint_writer=run.checkpoint.writer, torch_adam=adam.torch_adam,
+                                sequence_parallel=world.sequence_parallel)
     with clock.phase("model"):
         model = build_model_for_layout(run, source, data.config, world, ds_config, batch)
     with clock.phase("deepspeed.initialize"):
@@ -114,7 +120,8 @@ def prepare(run: RunConfig, *, resume: bool = False, overwrite: bool = False, fo
                       data.eval_blocks, model.num_parameters, data.config, built=model.construction,
                       grid=world.grid, loss_chunk_tokens=model.chunk_tokens,
                       expert_load=None if world.dims.pp_enabled else ExpertLoad.attach(engine.module, data.config),
-                      loss_setup=loss_setup(world, data.config, chunked=model.chunk_tokens is not None))
+                      loss_setup=loss_setup(world, data.config, chunked=model.chunk_tokens is not None),
+                      sequence_parallel=world.sequence_parallel)
     if load_tag is not None:  # on resume (pre-flight read the checkpoint)
         with clock.phase("restore"), closing_writer_on_error(engine):
             restore(session, load_tag)
@@ -224,6 +231,7 @@ class World:
     topology: Any  # parallel.topology.build_topology
     grid: Grid | None  # tp or cp: the mpu deepspeed.initialize gets (ZeRO reduces over its data-parallel group)
     dp_rank: int
+    sequence_parallel: bool = False  # tp > 1: the tensor ranks split the sequence (sequence_parallel_on)
 
     @property
     def layout_grid(self) -> Grid:
@@ -341,7 +349,11 @@ def wrap_for_layout(run: RunConfig, model: Any, world: World, batch: Batch) -> A
     """The pipeline's stages, or the tensor-parallel head and Ulysses attention, and activation
     checkpointing, around this rank's model."""
     dims, checkpointing = world.dims, run.parallel.activation_checkpointing == "full"
+    if world.sequence_parallel:
+        use_sequence_parallel(model, group=world.layout_grid.get_slice_parallel_group(), regather=not checkpointing)
     if dims.pp_enabled:
+        if dims.tp_enabled:
+            tensor_parallel_streams(run, model, world)
         # Each stage's LayerSpecs reference the modules this rank materialised (the others are meta).
         model = build_pipeline_module(model, num_stages=dims.pp, partition_method=run.parallel.partition_method,
                                       activation_checkpoint_interval=int(checkpointing), topology=world.topology)
@@ -350,13 +362,51 @@ def wrap_for_layout(run: RunConfig, model: Any, world: World, batch: Batch) -> A
                                             else "") + "\n" + stage_table(model), flush=True)
         return model
     if checkpointing:  # non-reentrant: works with ZeRO-3's parameter hooks and frozen inputs
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # (context_fn: a recompute draws the tensor-parallel stream where the forward did)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
+            "use_reentrant": False, **({"context_fn": checkpoint_contexts} if dims.tp_enabled else {})})
     if dims.tp_enabled:
         model = TensorParallelCausalLM(model, group=world.layout_grid.get_slice_parallel_group())
     if dims.cp_enabled:  # (build_grid's ContextParallelGrid)
         use_ulysses_attention(model, cast(ContextParallelGrid, world.layout_grid), micro_batch=batch.micro_batch,
                               seq_len=run.data.seq_len, tp=dims.tp)
+    if dims.tp_enabled:  # (after Ulysses, whose attention it wraps)
+        tensor_parallel_streams(run, model, world)
     return model
+
+
+def sequence_parallel_on(run: RunConfig, config: HFConfig, world: World) -> bool:
+    """parallel.sequence_parallel for this model (found on its weightless twin, sharded as tensor
+    rank 0 shards it): auto stays off for an architecture that cannot (said once); true refuses it
+    in one line."""
+    if not run.sequence_parallel:
+        return False
+    import torch
+
+    with torch.device("meta"):
+        model = causal_lm_class(config)(config)
+    problem = sequence_parallel_problem(shard_model(model, group=LayoutOnlyGroup(size=world.dims.tp, rank=0)))
+    if problem is None:
+        return True
+    if run.parallel.sequence_parallel is True:
+        raise UserError("parallel.sequence_parallel", True, f"cannot split {model.config.model_type}'s sequence "
+                        f"between its blocks: {problem}", "set parallel.sequence_parallel=auto or false")
+    if world.rank == 0:
+        print(f"dsf: sequence parallelism off (auto): {problem}", flush=True)
+    return False
+
+
+def tensor_parallel_streams(run: RunConfig, model: Any, world: World) -> None:
+    """tp > 1: each tensor rank's own random stream, seeded from train.seed, drawn by the attention
+    core's dropout where its heads are its own (models/tensor_parallel.heads_are_split); the default
+    generator stays the same on every tensor rank, for the replicated regions (parallel/rng.py):
+    seeded again here, as each rank's build drew from it according to the shards it made."""
+    import torch
+
+    torch.manual_seed(run.train.seed)
+    seed_tensor_parallel_rng(seed=run.train.seed, tensor_rank=world.layout_grid.get_slice_parallel_rank())
+    if heads_are_split(model):
+        wrap_attention(model.config, fork_tensor_parallel_rng, tag="tp_rng")
 
 
 def build_engine(run: RunConfig, model: Any, ds_config: dict[str, Any], world: World) -> Any:
@@ -563,4 +613,5 @@ class Session:
     loss_chunk_tokens: int | None = None  # the causal LM loss in chunks of this many tokens (models/loss.py)
     expert_load: Any = None  # a mixture of experts' router figures (train/expert_load.py), else None
     loss_setup: LossSetup = WHOLE  # how every micro-batch's loss is computed (train/step.py), set once
+    sequence_parallel: bool = False  # tp > 1: the tensor ranks split the sequence between blocks
 

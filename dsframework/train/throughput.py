@@ -46,8 +46,11 @@ def matmul_flops(dtype_name: str, *, size: int = MATMUL_SIZE, threads: int | Non
     if threads and device == "cpu":
         torch.set_num_threads(threads)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
+    # A generator of its own: measured after a resume's restore, the run's random state must not move
+    # (a dropout mask would differ from the straight run's)
+    generator = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(size, size, device=device, dtype=dtype, generator=generator)
+    b = torch.randn(size, size, device=device, dtype=dtype, generator=generator)
 
     def run():
         for _ in range(4):

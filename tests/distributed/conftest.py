@@ -33,7 +33,8 @@ SHARED_MODULES = ("test_zero", "test_resume", "test_faults", "test_layouts", "te
                   "test_context_parallel", "test_metric_sinks", "test_restarts", "test_export_experts_stream",
                   "test_nothing_lost")
 NEEDS = {"test_compile": ("test_zero",),  # test_compile's eager baselines are test_zero's runs
-         "test_nothing_lost": ("test_faults",)}  # its undisturbed run is faults-common
+         "test_nothing_lost": ("test_faults",),  # its undisturbed run is faults-common
+         "test_sequence_parallel": ("test_architectures",)}  # its runs with sequence parallelism on
 
 
 def shared_specs(ranks: int, root: Path, modules: set[str]) -> list[str]:
@@ -71,7 +72,7 @@ def shared_runs(request, tmp_path_factory) -> Callable[[int], tuple[Path, str, s
 
 
 # workers/architectures.py at world 4 (each run's engine logits and held parameters written too)
-ENGINE_MODULES = ("test_architectures", "test_experts")
+ENGINE_MODULES = ("test_architectures", "test_experts", "test_sequence_parallel")
 ENGINES = Path(__file__).parent / "workers" / "architectures.py"
 
 

@@ -93,6 +93,33 @@ def test_host_figures_go_through_the_host_group():
         assert rank.collectives == [("allreduce_", "host")] * 4
 
 
+def _router_output(layers: list[torch.Tensor]):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(aux_loss=None, router_logits=tuple(layers))
+
+
+def test_the_expert_load_counts_on_the_device_without_a_read_back():
+    """A forward's tokens per expert, counted where the router logits are (bincount's data-dependent
+    size would be read back first on a GPU: FakeTensorMode refuses it)."""
+    with simulated_gpu_rank() as rank:
+        load = ExpertLoad(experts=4, top_k=2)
+        model = torch.nn.Module()  # (training: the hook counts training forwards only)
+        for _ in range(2):
+            load._after_forward(model, (), _router_output([torch.empty(6, 4, device=CUDA)] * 3))
+        assert load.counts.device == CUDA and tuple(load.counts.shape) == (3, 4)
+        assert rank.syncs == [] and rank.collectives == []
+
+
+def test_the_expert_load_counts_what_bincount_counts():
+    generator = torch.Generator().manual_seed(0)
+    layers = [torch.randn(50, 4, generator=generator), torch.randn(50, 6, generator=generator)]  # 6: 2 zero experts
+    load = ExpertLoad(experts=4, top_k=2)
+    load._after_forward(torch.nn.Module(), (), _router_output(layers))
+    want = torch.stack([torch.bincount(layer.topk(2, dim=-1).indices.flatten(), minlength=4)[:4] for layer in layers])
+    assert torch.equal(load.counts, want) and want.sum() > 0
+
+
 def test_the_non_finite_watch_stays_on_the_device_until_read():
     with simulated_gpu_rank() as rank:
         watch = NonFiniteWatch(enabled=True, device=CUDA)

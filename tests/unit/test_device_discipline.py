@@ -56,6 +56,19 @@ def test_a_step_keeps_its_loss_on_the_device_and_never_waits(supervised):
         assert engine.steps == 3 and rank.syncs == [] and rank.collectives == []
 
 
+@pytest.mark.parametrize("supervised", [False, True])
+def test_a_step_copies_the_next_micro_batch_before_each_forward(supervised):
+    """Without waiting (non_blocking=True: from pinned memory on a GPU, train/step.py to_device), and
+    one ahead: the host queues micro-batch i+1's copy, then micro-batch i's forward."""
+    with simulated_gpu_rank() as rank:
+        batches = rank.host_batches(3)
+        if supervised:  # ids, labels and positions: three copies a micro-batch
+            batches = [{"input_ids": ids, "labels": ids, "position_ids": ids, "loss_weight": 0.5} for ids in batches]
+        step.train_step(rank.engine(), batches, pipeline=False)
+        copies = ["copy to the device"] * (3 if supervised else 1)
+        assert rank.events == [*copies, *copies, "forward", *copies, "forward", "forward"]
+
+
 def _store(directory: Path, *, supervised: bool, rows: int = 8, seq_len: int = 8) -> TokenStore:
     """An eval split written as data/store.py writes one."""
     directory.mkdir()

@@ -51,6 +51,7 @@ class DeviceRules(TorchDispatchMode):
     def __init__(self, host_group: Any) -> None:
         super().__init__()
         self.host_group, self.syncs, self.collectives = host_group, [], []
+        self.events: list[str] = []  # copies to the device and the stand-in engine's forwards, in order
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -64,6 +65,8 @@ class DeviceRules(TorchDispatchMode):
             dst = args[0].device if func is torch.ops.aten.copy_.default else kwargs.get("device")
             if src.device.type == "cuda" and dst is not None and torch.device(dst).type == "cpu":
                 self.syncs.append("copy to the host")
+            if src.device.type == "cpu" and dst is not None and torch.device(dst).type == "cuda":
+                self.events.append("copy to the device" if kwargs.get("non_blocking") else "blocking copy")
         return func(*args, **kwargs)
 
     def _collective(self, func: Any, args: Any) -> Any:
@@ -104,15 +107,16 @@ class StandInEngine(torch.nn.Module):
     embedding and a head on cuda:0: the causal LM loss, or the summed masked loss over
     `num_items_in_batch` as transformers computes it for supervised rows."""
 
-    def __init__(self, vocab: int, hidden: int) -> None:
+    def __init__(self, vocab: int, hidden: int, events: list[str] | None = None) -> None:
         super().__init__()
         # no autograd: recording a graph of fake cuda tensors needs a CUDA build (backward is a no-op)
         self.embed = torch.nn.Parameter(torch.empty(vocab, hidden, device=CUDA), requires_grad=False)
         self.head = torch.nn.Parameter(torch.empty(hidden, vocab, device=CUDA), requires_grad=False)
-        self.device, self.steps = CUDA, 0
+        self.device, self.steps, self.events = CUDA, 0, [] if events is None else events
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, num_items_in_batch: Any = None,
                 **_: Any) -> Any:
+        self.events.append("forward")
         hidden = self.embed.index_select(0, input_ids.flatten()).view(*input_ids.shape, -1)
         logits = hidden @ self.head
         loss = None
@@ -145,8 +149,13 @@ class SimulatedRank:
     def collectives(self) -> list[tuple[str, str]]:
         return self.rules.collectives
 
+    @property
+    def events(self) -> list[str]:
+        """Copies to the device ("blocking copy" without non_blocking=True) and forwards, in order."""
+        return self.rules.events
+
     def engine(self, vocab: int = 16, hidden: int = 8) -> StandInEngine:
-        return StandInEngine(vocab, hidden)
+        return StandInEngine(vocab, hidden, self.rules.events)
 
     def host_batches(self, count: int, *, rows: int = 2, seq_len: int = 8, vocab: int = 16) -> list[torch.Tensor]:
         """Micro-batches of token ids on the host, as the token store hands them out."""

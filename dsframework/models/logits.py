@@ -1,7 +1,7 @@
 """What a transformers causal LM does to its logits after its output head, for the heads dsf
 computes itself (the chunked loss, the tensor-parallel head, the pipeline's last stage).
 
-    post = logit_postprocess(lm)     # None for Llama & co.; Gemma 2/3: tanh(x / c) * c, Granite: x / s, ...
+    post = logit_postprocess(lm)     # None for Llama & co.; Gemma 2/3: ElementwisePost(softcap=30.0), ...
     logits = post(lm.lm_head(hidden)) if post is not None else lm.lm_head(hidden)
     head = processed_head(lm)        # the same as one callable: hidden -> post(head(hidden)), or the head itself
     extra = router_loss(lm, decoder_output)  # a mixture of experts: coef x its load-balancing loss, or None
@@ -9,25 +9,33 @@ computes itself (the chunked loss, the tensor-parallel head, the pipeline's last
 
 Why from the model's own forward: the CausalLM forward is the reference for what its logits are
 (Gemma 2/3's `final_logit_softcapping`, Granite's `/ logits_scaling`, Cohere's `* logit_scale`,
-whatever the next architecture adds). `post(logits)` runs that forward (`type(lm).forward`, so no
-hook runs and an instance-level forward such as use_chunked_loss's is skipped) with the decoder
-(`lm.base_model_prefix`) swapped for a stub returning a [1, T, 1] hidden state and the output
-embeddings for a stub returning `logits`; the result's `.logits` are the processed logits, and
-the modules are put back whatever happens (one call at a time per model: the swap is not
-thread-safe). No per-architecture table to keep in sync with transformers, and a model whose
-forward does something dsf's heads cannot reproduce is refused:
+Falcon-H1's `* lm_head_multiplier`, whatever the next architecture adds). Once per model, the probe
+runs that forward (`type(lm).forward`, so no hook runs and an instance-level forward such as
+use_chunked_loss's is skipped) on random logits, with the decoder (`lm.base_model_prefix`) swapped
+for a stub returning a [1, T, 1] hidden state and the output embeddings for a stub returning the
+logits (`ThroughForward`); the modules are put back whatever happens (one call at a time per model:
+the swap is not thread-safe). From what the forward returned:
 
-- the processing must be elementwise, because the chunked loss applies it to a chunk of tokens
-  and the tensor-parallel head to a slice of the vocabulary: probed once with random logits,
-  each half (of the tokens, of the vocabulary) processed alone must equal that half of the whole;
-- a forward the stubs cannot run (one that needs more of its decoder's outputs) is refused too.
-Both raise a UserError naming the model type. A forward that leaves the logits as they are gives
-None, so the heads of Llama-like models run exactly as before. The answer is cached on the model
-(a `ThroughForward` holding the model: a deepcopy of the model gets its own).
+- the logits unchanged: None, so the heads of Llama-like models run exactly as before;
+- processing that is not elementwise is refused, because the chunked loss applies it to a chunk of
+  tokens and the tensor-parallel head to a slice of the vocabulary (each half of the tokens, of the
+  vocabulary, processed alone must equal that half of the whole); so is a forward the stubs cannot
+  run (one that needs more of its decoder's outputs) or one that changes the hidden states before
+  its head: a UserError naming the model type;
+- otherwise the forms transformers' forwards use, built from the numbers the model and its config
+  hold (`ElementwisePost`: an upcast to float32, `x * m`, `x / d`, the softcap `tanh(x / c) * c`,
+  in that order), fewest operations first: the first the forward's own output confirms is the
+  answer, a few torch ops per head call, no forward re-run and nothing that waits for the device;
+- an elementwise processing of no known form keeps `ThroughForward` itself: the forward with its
+  stubs at each head call (its checks were made at the probe: none per call).
+
+The answer is cached on the model (a deepcopy of the model gets its own copy, a `ThroughForward`
+one holding the copy).
 """
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -107,7 +115,8 @@ def _swap_points(lm: Any) -> tuple[tuple[nn.Module, str], tuple[nn.Module, str]]
 
 class ThroughForward:
     """post(logits [..., vocab]) -> the logits as `lm`'s forward returns them when its head outputs
-    `logits` (an object rather than a closure: a deepcopy of the model copies it with the model)."""
+    `logits` (an object rather than a closure: a deepcopy of the model copies it with the model).
+    The probe's tool, and the answer for an elementwise processing of no known form."""
 
     def __init__(self, lm: Any) -> None:
         self.lm = lm
@@ -117,6 +126,10 @@ class ThroughForward:
         return f"ThroughForward({type(self.lm).__name__}.forward after its head)"
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        return self.run(logits)[0]
+
+    def run(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the processed logits, the hidden state the forward handed its head: None if it did not)."""
         lm, batched = self.lm, logits.reshape(1, -1, logits.shape[-1])
         self.points = self.points or _swap_points(lm)
         (base_parent, base_name), (head_parent, head_name) = self.points
@@ -128,11 +141,75 @@ class ThroughForward:
             out = type(lm).forward(lm, input_ids=ids).logits
         finally:
             base_parent._modules[base_name], head_parent._modules[head_name] = base, head
-        seen = getattr(stub_head, "hidden", None)
-        if seen is None or not torch.equal(seen.flatten(), torch.arange(1, seen.numel() + 1, dtype=seen.dtype, device=seen.device)):
-            raise ValueError("its forward changes the hidden states before the head (dsf's heads take them as the "
-                             "decoder gives them)")
-        return out.reshape(*logits.shape[:-1], out.shape[-1])
+        return out.reshape(*logits.shape[:-1], out.shape[-1]), getattr(stub_head, "hidden", None)
+
+
+@dataclass(frozen=True)
+class ElementwisePost:
+    """post(logits) in the forms transformers' CausalLM forwards use after the head, applied in this
+    order (fields left None are skipped): torch ops on the logits' device, no host synchronisation.
+
+        ElementwisePost(softcap=30.0)(logits)     # Gemma 2/3: tanh(logits / 30) * 30
+        ElementwisePost(divide=16.0)(logits)      # Granite: logits / logits_scaling
+    """
+
+    upcast: bool = False  # the forward casts the head's output to float32 first (Beam, Inkling 2)
+    multiply: float | None = None  # Cohere's logit_scale, Falcon-H1's lm_head_multiplier, ...
+    divide: float | None = None  # Granite's logits_scaling
+    softcap: float | None = None  # final_logit_softcapping: tanh(x / c) * c
+
+    @property
+    def operations(self) -> int:
+        return sum(value is not None for value in (self.multiply, self.divide, self.softcap))
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.upcast:
+            logits = logits.float()
+        if self.multiply is not None:
+            logits = logits * self.multiply
+        if self.divide is not None:
+            logits = logits / self.divide
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+# ElementwisePost's fields -> the names transformers' models and configs give their numbers
+# (HyperCLOVA X multiplies by a `logits_scaling` that Granite divides by: the probe tells which)
+_FORMS = {"multiply": ("logit_scale", "lm_head_multiplier", "output_multiplier", "logits_scaling"),
+          "divide": ("logits_scaling",), "softcap": ("final_logit_softcapping",)}
+
+
+def _numbers(lm: Any, names: tuple[str, ...]) -> list[float]:
+    """The distinct plain numbers named `names` on the model, its decoder (Falcon-H1 multiplies by
+    `self.model.lm_head_multiplier`), its config and its text config."""
+    holders = [lm, getattr(lm, "base_model", None), lm.config, lm.config.get_text_config()]
+    found: list[float] = []
+    for holder in holders:
+        for name in names:
+            value = getattr(holder, name, None)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and float(value) not in found:
+                found.append(float(value))
+    return found
+
+
+def _known_form(lm: Any, post: ThroughForward, logits: torch.Tensor, whole: torch.Tensor) -> ElementwisePost | None:
+    """The first ElementwisePost (fewest operations first) built from `lm`'s numbers that gives the
+    forward's own output `whole` on the probe's `logits`, in float32 and in bfloat16; None if none does."""
+    options = {field: [None, *_numbers(lm, names)] for field, names in _FORMS.items()}
+    forms = sorted((ElementwisePost(multiply=m, divide=d, softcap=c) for m in options["multiply"]
+                    for d in options["divide"] for c in options["softcap"]), key=lambda form: form.operations)
+    form = next((form for form in forms if form.operations
+                 and torch.allclose(form(logits), whole, rtol=1e-5, atol=1e-6)), None)
+    if form is None:
+        return None
+    half = logits.bfloat16()  # what a bf16 run hands the head: an upcast shows in the output's dtype
+    want = post(half)
+    form = replace(form, upcast=want.dtype == torch.float32)
+    got = form(half)
+    if got.dtype != want.dtype or not torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2):
+        return None
+    return form
 
 
 def _elementwise(post: Callable, logits: torch.Tensor, whole: torch.Tensor) -> bool:
@@ -145,15 +222,26 @@ def _elementwise(post: Callable, logits: torch.Tensor, whole: torch.Tensor) -> b
     return all(torch.allclose(post(logits[part]), whole[part], rtol=1e-5, atol=1e-6) for part in halves)
 
 
+def _probed_forward(lm: Any, post: ThroughForward, logits: torch.Tensor) -> torch.Tensor:
+    """The forward's processed `logits`, after checking that it handed its head the decoder's hidden
+    state unchanged (dsf's heads take them as the decoder gives them)."""
+    whole, seen = post.run(logits)
+    if seen is None or not torch.equal(seen.flatten(), torch.arange(1, seen.numel() + 1, dtype=seen.dtype,
+                                                                     device=seen.device)):
+        raise ValueError("its forward changes the hidden states before the head (dsf's heads take them as the "
+                         "decoder gives them)")
+    return whole
+
+
 def _probe(lm: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """logit_postprocess's answer, from one run of the forward on random logits."""
+    """logit_postprocess's answer, from runs of the forward on random logits."""
     model_type = getattr(lm.config, "model_type", type(lm).__name__)
     post = ThroughForward(lm)
     vocab = max(getattr(lm.config, "vocab_size", 0) or 0, 2)
     # a generator of its own: the probe leaves the global random state (weight init, dropout) alone
     logits = 10 * torch.randn(1, 4, vocab, generator=torch.Generator().manual_seed(0))  # host: a probe, no model
     try:
-        whole = post(logits)
+        whole = _probed_forward(lm, post, logits)
     except Exception as err:  # the forward needs more of its decoder than the stubs give
         raise UserError("model.name", model_type, f"dsf could not run {type(lm).__name__}'s forward to find what it "
                         f"does to its logits after the head ({type(err).__name__}: {err})", _WHOLE_LOGITS) from err
@@ -163,7 +251,7 @@ def _probe(lm: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
         raise UserError("model.name", model_type, f"{type(lm).__name__}'s forward processes its logits after the "
                         "head in a way that is not elementwise: dsf's chunked loss applies it per chunk of tokens "
                         "and its tensor-parallel head per slice of the vocabulary", _WHOLE_LOGITS)
-    return post
+    return _known_form(lm, post, logits, whole) or post
 
 
 def logit_postprocess(lm: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:

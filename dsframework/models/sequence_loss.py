@@ -1,7 +1,8 @@
 """The loss of a context-parallel rank (parallel/context.py): its shard of each sequence (tokens,
 global positions, labels) and its share of the micro-batch's mean loss.
 
-    shard = SequenceShard.of(input_ids, grid)          # this rank's tokens, positions and labels
+    shard = SequenceShard.of(input_ids, grid,          # this rank's tokens, positions and labels
+                             predicted=SequenceShard.count(host_ids))  # counted before the ids left the host
     loss, mean = sequence_shard_loss(engine, shard, grid=grid, vocab_size=V,
                                      gradient_scale=zero_gradient_scale(cp=2, zero_stage=3))
     engine.backward(loss)                              # `mean`: the micro-batch's loss, every rank
@@ -41,9 +42,16 @@ class SequenceShard:
     labels: torch.Tensor
     predicted: int  # tokens with a label in the whole micro-batch, all shards together
 
+    @staticmethod
+    def count(input_ids: torch.Tensor) -> int:
+        """The `predicted` of whole sequences [batch, seq_len]: count it on the host copy of the ids
+        (train/step.py to_device), where reading it back waits for no device."""
+        return int(trained_tokens(shift_labels(input_ids)))
+
     @classmethod
-    def of(cls, input_ids: torch.Tensor, grid: Grid) -> "SequenceShard":
-        """Cut whole sequences [batch, seq_len] (every rank of a context group holds the same)."""
+    def of(cls, input_ids: torch.Tensor, grid: Grid, *, predicted: int | None = None) -> "SequenceShard":
+        """Cut whole sequences [batch, seq_len] (every rank of a context group holds the same);
+        `predicted`: `count` of their host copy (None: counted here, a host sync if they are on a GPU)."""
         cp_grid = cast("ContextParallelGrid", grid)  # cp > 1: build_grid's grid, with a sequence group
         cp, rank = cp_grid.get_sequence_parallel_world_size(), cp_grid.get_sequence_parallel_rank()
         batch, seq_len = input_ids.shape
@@ -52,7 +60,7 @@ class SequenceShard:
         positions = torch.arange(seq_len, device=input_ids.device).expand(batch, seq_len)
         mine = slice(rank * local, (rank + 1) * local)
         return cls(input_ids[:, mine].contiguous(), positions[:, mine].contiguous(), labels[:, mine].contiguous(),
-                   predicted=int(trained_tokens(labels)))
+                   predicted=int(trained_tokens(labels)) if predicted is None else predicted)
 
 
 def sequence_shard_loss(engine: Engine, shard: SequenceShard, *, grid: Grid, tensor_group: Any = None,

@@ -52,9 +52,18 @@ class ExpertLoad:
             self.forwards += 1
         if logits is not None and len(logits):
             with torch.no_grad():
-                counts = torch.stack([torch.bincount(layer.detach().topk(self.top_k, dim=-1).indices.flatten(),
-                                                     minlength=self.experts)[:self.experts] for layer in logits])
+                counts = torch.stack([self._chosen(layer.detach()) for layer in logits])
             self.counts = counts if self.counts is None else self.counts + counts
+
+    def _chosen(self, logits: Any) -> Any:
+        """Tokens per expert of one layer's router logits [tokens, experts (or more)], on their device.
+        Added into a fixed number of bins: bincount's output size depends on the data, which a GPU
+        must read back first. A column past `experts` (a zero expert, say) falls in a last bin, dropped."""
+        import torch
+
+        chosen = logits.topk(self.top_k, dim=-1).indices.flatten().clamp(max=self.experts)
+        bins = torch.zeros(self.experts + 1, dtype=torch.long, device=logits.device)
+        return bins.scatter_add_(0, chosen, torch.ones_like(chosen)).narrow(0, 0, self.experts)
 
     def read(self) -> dict[str, float]:
         """The window's figures over all ranks (a collective: every rank calls it), then a new window."""

@@ -82,6 +82,7 @@ class HangWatch:
         self.setting = setting  # seconds, "auto", or 0: not watched
         self.beat = beat if beat is not None else Beat.from_env()
         self.recent: deque[float] = deque(maxlen=RECENT_STEPS)
+        self._median: float | None = None  # of `recent`, kept at each step (`limit` runs at every phase)
         self.warm = False  # a step has finished since the session started or last compiled
         self.timer = StepTimer()  # the device's step times (for_run: CUDA events on a GPU)
         self.trained = 0  # steps this session has trained (the device may not have timed them all yet)
@@ -96,9 +97,9 @@ class HangWatch:
         """Seconds a training phase may take; None while `auto` has no step time yet."""
         if self.setting != "auto":
             return float(self.setting)
-        if not self.recent:
+        if self._median is None:
             return None
-        return max(AUTO_MIN_S, AUTO_STEPS * statistics.median(self.recent))
+        return max(AUTO_MIN_S, AUTO_STEPS * self._median)
 
     def limit(self, phase: str) -> float:
         """What `phase` may take now (0: not watched)."""
@@ -115,13 +116,14 @@ class HangWatch:
     def step_done(self, *, seconds: float) -> None:
         if self.warm:  # the first step of a session (or after compiling) is not a step time
             self.recent.append(seconds)
+            self._median = statistics.median(self.recent)
         self.warm = True
 
     def compiled(self) -> None:
         self.warm = False
 
     def median_step(self) -> float | None:
-        return statistics.median(self.recent) if self.recent else None
+        return self._median
 
     def check_setting(self, step_seconds: float) -> None:
         """UserError when a fixed faults.hang_timeout is below the step time all ranks measured

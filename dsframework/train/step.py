@@ -3,6 +3,7 @@ the held-out evaluation (the loop in train/loop.py calls these once per step or 
 
     batches = step_batches(train_blocks, sampler, consumed)     # this rank's rows of the step
     loss = train_step(engine, batches, pipeline=False)          # forward, backward, optimizer step
+    loss, value = micro_batch_loss(engine, batches[0])          # one micro-batch's (host ids, or to_device's)
     eval_loss = evaluate(engine, eval_blocks, micro_batch=2, dp_size=2, dp_rank=0, pipeline=False)
     # context parallel: the loss is set up once (train/setup.py) and handed to both
     loss_setup = LossSetup.context_parallel(grid, dims, vocab_size=32000, chunked=False)
@@ -60,8 +61,37 @@ def step_batches(blocks: Any, sampler: BlockSampler, consumed: int) -> list:
     return [blocks.micro_batch(indices, weight=weight) for indices in sampler.micro_batches(consumed)]
 
 
+@dataclass(frozen=True)
+class DeviceBatch:
+    """A micro-batch copied to the engine's device by `to_device`, with what was counted on its host copy."""
+
+    batch: Any  # the ids [rows, seq_len], or a supervised micro-batch's dict (its loss_weight left on the host)
+    predicted: int | None = None  # context parallel: the tokens with a label (SequenceShard.count), else None
+
+
+def to_device(engine: Engine, host_batch: Any, loss_setup: LossSetup = WHOLE) -> DeviceBatch:
+    """`host_batch` (data/store.py's ids or dict) on the engine's device. On a GPU the copy is made
+    from pinned memory with non_blocking=True: the host queues it and goes on (the forward that reads
+    it runs after it on the same stream), so train_step issues the next micro-batch's copy before the
+    current forward. Pageable memory would make the host wait for each copy; on the CPU nothing is
+    pinned (pinning needs CUDA) and the tensors are the host's own."""
+    import torch
+
+    device = engine.device
+    pin = str(device).startswith("cuda") and torch.cuda.is_available()
+
+    def move(tensor: Any) -> Any:
+        return (tensor.pin_memory() if pin else tensor).to(device, non_blocking=True)
+
+    if isinstance(host_batch, dict):
+        return DeviceBatch({key: value if key == "loss_weight" else move(value) for key, value in host_batch.items()})
+    predicted = SequenceShard.count(host_batch) if loss_setup.grid is not None else None  # on the host: no wait
+    return DeviceBatch(move(host_batch), predicted)
+
+
 def micro_batch_loss(engine: Engine, input_ids: Any, loss_setup: LossSetup = WHOLE) -> tuple[Any, Any]:
-    """(the loss to backpropagate, the micro-batch's mean loss detached) for whole sequences.
+    """(the loss to backpropagate, the micro-batch's mean loss detached) for whole sequences:
+    `input_ids` a micro-batch on the host (copied here) or already a `to_device` DeviceBatch.
 
     With context parallelism each rank runs its slice of the sequences and backpropagates its
     share of the mean (models/sequence_loss.py); otherwise the model's own causal LM loss. A
@@ -69,16 +99,18 @@ def micro_batch_loss(engine: Engine, input_ids: Any, loss_setup: LossSetup = WHO
     times its loss_weight (the model divides it by num_items_in_batch = 1 / loss_weight): examples
     packed in a row see only themselves (position ids restart at each example; transformers then
     masks attention block-diagonally)."""
-    if isinstance(input_ids, dict):
+    moved = input_ids if isinstance(input_ids, DeviceBatch) else to_device(engine, input_ids, loss_setup)
+    if isinstance(moved.batch, dict):
         # The summed loss of the trained tokens over the global batch's count (loss_weight is
         # data ranks x accumulation / that count): transformers' num_items_in_batch, which its loss
         # and dsf's heads (models/loss.reduce_loss) divide the sum by instead of this micro-batch's count.
-        batch = {key: value.to(engine.device) for key, value in input_ids.items() if key != "loss_weight"}
-        loss = engine(**batch, use_cache=False, num_items_in_batch=1.0 / input_ids["loss_weight"]).loss
+        batch = {key: value for key, value in moved.batch.items() if key != "loss_weight"}
+        loss = engine(**batch, use_cache=False, num_items_in_batch=1.0 / moved.batch["loss_weight"]).loss
         return loss, loss.detach()
-    input_ids = input_ids.to(engine.device)
+    input_ids = moved.batch
     if loss_setup.grid is not None:
-        return sequence_shard_loss(engine, SequenceShard.of(input_ids, loss_setup.grid), grid=loss_setup.grid,
+        shard = SequenceShard.of(input_ids, loss_setup.grid, predicted=moved.predicted)
+        return sequence_shard_loss(engine, shard, grid=loss_setup.grid,
                                    tensor_group=loss_setup.tensor_group, vocab_size=loss_setup.vocab_size,
                                    gradient_scale=loss_setup.gradient_scale, chunked=loss_setup.chunked)
     loss = engine(input_ids=input_ids, labels=input_ids).loss
@@ -88,9 +120,10 @@ def micro_batch_loss(engine: Engine, input_ids: Any, loss_setup: LossSetup = WHO
 def train_step(engine: Engine, micro_batches: list, *, pipeline: bool, loss_setup: LossSetup = WHOLE,
                enter: Any = None) -> Any:
     """One optimizer step over this rank's micro-batches; their mean loss (a float64 tensor on the
-    engine's device: nothing here waits for the device). Each micro-batch's loss is
-    `micro_batch_loss(engine, ids, loss_setup)` (looked up in this module at each call: the fault
-    tests' worker wraps it). `enter(phase)` is told each phase as it starts (train/hang.py's heartbeat)."""
+    engine's device: nothing here waits for the device). Each micro-batch is copied to the device one
+    ahead (`to_device`), and its loss is `micro_batch_loss(engine, batch, loss_setup)` (looked up in
+    this module at each call: the fault tests' worker wraps it). `enter(phase)` is told each phase as
+    it starts (train/hang.py's heartbeat)."""
     import torch
 
     enter = enter or _no_phase
@@ -99,9 +132,13 @@ def train_step(engine: Engine, micro_batches: list, *, pipeline: bool, loss_setu
         data = iter([(ids, ids) for ids in micro_batches])
         return cast(PipelineEngine, engine).train_batch(data_iter=data).detach().double()
     total = torch.zeros((), dtype=torch.float64, device=engine.device)  # the losses add up where they are
-    for input_ids in micro_batches:
+    ahead = to_device(engine, micro_batches[0], loss_setup)
+    for index in range(len(micro_batches)):
+        current = ahead
+        if index + 1 < len(micro_batches):  # the next copy queued before this forward (to_device)
+            ahead = to_device(engine, micro_batches[index + 1], loss_setup)
         enter("forward")
-        loss, value = micro_batch_loss(engine, input_ids, loss_setup)
+        loss, value = micro_batch_loss(engine, current, loss_setup)
         enter("backward")
         engine.backward(loss)
         enter("optimizer step")

@@ -1,7 +1,8 @@
 """Nothing on the training hot path that need not be there (dsf's own code; DeepSpeed's is its own):
 
 - no host synchronisation per step beyond logging: with logging.every=4, every Tensor.item/
-  tolist/float/int/bool/cpu made by a dsframework module in the loop falls on a logging step
+  tolist/float/int/bool/cpu, and every data-dependent op (equal, bincount, nonzero, unique,
+  masked_select), made by a dsframework module in the loop falls on a logging step
   (the loss, the non-finite check) - none on the steps between, but for one host-side tensor
   that never waits for the device: the SIGTERM flag (guards.StopRequest, a CPU tensor reduced on
   a gloo group even beside NCCL); the epoch's sample order (data.sampling.BlockSampler) is drawn

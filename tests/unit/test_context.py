@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,6 +18,8 @@ from dsframework.parallel.context import zero_gradient_scale
 from dsframework.layout import ParallelDims
 from dsframework.parallel.topology import build_topology
 from dsframework.ports import free_port
+from dsframework.train.step import LossSetup, to_device
+from tests.device_discipline import DeviceRules
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -48,6 +51,23 @@ def test_shards_cover_the_sequence_with_global_positions_and_whole_sequence_labe
     shares = [(per_token[:, r * 16 // cp:(r + 1) * 16 // cp] * (s.labels != -100)).sum() / s.predicted
               for r, s in enumerate(shards)]
     assert torch.allclose(sum(shares), per_token[:, :-1].mean())
+
+
+def test_the_predicted_tokens_are_counted_on_the_host_before_the_ids_move():
+    """A micro-batch's count, which each rank divides its share by, read back from the device would
+    make a GPU rank wait at every micro-batch: train/step.py's to_device counts the host copy, and
+    SequenceShard.of cuts the device ids without reading them."""
+    ids = torch.arange(3 * 16).view(3, 16)
+    engine = SimpleNamespace(device=torch.device("cpu"))
+    moved = to_device(engine, ids, LossSetup(grid=_Group(2, 0)))
+    assert moved.predicted == SequenceShard.count(ids) == 3 * 15
+    assert to_device(engine, ids).predicted is None  # only the context-parallel loss needs it
+    with DeviceRules(host_group=None) as rules:
+        shard = SequenceShard.of(moved.batch, _Group(2, 1), predicted=moved.predicted)
+    assert rules.syncs == [] and shard.predicted == 3 * 15
+    with DeviceRules(host_group=None) as rules:
+        SequenceShard.of(moved.batch, _Group(2, 1))
+    assert rules.syncs == ["item"]  # counted from the ids it cuts: what a GPU would wait for
 
 
 @pytest.mark.parametrize("tp,cp,dp", [(1, 2, 1), (1, 2, 2), (2, 2, 1), (1, 4, 2)])

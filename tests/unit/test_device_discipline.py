@@ -56,6 +56,19 @@ def test_a_step_keeps_its_loss_on_the_device_and_never_waits(supervised):
         assert engine.steps == 3 and rank.syncs == [] and rank.collectives == []
 
 
+@pytest.mark.parametrize("supervised", [False, True])
+def test_a_step_copies_the_next_micro_batch_before_each_forward(supervised):
+    """Without waiting (non_blocking=True: from pinned memory on a GPU, train/step.py to_device), and
+    one ahead: the host queues micro-batch i+1's copy, then micro-batch i's forward."""
+    with simulated_gpu_rank() as rank:
+        batches = rank.host_batches(3)
+        if supervised:  # ids, labels and positions: three copies a micro-batch
+            batches = [{"input_ids": ids, "labels": ids, "position_ids": ids, "loss_weight": 0.5} for ids in batches]
+        step.train_step(rank.engine(), batches, pipeline=False)
+        copies = ["copy to the device"] * (3 if supervised else 1)
+        assert rank.events == [*copies, *copies, "forward", *copies, "forward", "forward"]
+
+
 def _store(directory: Path, *, supervised: bool, rows: int = 8, seq_len: int = 8) -> TokenStore:
     """An eval split written as data/store.py writes one."""
     directory.mkdir()
@@ -91,6 +104,33 @@ def test_host_figures_go_through_the_host_group():
         load.counts = torch.zeros(2, 4, dtype=torch.long, device=CUDA)  # per layer, tokens per expert
         load.read()
         assert rank.collectives == [("allreduce_", "host")] * 4
+
+
+def _router_output(layers: list[torch.Tensor]):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(aux_loss=None, router_logits=tuple(layers))
+
+
+def test_the_expert_load_counts_on_the_device_without_a_read_back():
+    """A forward's tokens per expert, counted where the router logits are (bincount's data-dependent
+    size would be read back first on a GPU: FakeTensorMode refuses it)."""
+    with simulated_gpu_rank() as rank:
+        load = ExpertLoad(experts=4, top_k=2)
+        model = torch.nn.Module()  # (training: the hook counts training forwards only)
+        for _ in range(2):
+            load._after_forward(model, (), _router_output([torch.empty(6, 4, device=CUDA)] * 3))
+        assert load.counts.device == CUDA and tuple(load.counts.shape) == (3, 4)
+        assert rank.syncs == [] and rank.collectives == []
+
+
+def test_the_expert_load_counts_what_bincount_counts():
+    generator = torch.Generator().manual_seed(0)
+    layers = [torch.randn(50, 4, generator=generator), torch.randn(50, 6, generator=generator)]  # 6: 2 zero experts
+    load = ExpertLoad(experts=4, top_k=2)
+    load._after_forward(torch.nn.Module(), (), _router_output(layers))
+    want = torch.stack([torch.bincount(layer.topk(2, dim=-1).indices.flatten(), minlength=4)[:4] for layer in layers])
+    assert torch.equal(load.counts, want) and want.sum() > 0
 
 
 def test_the_non_finite_watch_stays_on_the_device_until_read():

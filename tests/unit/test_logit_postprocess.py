@@ -2,6 +2,11 @@
 tiny random models of twelve architectures give transformers' own loss within 1e-5, with Gemma's
 softcapping, Granite's and Cohere's logit scaling made to matter (the head's weights x20); a model
 whose post-processing is not elementwise, or whose forward cannot be probed, is refused.
+
+Decided once, applied as the elementwise op it is: every tiny type (models/tiny.py) whose forward
+processes its logits gets an ElementwisePost equal to its forward within 1e-6 (no forward re-run per
+head call), which runs on fake CUDA tensors without a host synchronisation; an elementwise processing
+of no known form keeps the forward (ThroughForward), without a synchronisation per call either.
 """
 from __future__ import annotations
 
@@ -12,9 +17,12 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from dsframework.errors import UserError
-from dsframework.models.logits import logit_postprocess, processed_head
+from dsframework.models.hf import causal_lm_class
+from dsframework.models.logits import ElementwisePost, ThroughForward, logit_postprocess, processed_head
 from dsframework.models.loss import chunked_causal_lm_loss, use_chunked_loss
+from dsframework.models.tiny import SKIP, causal_lm_types_with_tp_plan, tiny_config
 from dsframework.train.step import micro_batch_loss
+from tests.device_discipline import CUDA, DeviceRules
 
 torch.set_num_threads(1)
 
@@ -91,12 +99,12 @@ def test_processed_head_and_the_cache():
     gemma = tiny("gemma2")
     post = logit_postprocess(gemma)
     assert logit_postprocess(gemma) is post  # probed once
+    assert post == ElementwisePost(softcap=2.0)
     hidden = torch.randn(3, 5, 64)
     torch.testing.assert_close(processed_head(gemma)(hidden), 2.0 * torch.tanh(gemma.lm_head(hidden) / 2.0))
     vocab_slice = gemma.lm_head(hidden)[..., :100]  # what a tensor-parallel rank holds
     torch.testing.assert_close(post(vocab_slice), 2.0 * torch.tanh(vocab_slice / 2.0))
-    twin = copy.deepcopy(gemma)  # its own post-processing, over its own modules
-    assert logit_postprocess(twin) is not post and logit_postprocess(twin).lm is twin
+    assert logit_postprocess(copy.deepcopy(gemma)) == post
 
 
 class LogSoftmaxLlama(LlamaForCausalLM):
@@ -127,3 +135,105 @@ def test_a_forward_dsf_cannot_follow_is_refused(cls, problem):
         use_chunked_loss(model, chunk_tokens=7)
     assert dict(model.named_children()) == modules  # the stubs are gone
     assert torch.equal(torch.random.get_rng_state(), state)  # the probe drew from its own generator
+
+
+# --- decided once, applied as the elementwise op it is ----------------------------------------------
+
+# Each number a forward's post-processing reads, at a value that changes the logits (tiny.py's configs
+# keep the types' defaults, which leave Granite's, Gemma 3's and Falcon-H1's logits as they are)
+KNOBS = {"final_logit_softcapping": 2.0, "logit_scale": 4.0, "logits_scaling": 0.25, "lm_head_multiplier": 0.5,
+         "output_multiplier": 0.5}
+PROCESSING_TYPES = {"gemma2", "gemma3_text", "granite", "granitemoe", "cohere", "cohere2", "falcon_h1", "vaultgemma",
+                    "beam", "inkling2_text"}  # beam, inkling2: an upcast to float32 before the softcap
+
+
+def tiny_with_knobs(model_type: str) -> torch.nn.Module:
+    config = tiny_config(model_type)
+    for holder in {id(c): c for c in (config, config.get_text_config())}.values():
+        for name, value in KNOBS.items():
+            if name in holder.to_dict():  # (a property of the same name, MiniCPM3's, is not a knob)
+                setattr(holder, name, value)
+    torch.manual_seed(0)
+    return causal_lm_class(config)(config).eval()
+
+
+def random_logits(vocab: int, *, dtype=torch.float32) -> torch.Tensor:
+    return (10 * torch.randn(3, 5, vocab, generator=torch.Generator().manual_seed(2))).to(dtype)
+
+
+def test_every_tiny_type_that_processes_its_logits_gets_an_elementwise_op():
+    """Every type of models/tiny.py: its decided op, against its own forward on other random logits
+    than the probe's, in float32 and bfloat16 (an upcast shows in the dtype). ~10 s for all types."""
+    decided, wrong = {}, {}
+    for model_type in sorted(set(causal_lm_types_with_tp_plan()) - set(SKIP)):
+        model = tiny_with_knobs(model_type)
+        try:
+            post = logit_postprocess(model)
+        except UserError:  # a forward dsf cannot follow (test_a_forward_dsf_cannot_follow_is_refused)
+            continue
+        if post is None:
+            continue
+        decided[model_type] = post
+        for dtype, tolerance in ((torch.float32, 1e-6), (torch.bfloat16, 0.0)):
+            logits = random_logits(model.config.get_text_config().vocab_size, dtype=dtype)
+            want, got = ThroughForward(model)(logits), post(logits)
+            if (not isinstance(post, ElementwisePost) or got.dtype != want.dtype
+                    or not torch.allclose(got.float(), want.float(), rtol=0, atol=tolerance)):
+                wrong[f"{model_type} {dtype}"] = post
+    assert not wrong, wrong
+    assert PROCESSING_TYPES <= set(decided), sorted(decided)
+    assert decided["granite"] == ElementwisePost(divide=0.25) and decided["falcon_h1"] == ElementwisePost(multiply=0.5)
+    assert decided["beam"] == ElementwisePost(upcast=True, softcap=2.0)
+
+
+@pytest.mark.parametrize("model_type", sorted(PROCESSING_TYPES))
+def test_the_decided_op_runs_on_cuda_without_a_host_sync(model_type):
+    """Under FakeTensorMode (cuda:0 tensors on this CPU build, a host tensor mixed in refused), the
+    op a head applies at every loss chunk: on the device, no read back (tests/device_discipline.py)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    post = logit_postprocess(tiny_with_knobs(model_type))
+    with FakeTensorMode(), DeviceRules(host_group=None) as rules:
+        for dtype in (torch.float32, torch.bfloat16):
+            logits = torch.empty(2, 7, 256, dtype=dtype, device=CUDA)
+            out = post(logits)
+            assert out.device == CUDA and out.shape == logits.shape
+        assert rules.syncs == []
+
+
+class ShiftedLlama(LlamaForCausalLM):
+    """Elementwise, but of no form dsf knows: the forward itself is kept."""
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.logits = out.logits * 2 + 1
+        return out
+
+
+class SyncWatch(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the ops that read a tensor's values back to the host (torch.equal, .item())."""
+
+    READS = ("aten::equal", "aten::_local_scalar_dense", "aten::is_nonzero")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name in self.READS:
+            self.reads.append(func._schema.name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_an_unknown_elementwise_form_keeps_the_forward_without_a_sync_per_call():
+    model = ShiftedLlama(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=2))
+    post = logit_postprocess(model)
+    assert isinstance(post, ThroughForward) and post.lm is model
+    logits = random_logits(VOCAB)
+    with SyncWatch() as watch:
+        out = post(logits)
+    assert watch.reads == []  # the hidden-state check was made once, at the probe
+    torch.testing.assert_close(out, logits * 2 + 1)
+    twin = copy.deepcopy(model)  # its own post-processing, over its own modules
+    assert logit_postprocess(twin) is not post and logit_postprocess(twin).lm is twin

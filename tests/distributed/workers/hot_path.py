@@ -5,7 +5,10 @@ code makes counted per step, and the time a step spends getting its data.
 
 Every Tensor.item / tolist / __float__ / __int__ / __bool__ / cpu() called from a dsframework
 module while the loop runs is recorded with the step it fell in (a device-to-host copy that waits
-for the device on a GPU); step.step_batches is timed, and the Python and C calls dsframework
+for the device on a GPU), and so is every op whose output size or value the host must read first
+(torch.equal, bincount, nonzero, unique, masked_select: the logit and expert-load code's old syncs,
+tests/unit/test_logit_postprocess.py and test_device_discipline.py check those paths on fake CUDA
+tensors); step.step_batches is timed, and the Python and C calls dsframework
 code makes in each step are counted (sys.setprofile). DeepSpeed's own internals are not counted:
 they are DeepSpeed's, the same under any wrapper.
 """
@@ -29,20 +32,23 @@ syncs: Counter = Counter()
 data_seconds = []
 
 
-def counting(name):
-    original = getattr(torch.Tensor, name)
+def counting(name, owner=torch.Tensor):
+    original = getattr(owner, name)
 
-    def wrapper(self, *args, **kwargs):
+    def wrapper(*args, **kwargs):
         if state["step"] is not None:
             code = sys._getframe(1).f_code
             if code.co_filename.startswith(PACKAGE):
                 syncs[f"{state['step']}:{Path(code.co_filename).name}:{code.co_name}:{name}"] += 1
-        return original(self, *args, **kwargs)
+        return original(*args, **kwargs)
     return wrapper
 
 
-for method in ("item", "tolist", "__float__", "__int__", "__bool__", "cpu"):
+for method in ("item", "tolist", "__float__", "__int__", "__bool__", "cpu", "equal", "bincount", "nonzero", "unique",
+               "masked_select"):
     setattr(torch.Tensor, method, counting(method))
+for function in ("equal", "bincount", "nonzero", "unique", "masked_select"):  # data-dependent: read back first
+    setattr(torch, function, counting(function, torch))
 
 original_batches = step_module.step_batches
 

@@ -114,7 +114,7 @@ class TrainSpec(_Spec):
         "logits never exist at once (forward and backward); auto: when they would exceed one chunk")
     loss_chunk_tokens: int | None = Field(
         default=None, ge=1, description="tokens per loss chunk; default: as many as keep a chunk's fp32 logits "
-        "to 256 MiB (runtime_facts.loss_chunk_tokens)")
+        "to 256 MiB, rounded down to a multiple of 512, at least 512 (runtime_facts.loss_chunk_tokens)")
 
     @field_validator("warmup_steps")
     @classmethod

@@ -36,12 +36,16 @@ STAGE0_ALLREDUCE_BUCKET = 500_000_000    # DeepSpeed's default allreduce_bucket_
 
 # --- the chunked loss (models/loss.py) -----------------------------------------------------------
 LOSS_CHUNK_LOGITS = 2**26  # fp32 logits elements of one loss chunk (256 MiB): the chunk's tokens x vocab rows
+LOSS_CHUNK_MULTIPLE = 512  # a default chunk's tokens are a multiple of this: the head's matmul M stays tile-aligned
 
 
 def loss_chunk_tokens(vocab_rows: int, *, chunk_tokens: int | None = None) -> int:
     """Tokens per loss chunk for a head of `vocab_rows` rows on this rank (train.loss_chunk_tokens
-    when given): as many as keep one chunk's fp32 logits to LOSS_CHUNK_LOGITS elements, at least 64."""
-    return chunk_tokens or max(64, LOSS_CHUNK_LOGITS // max(vocab_rows, 1))
+    when given, as given): as many as keep one chunk's fp32 logits to LOSS_CHUNK_LOGITS elements,
+    rounded down to a multiple of LOSS_CHUNK_MULTIPLE (512), at least 512: whole 128/256-row tiles
+    for the GPU's matmul (523 at a 128k vocabulary would leave an 11-row tail in every chunk)."""
+    fit = LOSS_CHUNK_LOGITS // max(vocab_rows, 1)
+    return chunk_tokens or max(LOSS_CHUNK_MULTIPLE, fit // LOSS_CHUNK_MULTIPLE * LOSS_CHUNK_MULTIPLE)
 
 
 def loss_is_chunked(setting: bool | str, *, tokens: int, vocab_rows: int, chunk_tokens: int | None = None) -> bool:
@@ -57,12 +61,12 @@ def loss_chunking(setting: bool | str, *, vocab: int, tp: int, pp: int, cp: int,
     """Tokens per chunk of a rank's causal LM loss, or None for the whole logits: the one decision
     the training loop makes and the planner counts (train.chunked_loss / loss_chunk_tokens).
 
-        loss_chunking("auto", vocab=128256, tp=1, pp=1, cp=1, micro_batch=4, seq_len=2048)  # 523
+        loss_chunking("auto", vocab=128256, tp=1, pp=1, cp=1, micro_batch=4, seq_len=2048)  # 512
 
     With a pipeline the last stage gets its logits from its head layer and keeps the whole logits
     (true is refused before the run starts: models/loss.py check_chunked_loss_layout); else the
     rank's micro_batch x seq_len / cp tokens against its padded_vocab / tp vocabulary rows, at
-    most the micro-batch's tokens per chunk."""
+    most the micro-batch's tokens per chunk (never more tokens than there are)."""
     if pp > 1:
         return None
     rows = padded_vocab(vocab, tp=tp) // tp

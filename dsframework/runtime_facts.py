@@ -34,6 +34,27 @@ ZERO3_MAX_LIVE_PARAMETERS = 1_000_000_000  # DeepSpeed's stage3_max_live_paramet
 STAGE0_ALLREDUCE_BUCKET = 500_000_000    # DeepSpeed's default allreduce_bucket_size (stage 0; not written)
 
 
+# --- gradient accumulation dtype ---------------------------------------------------------------
+
+def grad_accum_dtype(precision: str, zero_stage: int) -> str | None:
+    """DeepSpeed's data_types.grad_accum_dtype dsconfig.py writes (None: not written, DeepSpeed's
+    default, the model's dtype), and the gradient bytes planner/memory.py counts for it.
+
+        grad_accum_dtype("bf16", 1)   # "fp32": bf16 gradients accumulate across micro-batches in fp32
+        grad_accum_dtype("bf16", 0)   # None: DeepSpeed 0.19 refuses bf16 + fp32 accumulation without ZeRO
+
+    bf16 runs at ZeRO 1-3 accumulate in fp32; what DeepSpeed 0.19.8 allocates for it (read in its
+    engine, bf16_optimizer.py and zero/stage*.py; deepspeed.initialize accepts each stage):
+    stage 1 (no offload): BF16_Optimizer, a whole-model fp32 gradient buffer beside the bf16 grads,
+    all-reduced in fp32; stage 1 with offload: DeepSpeedZeroOptimizer's per-parameter fp32
+    `grad_accum` (whole); stage 2: the bf16 gradient partition plus an fp32 copy of it (the compact
+    partition buffer; reduced in bf16); stage 3: the gradient partition itself in fp32 (reduced in
+    bf16, accumulated in fp32). Stage 0 is left at DeepSpeed's default: engine.py's
+    _do_optimizer_sanity_check raises NotImplementedError("unsupported mix of model_dtype=bfloat16
+    and grad_accum_dtype=float32") without ZeRO (pipeline or not). fp32 and fp16 runs: not written."""
+    return "fp32" if precision == "bf16" and zero_stage >= 1 else None
+
+
 # --- the chunked loss (models/loss.py) -----------------------------------------------------------
 LOSS_CHUNK_LOGITS = 2**26  # fp32 logits elements of one loss chunk (256 MiB): the chunk's tokens x vocab rows
 LOSS_CHUNK_MULTIPLE = 512  # a default chunk's tokens are a multiple of this: the head's matmul M stays tile-aligned
@@ -183,6 +204,6 @@ def balanced_partitions(weights: list[int] | list[float], max_parts: int) -> Cal
     return bounds
 
 
-__all__ = ["ZERO_REDUCE_BUCKET", "ZERO_ALLGATHER_BUCKET", "ZERO3_PREFETCH_BUCKET", "ZERO3_PERSISTENCE_THRESHOLD",
+__all__ = ["grad_accum_dtype", "ZERO_REDUCE_BUCKET", "ZERO_ALLGATHER_BUCKET", "ZERO3_PREFETCH_BUCKET", "ZERO3_PERSISTENCE_THRESHOLD",
            "ZERO3_MAX_LIVE_PARAMETERS", "STAGE0_ALLREDUCE_BUCKET", "padded_vocab", "partition_uniform", "partition_balanced",
            "balanced_partitions", "Knobs", "DEFAULT_KNOBS"]

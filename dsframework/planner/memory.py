@@ -46,6 +46,13 @@ optimizer flattens and partitions only the trainable ones; partitioned at stage 
 tensors of <= 1e5 elements persistent, `Workload.trainable_persistent`), while gradients, optimizer
 states, their offload and the gradient-sized buffers count T instead of P.
 
+bf16 runs at ZeRO 1-3 accumulate gradients in fp32 (DeepSpeed's data_types.grad_accum_dtype,
+`runtime_facts.grad_accum_dtype`, which dsconfig.py writes): the grads above become, at stage 1,
+w P + 4 P (BF16_Optimizer's whole fp32 gradient buffer beside the bf16 grads; offloaded, the
+per-parameter fp32 grad_accum: the same bytes), at stage 2 (w + 4) P / d (an fp32 copy of the
+partition), at stage 3 4 P / d (the partition itself in fp32). At stage 1 BF16_Optimizer replaces
+ZeRO-1's buckets with the engine's fp32 all-reduce bucket (min(5e8, P) x 4 bytes).
+
 Offloading the optimizer moves its 12 P / d and an fp32 gradient partition (4 P / d) to host
 memory (ZeRO-2 then keeps no gradient partition on the device; ZeRO-3 keeps its w P / d one);
 offloading parameters (ZeRO-3) moves the w P / d parameter partition there too.
@@ -146,6 +153,7 @@ from dsframework.runtime_facts import (
     ZERO3_PERSISTENCE_THRESHOLD,
     Knobs,
     balanced_partitions,
+    grad_accum_dtype,
     loss_chunking,
     padded_vocab,
     partition_balanced,
@@ -459,6 +467,8 @@ def _states(P: float, T: float, persistent: float, layout: Layout, job: Workload
         grads = w * T if layout.grad_accum > 1 else w * T / d
     else:
         grads = w * T / d
+    if grad_accum_dtype(job.precision, z):  # bf16 gradients accumulated in fp32 (runtime_facts)
+        grads = {1: w * T + 4 * T, 2: (w + 4) * T / d, 3: 4 * T / d}[z]
     if z == 0:
         optimizer = {"fp32": ADAM_STATE_BYTES * T, "bf16": (MASTER_BYTES + ADAM_STATE_BYTES) * T / d,
                      "fp16": (MASTER_BYTES + ADAM_STATE_BYTES) * T}[job.precision]
@@ -512,7 +522,10 @@ def _buffers(desc: ModelDesc, shape: StageShape, layout: Layout, job: Workload, 
     total = 0.0
     if z == 0 and d > 1:
         total += min(STAGE0_ALLREDUCE_BUCKET, T) * w
-    if z in (1, 2):
+    if z == 1 and grad_accum_dtype(job.precision, z) and not layout.offload_optimizer:
+        # BF16_Optimizer: its fp32 gradients (counted in grads) all-reduced in 5e8-element flat buckets
+        total += min(STAGE0_ALLREDUCE_BUCKET, T) * 4 if d > 1 else 0.0
+    elif z in (1, 2):
         total += min(knobs.reduce_bucket, T) * w + min(knobs.allgather_bucket, T) * w + 4 * T / d
     if z == 3:
         total += knobs.reduce_bucket * w + zero3_gathered(desc, shape, layout) * w + 4 * T / d

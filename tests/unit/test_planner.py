@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from dataclasses import replace
 
 import pytest
 import torch
@@ -117,9 +118,15 @@ def test_zero_stages_shrink_model_states_as_deepspeed_does():
     job = Workload(seq_len=2048, global_batch=64, precision="bf16")
     states = [memory_per_rank(desc, Layout(ParallelDims(world=8, zero_stage=z), micro_batch=1, grad_accum=8), job) for z in range(4)]
     P = desc.total_params
-    assert states[1].optimizer == pytest.approx(12 * P / 8) and states[1].grads == pytest.approx(2 * P)
-    assert states[2].grads == pytest.approx(2 * P / 8) and states[2].params == pytest.approx(2 * P)
-    assert states[3].params < 2 * P / 8 * 1.01
+    # bf16 accumulates in fp32 at ZeRO 1-3 (data_types.grad_accum_dtype): stage 1's BF16_Optimizer keeps
+    # an fp32 gradient buffer of the whole model beside the bf16 grads; stage 2 an fp32 copy of its
+    # partition; stage 3 its partition in fp32
+    assert states[1].optimizer == pytest.approx(12 * P / 8) and states[1].grads == pytest.approx((2 + 4) * P)
+    assert states[2].grads == pytest.approx((2 + 4) * P / 8) and states[2].params == pytest.approx(2 * P)
+    assert states[3].params < 2 * P / 8 * 1.01 and states[3].grads == pytest.approx(4 * P / 8)
+    fp32 = [memory_per_rank(desc, Layout(ParallelDims(world=8, zero_stage=z), micro_batch=1, grad_accum=8),
+                            replace(job, precision="fp32")) for z in (1, 2, 3)]
+    assert [s.grads for s in fp32] == pytest.approx([4 * P, 4 * P / 8, 4 * P / 8])  # fp32: one fp32 copy
     offloaded = memory_per_rank(desc, Layout(ParallelDims(world=8, zero_stage=3), offload_optimizer=True, offload_param=True), job)
     assert offloaded.optimizer == 0 and offloaded.cpu_per_rank >= (12 + 2 + 4) * P / 8 * 0.99
 

@@ -106,6 +106,10 @@ class TrainSpec(_Spec):
     min_lr_ratio: float = Field(default=0.1, ge=0, le=1, description="final lr / peak lr (cosine)")
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     seed: int = Field(default=42, description="seed for weight init and dropout")
+    tf32: bool | Literal["auto"] = Field(
+        default="auto", description="TensorFloat-32 for fp32 matmuls and cuDNN convolutions (10-bit mantissa inputs, "
+        "fp32 accumulation): auto: on for CUDA devices of compute capability >= 8 (Ampere and later), off elsewhere; "
+        "true needs a CUDA device; false: full fp32 everywhere")
     compile: bool | Literal["auto"] = Field(
         default="auto", description="torch.compile the model (inductor; kernels cached beside the run): true, "
         "false, or auto: time the first eager steps, then compile when the steps left would win back the compile time")

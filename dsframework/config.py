@@ -180,8 +180,9 @@ class ParallelSpec(_Spec):
         "they do not run here)")
     partition_method: str = Field(default="parameters", description="pipeline partition: parameters, "
                                   "uniform or type:<regex>")
-    activation_checkpointing: Literal["none", "full"] = Field(
-        default="none", description="recompute activations in the backward pass: none or full (every layer)")
+    activation_checkpointing: Literal["none", "selective", "full"] = Field(
+        default="none", description="recompute activations in the backward pass: none; selective (each layer's "
+        "attention core, softmax(QK^T)V: the projections and the MLP keep theirs); full (every layer from its input)")
     zero_knobs: ZeroKnobsSpec = Field(default_factory=ZeroKnobsSpec, description="ZeRO's bucket, persistence and "
                                       "prefetch sizes (elements); unset: dsf's defaults")
 

@@ -116,10 +116,15 @@ token); the output comes back through an all-to-all, so the copy o_proj keeps is
 beside sdpa's (+ h per token). The all-to-alls' send and receive buffers of one layer are a buffer.
 Measured in tests/unit/test_planner_context.py (a fake process group of cp ranks in one process).
 
-With full activation checkpointing a layer keeps only its input (h elements); its full
-activations exist again, one layer at a time, during the backward recompute (counted as a
-buffer). Selective recomputation (Korthikanti section 4.2) recomputes exactly the s x s term that
-sdpa never stores, so it equals `none` here and is not offered. The first and last stages also
+With full activation checkpointing a layer keeps only its input (h elements; Korthikanti's 2 s b h
+bytes); its full activations exist again, one layer at a time, during the backward recompute
+(counted as a buffer). Selective recomputation (Korthikanti section 4.2: s b h (34 + 5 a s / h)
+-> 34 s b h) recomputes the attention core, softmax(Q K^T) V (models/recompute.py): a layer keeps
+everything above but what the core's kernel saved (`attention_core_bytes`: sdpa's log-sum-exp,
+a / t fp32 per token, and with attention dropout the math kernel's 5 a s / t s x s term); q, k, v
+stay (the recompute's inputs) and the output stays (o_proj's input). The flash kernels' core saves
+little, so selective saves most where the s x s term exists; one layer's core output, lse (and
+scores) is recomputed at a time (a buffer). The first and last stages also
 keep the embedding's token ids, the final norm's inputs and the fp32 logits the loss reads (b s V
 / t x 4 bytes). Under 1F1B, stage i holds min(pp - i, grad_accum) micro-batches in flight.
 With a chunked loss (`Workload.chunked_loss`: True, or "auto" when the rank's b s / cp tokens span more
@@ -196,7 +201,7 @@ class Layout:
     offload_param: bool = False
     micro_batch: int = 1
     grad_accum: int = 1
-    activation_checkpointing: Literal["none", "full"] = "none"
+    activation_checkpointing: Literal["none", "selective", "full"] = "none"
     knobs: Knobs = DEFAULT_KNOBS  # ZeRO's buckets and ZeRO-3's persistence / prefetch settings
 
 
@@ -348,6 +353,30 @@ def layer_activation_bytes(desc: ModelDesc, *, micro_batch: int, seq_len: int, t
     elif desc.eager_attention:  # eager attention keeps the softmax's s x s output (+ tanh's, capped)
         extra = (1 + desc.attn_softcapping) * a * seq_len / tp * w
     return bs * (norms + split / tp + extra)
+
+
+def attention_core_bytes(desc: ModelDesc, *, micro_batch: int, seq_len: int, tp: int, precision: str,
+                         cp: int = 1) -> float:
+    """Bytes of one layer's `layer_activation_bytes` that selective recomputation frees: what the
+    attention core's kernel saves beyond its inputs, the fp32 log-sum-exp per head (heads / tp) and,
+    with attention dropout (the math kernel), the 5 a s / t s x s term (Korthikanti's). Eager
+    attention is not offered selective (models/recompute.py), so its scores are not counted here."""
+    bs = micro_batch * seq_len / cp
+    w = 4 if precision == "fp32" else 2
+    scores = 5 * desc.heads * seq_len / tp * w / 2 if desc.dropout > 0 else 0.0
+    return bs * (desc.heads * 4 / tp + scores)
+
+
+def kept_per_layer(desc: ModelDesc, layout: Layout, job: Workload, layer_act: float) -> float:
+    """Bytes a layer keeps for backward per micro-batch under the layout's activation checkpointing:
+    all of `layer_act` (none), all but its attention core's (selective), its input (full)."""
+    dims = layout.dims
+    if layout.activation_checkpointing == "full":
+        return layout.micro_batch * job.seq_len / dims.cp * desc.hidden * job.param_bytes
+    if layout.activation_checkpointing == "selective":
+        return layer_act - attention_core_bytes(desc, micro_batch=layout.micro_batch, seq_len=job.seq_len,
+                                                tp=dims.tp, precision=job.precision, cp=dims.cp)
+    return layer_act
 
 
 def _norm_bytes(desc: ModelDesc, h: int, w: int) -> int:
@@ -542,6 +571,10 @@ def _buffers(desc: ModelDesc, shape: StageShape, layout: Layout, job: Workload, 
                                   precision=job.precision, cp=layout.dims.cp)
     if layout.activation_checkpointing == "full" and shape.layers:
         total += layer_act  # one layer recomputed at a time
+    if layout.activation_checkpointing == "selective" and shape.layers:  # one core: its output, lse (scores)
+        bs, q = layout.micro_batch * job.seq_len / layout.dims.cp, desc.heads * desc.head_dim / layout.dims.tp
+        total += bs * q * w + attention_core_bytes(desc, micro_batch=layout.micro_batch, seq_len=job.seq_len,
+                                                   tp=layout.dims.tp, precision=job.precision, cp=layout.dims.cp)
     return total
 
 
@@ -552,8 +585,7 @@ def stage_memories(desc: ModelDesc, layout: Layout, job: Workload, *, distinct: 
     dims = layout.dims
     layer_act = layer_activation_bytes(desc, micro_batch=layout.micro_batch, seq_len=job.seq_len, tp=dims.tp,
                                        precision=job.precision, cp=dims.cp)
-    kept_per_layer = (layout.micro_batch * job.seq_len / dims.cp * desc.hidden * job.param_bytes
-                      if layout.activation_checkpointing == "full" else layer_act)
+    kept = kept_per_layer(desc, layout, job, layer_act)
     memories = []
     chunk = loss_chunk(desc, layout, job)
     stages = (_distinct_stages if distinct else _all_stages)(desc, dims.tp, dims.pp, layout.knobs.persistence_threshold)
@@ -564,7 +596,7 @@ def stage_memories(desc: ModelDesc, layout: Layout, job: Workload, *, distinct: 
         train = trained(desc, shape, job)
         states = _model_states(desc, shape, layout, job, train)
         hpz = states.pop("hpz_secondary")
-        memories.append(Memory(**states, activations=in_flight * (shape.layers * kept_per_layer + edge),
+        memories.append(Memory(**states, activations=in_flight * (shape.layers * kept + edge),
                                buffers=_buffers(desc, shape, layout, job, layer_act, train), stage=index,
                                parts={"params_elements": shape.params, "layers": shape.layers,
                                       "trainable_elements": train.elements, "hpz_secondary": hpz,

@@ -61,6 +61,7 @@ from dsframework.models.lora import apply_lora
 from dsframework.models.loss import check_chunked_loss_layout, use_chunked_loss
 from dsframework.models.tensor_parallel import TensorParallelCausalLM
 from dsframework.parallel.context import ContextParallelGrid, use_ulysses_attention
+from dsframework.models.recompute import core_attention, use_selective_recompute
 from dsframework.models.pipeline import (
     build_pipeline_module,
     check_model_parallelism,
@@ -374,6 +375,8 @@ def wrap_for_layout(run: RunConfig, model: Any, world: World, batch: Batch) -> A
     """The pipeline's stages, or the tensor-parallel head and Ulysses attention, and activation
     checkpointing, around this rank's model."""
     dims, checkpointing = world.dims, run.parallel.activation_checkpointing == "full"
+    if run.parallel.activation_checkpointing == "selective":  # inside each layer: every layout runs it
+        use_selective_recompute(model)
     if dims.pp_enabled:
         # Each stage's LayerSpecs reference the modules this rank materialised (the others are meta).
         model = build_pipeline_module(model, num_stages=dims.pp, partition_method=run.parallel.partition_method,
@@ -388,7 +391,7 @@ def wrap_for_layout(run: RunConfig, model: Any, world: World, batch: Batch) -> A
         model = TensorParallelCausalLM(model, group=world.layout_grid.get_slice_parallel_group())
     if dims.cp_enabled:  # (build_grid's ContextParallelGrid)
         use_ulysses_attention(model, cast(ContextParallelGrid, world.layout_grid), micro_batch=batch.micro_batch,
-                              seq_len=run.data.seq_len, tp=dims.tp)
+                              seq_len=run.data.seq_len, tp=dims.tp, core=core_attention(model))
     return model
 
 

@@ -107,6 +107,10 @@ class TrainSpec(_Spec):
     min_lr_ratio: float = Field(default=0.1, ge=0, le=1, description="final lr / peak lr (cosine)")
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     seed: int = Field(default=42, description="seed for weight init and dropout")
+    tf32: bool | Literal["auto"] = Field(
+        default="auto", description="TensorFloat-32 for fp32 matmuls and cuDNN convolutions (10-bit mantissa inputs, "
+        "fp32 accumulation): auto: on for CUDA devices of compute capability >= 8 (Ampere and later), off elsewhere; "
+        "true needs a CUDA device; false: full fp32 everywhere")
     compile: bool | Literal["auto"] = Field(
         default="auto", description="torch.compile the model (inductor; kernels cached beside the run): true, "
         "false, or auto: time the first eager steps, then compile when the steps left would win back the compile time")
@@ -115,7 +119,7 @@ class TrainSpec(_Spec):
         "logits never exist at once (forward and backward); auto: when they would exceed one chunk")
     loss_chunk_tokens: int | None = Field(
         default=None, ge=1, description="tokens per loss chunk; default: as many as keep a chunk's fp32 logits "
-        "to 256 MiB (runtime_facts.loss_chunk_tokens)")
+        "to 256 MiB, rounded down to a multiple of 512, at least 512 (runtime_facts.loss_chunk_tokens)")
 
     @field_validator("warmup_steps")
     @classmethod
@@ -177,8 +181,9 @@ class ParallelSpec(_Spec):
         "they do not run here)")
     partition_method: str = Field(default="parameters", description="pipeline partition: parameters, "
                                   "uniform or type:<regex>")
-    activation_checkpointing: Literal["none", "full"] = Field(
-        default="none", description="recompute activations in the backward pass: none or full (every layer)")
+    activation_checkpointing: Literal["none", "selective", "full"] = Field(
+        default="none", description="recompute activations in the backward pass: none; selective (each layer's "
+        "attention core, softmax(QK^T)V: the projections and the MLP keep theirs); full (every layer from its input)")
     zero_knobs: ZeroKnobsSpec = Field(default_factory=ZeroKnobsSpec, description="ZeRO's bucket, persistence and "
                                       "prefetch sizes (elements); unset: dsf's defaults")
     sequence_parallel: Literal["auto"] | bool = Field(

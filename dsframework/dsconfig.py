@@ -22,7 +22,7 @@ from dsframework.config import ParallelSpec, TrainSpec
 from dsframework.errors import UserError, raised_in
 from dsframework.jit import pin_build_tools, release_shm_buffers
 from dsframework.ports import free_port
-from dsframework.runtime_facts import Knobs
+from dsframework.runtime_facts import Knobs, grad_accum_dtype
 
 # Large enough that DeepSpeed never prints its own per-step line; dsf logs progress itself.
 _STEPS_PER_PRINT = 1_000_000_000
@@ -179,6 +179,8 @@ def build_ds_config(train: TrainSpec, parallel: ParallelSpec, *, dp_size: int, w
         ds["gradient_clipping"] = train.grad_clip
     if train.precision == "bf16":
         ds["bf16"] = {"enabled": True}
+        if accum := grad_accum_dtype(train.precision, parallel.zero_stage):  # fp32 at ZeRO 1-3; see runtime_facts
+            ds["data_types"] = {"grad_accum_dtype": accum}
     elif train.precision == "fp16":
         # Dynamic loss scaling (loss_scale 0): overflowing steps are skipped and the scale halved.
         ds["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16,

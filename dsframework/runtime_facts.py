@@ -34,14 +34,39 @@ ZERO3_MAX_LIVE_PARAMETERS = 1_000_000_000  # DeepSpeed's stage3_max_live_paramet
 STAGE0_ALLREDUCE_BUCKET = 500_000_000    # DeepSpeed's default allreduce_bucket_size (stage 0; not written)
 
 
+# --- gradient accumulation dtype ---------------------------------------------------------------
+
+def grad_accum_dtype(precision: str, zero_stage: int) -> str | None:
+    """DeepSpeed's data_types.grad_accum_dtype dsconfig.py writes (None: not written, DeepSpeed's
+    default, the model's dtype), and the gradient bytes planner/memory.py counts for it.
+
+        grad_accum_dtype("bf16", 1)   # "fp32": bf16 gradients accumulate across micro-batches in fp32
+        grad_accum_dtype("bf16", 0)   # None: DeepSpeed 0.19 refuses bf16 + fp32 accumulation without ZeRO
+
+    bf16 runs at ZeRO 1-3 accumulate in fp32; what DeepSpeed 0.19.8 allocates for it (read in its
+    engine, bf16_optimizer.py and zero/stage*.py; deepspeed.initialize accepts each stage):
+    stage 1 (no offload): BF16_Optimizer, a whole-model fp32 gradient buffer beside the bf16 grads,
+    all-reduced in fp32; stage 1 with offload: DeepSpeedZeroOptimizer's per-parameter fp32
+    `grad_accum` (whole); stage 2: the bf16 gradient partition plus an fp32 copy of it (the compact
+    partition buffer; reduced in bf16); stage 3: the gradient partition itself in fp32 (reduced in
+    bf16, accumulated in fp32). Stage 0 is left at DeepSpeed's default: engine.py's
+    _do_optimizer_sanity_check raises NotImplementedError("unsupported mix of model_dtype=bfloat16
+    and grad_accum_dtype=float32") without ZeRO (pipeline or not). fp32 and fp16 runs: not written."""
+    return "fp32" if precision == "bf16" and zero_stage >= 1 else None
+
+
 # --- the chunked loss (models/loss.py) -----------------------------------------------------------
 LOSS_CHUNK_LOGITS = 2**26  # fp32 logits elements of one loss chunk (256 MiB): the chunk's tokens x vocab rows
+LOSS_CHUNK_MULTIPLE = 512  # a default chunk's tokens are a multiple of this: the head's matmul M stays tile-aligned
 
 
 def loss_chunk_tokens(vocab_rows: int, *, chunk_tokens: int | None = None) -> int:
     """Tokens per loss chunk for a head of `vocab_rows` rows on this rank (train.loss_chunk_tokens
-    when given): as many as keep one chunk's fp32 logits to LOSS_CHUNK_LOGITS elements, at least 64."""
-    return chunk_tokens or max(64, LOSS_CHUNK_LOGITS // max(vocab_rows, 1))
+    when given, as given): as many as keep one chunk's fp32 logits to LOSS_CHUNK_LOGITS elements,
+    rounded down to a multiple of LOSS_CHUNK_MULTIPLE (512), at least 512: whole 128/256-row tiles
+    for the GPU's matmul (523 at a 128k vocabulary would leave an 11-row tail in every chunk)."""
+    fit = LOSS_CHUNK_LOGITS // max(vocab_rows, 1)
+    return chunk_tokens or max(LOSS_CHUNK_MULTIPLE, fit // LOSS_CHUNK_MULTIPLE * LOSS_CHUNK_MULTIPLE)
 
 
 def loss_is_chunked(setting: bool | str, *, tokens: int, vocab_rows: int, chunk_tokens: int | None = None) -> bool:
@@ -57,12 +82,12 @@ def loss_chunking(setting: bool | str, *, vocab: int, tp: int, pp: int, cp: int,
     """Tokens per chunk of a rank's causal LM loss, or None for the whole logits: the one decision
     the training loop makes and the planner counts (train.chunked_loss / loss_chunk_tokens).
 
-        loss_chunking("auto", vocab=128256, tp=1, pp=1, cp=1, micro_batch=4, seq_len=2048)  # 523
+        loss_chunking("auto", vocab=128256, tp=1, pp=1, cp=1, micro_batch=4, seq_len=2048)  # 512
 
     With a pipeline the last stage gets its logits from its head layer and keeps the whole logits
     (true is refused before the run starts: models/loss.py check_chunked_loss_layout); else the
     rank's micro_batch x seq_len / cp tokens against its padded_vocab / tp vocabulary rows, at
-    most the micro-batch's tokens per chunk."""
+    most the micro-batch's tokens per chunk (never more tokens than there are)."""
     if pp > 1:
         return None
     rows = padded_vocab(vocab, tp=tp) // tp
@@ -186,6 +211,6 @@ def balanced_partitions(weights: list[int] | list[float], max_parts: int) -> Cal
     return bounds
 
 
-__all__ = ["ZERO_REDUCE_BUCKET", "ZERO_ALLGATHER_BUCKET", "ZERO3_PREFETCH_BUCKET", "ZERO3_PERSISTENCE_THRESHOLD",
+__all__ = ["grad_accum_dtype", "ZERO_REDUCE_BUCKET", "ZERO_ALLGATHER_BUCKET", "ZERO3_PREFETCH_BUCKET", "ZERO3_PERSISTENCE_THRESHOLD",
            "ZERO3_MAX_LIVE_PARAMETERS", "STAGE0_ALLREDUCE_BUCKET", "padded_vocab", "partition_uniform", "partition_balanced",
            "balanced_partitions", "Knobs", "DEFAULT_KNOBS"]

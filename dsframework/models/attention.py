@@ -5,22 +5,21 @@ that calls the implementation the config named before (the module's own eager fu
 "eager"), and the config names the wrapper. The mask function follows the name, so the model
 builds the mask it built before.
 
-    wrap_attention(model.config, fork_tensor_parallel_rng, tag="tp_rng")
+    wrap_attention(model.config, fork_tensor_parallel_rng, tag="tp_rng")   # -> "dsf_tp_rng_sdpa"
     # attention dropout now draws this tensor rank's own mask (parallel/rng.py)
 
-Wrappers compose (each wraps whatever the config names when it is applied); only this model's
+Wrappers compose (each wraps whatever the config names when it is applied: the tensor-parallel
+stream's fork, then selective recompute, models/recompute.py, around it); only this model's
 config names them, so another model in the process keeps its attention as it was.
 """
 from __future__ import annotations
 
-import itertools
 import sys
 from typing import Any, Callable
 
 from dsframework.parallel.rng import tensor_parallel_rng
 
 Core = Callable[..., Any]  # transformers' attention function: (module, query, key, value, mask, ...) -> (out, weights)
-_NAMES = itertools.count()  # one registry name per wrapper applied
 
 
 def _core_of(name: str) -> Core:
@@ -39,12 +38,14 @@ def _core_of(name: str) -> Core:
 
 def wrap_attention(config: Any, wrapper: Callable[[Core], Core], *, tag: str) -> str:
     """Make `config`'s attention `wrapper(core)`, core being the implementation it names now;
-    returns the new implementation's name ("dsf_<tag>_<n>")."""
+    returns the new implementation's name, "dsf_<tag>_<the name before>": transformers' paths that
+    look for "flash" in it still find it, and one wrapper (stateless, as these are) of one
+    implementation is registered once."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
     current = config._attn_implementation or "eager"
-    name = f"dsf_{tag}_{next(_NAMES)}"
+    name = f"dsf_{tag}_{current}"
     AttentionInterface.register(name, wrapper(_core_of(current)))
     if current in ALL_MASK_ATTENTION_FUNCTIONS:  # (a name without one builds no mask: Ulysses')
         AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[current])

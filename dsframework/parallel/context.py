@@ -109,7 +109,7 @@ def _ulysses_class():
 
 
 def use_ulysses_attention(model: Any, grid: ContextParallelGrid, *, micro_batch: int, seq_len: int,
-                          tp: int = 1) -> str:
+                          tp: int = 1, core: str = "sdpa") -> str:
     """Route `model`'s attention through DeepSpeed's Ulysses all-to-alls over the grid's context
     group; returns the attention implementation's name. The wrapper around sdpa is registered in
     transformers' AttentionInterface under a name of its own ("dsf_ulysses_<n>", one per call),
@@ -119,17 +119,18 @@ def use_ulysses_attention(model: Any, grid: ContextParallelGrid, *, micro_batch:
     builds no mask for the local shard (sdpa's causal flag covers the whole sequence after the
     all-to-all; eager needs a 4D mask of the full sequence, which DeepSpeed refuses), and none of
     these models' code paths asks for "sdpa" by name. With tensor parallelism each rank holds
-    heads / tp."""
+    heads / tp. `core`: the registered attention run between the all-to-alls (sdpa, or
+    models/recompute.py's selective wrapper of it: the all-to-alls stay outside the recompute)."""
     from transformers import AttentionInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     config = model.config
-    core = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    core_fn = ALL_ATTENTION_FUNCTIONS[core]
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     cp = grid.get_sequence_parallel_world_size()
     attention = _ulysses_class()(
-        attn=core, batch_size=micro_batch, attn_head_count=heads // tp,
+        attn=core_fn, batch_size=micro_batch, attn_head_count=heads // tp,
         attn_head_size=getattr(config, "head_dim", None) or config.hidden_size // heads,
         kv_head_count=kv_heads // tp, num_hidden_layers=config.num_hidden_layers,
         process_group=cast(dist.ProcessGroup, grid.get_sequence_parallel_group()), seq_length_is_variable=False,

@@ -46,6 +46,13 @@ optimizer flattens and partitions only the trainable ones; partitioned at stage 
 tensors of <= 1e5 elements persistent, `Workload.trainable_persistent`), while gradients, optimizer
 states, their offload and the gradient-sized buffers count T instead of P.
 
+bf16 runs at ZeRO 1-3 accumulate gradients in fp32 (DeepSpeed's data_types.grad_accum_dtype,
+`runtime_facts.grad_accum_dtype`, which dsconfig.py writes): the grads above become, at stage 1,
+w P + 4 P (BF16_Optimizer's whole fp32 gradient buffer beside the bf16 grads; offloaded, the
+per-parameter fp32 grad_accum: the same bytes), at stage 2 (w + 4) P / d (an fp32 copy of the
+partition), at stage 3 4 P / d (the partition itself in fp32). At stage 1 BF16_Optimizer replaces
+ZeRO-1's buckets with the engine's fp32 all-reduce bucket (min(5e8, P) x 4 bytes).
+
 Offloading the optimizer moves its 12 P / d and an fp32 gradient partition (4 P / d) to host
 memory (ZeRO-2 then keeps no gradient partition on the device; ZeRO-3 keeps its w P / d one);
 offloading parameters (ZeRO-3) moves the w P / d parameter partition there too.
@@ -109,10 +116,15 @@ token); the output comes back through an all-to-all, so the copy o_proj keeps is
 beside sdpa's (+ h per token). The all-to-alls' send and receive buffers of one layer are a buffer.
 Measured in tests/unit/test_planner_context.py (a fake process group of cp ranks in one process).
 
-With full activation checkpointing a layer keeps only its input (h elements); its full
-activations exist again, one layer at a time, during the backward recompute (counted as a
-buffer). Selective recomputation (Korthikanti section 4.2) recomputes exactly the s x s term that
-sdpa never stores, so it equals `none` here and is not offered. The first and last stages also
+With full activation checkpointing a layer keeps only its input (h elements; Korthikanti's 2 s b h
+bytes); its full activations exist again, one layer at a time, during the backward recompute
+(counted as a buffer). Selective recomputation (Korthikanti section 4.2: s b h (34 + 5 a s / h)
+-> 34 s b h) recomputes the attention core, softmax(Q K^T) V (models/recompute.py): a layer keeps
+everything above but what the core's kernel saved (`attention_core_bytes`: sdpa's log-sum-exp,
+a / t fp32 per token, and with attention dropout the math kernel's 5 a s / t s x s term); q, k, v
+stay (the recompute's inputs) and the output stays (o_proj's input). The flash kernels' core saves
+little, so selective saves most where the s x s term exists; one layer's core output, lse (and
+scores) is recomputed at a time (a buffer). The first and last stages also
 keep the embedding's token ids, the final norm's inputs and the fp32 logits the loss reads (b s V
 / t x 4 bytes). Under 1F1B, stage i holds min(pp - i, grad_accum) micro-batches in flight.
 With a chunked loss (`Workload.chunked_loss`: True, or "auto" when the rank's b s / cp tokens span more
@@ -146,6 +158,7 @@ from dsframework.runtime_facts import (
     ZERO3_PERSISTENCE_THRESHOLD,
     Knobs,
     balanced_partitions,
+    grad_accum_dtype,
     loss_chunking,
     padded_vocab,
     partition_balanced,
@@ -188,7 +201,7 @@ class Layout:
     offload_param: bool = False
     micro_batch: int = 1
     grad_accum: int = 1
-    activation_checkpointing: Literal["none", "full"] = "none"
+    activation_checkpointing: Literal["none", "selective", "full"] = "none"
     knobs: Knobs = DEFAULT_KNOBS  # ZeRO's buckets and ZeRO-3's persistence / prefetch settings
     sequence_parallel: bool = False  # tp > 1: norms, residuals and their activations split over the tensor ranks
 
@@ -347,6 +360,31 @@ def layer_activation_bytes(desc: ModelDesc, *, micro_batch: int, seq_len: int, t
     return bs * (whole + split / tp + extra)
 
 
+def attention_core_bytes(desc: ModelDesc, *, micro_batch: int, seq_len: int, tp: int, precision: str,
+                         cp: int = 1) -> float:
+    """Bytes of one layer's `layer_activation_bytes` that selective recomputation frees: what the
+    attention core's kernel saves beyond its inputs, the fp32 log-sum-exp per head (heads / tp) and,
+    with attention dropout (the math kernel), the 5 a s / t s x s term (Korthikanti's). Eager
+    attention is not offered selective (models/recompute.py), so its scores are not counted here."""
+    bs = micro_batch * seq_len / cp
+    w = 4 if precision == "fp32" else 2
+    scores = 5 * desc.heads * seq_len / tp * w / 2 if desc.dropout > 0 else 0.0
+    return bs * (desc.heads * 4 / tp + scores)
+
+
+def kept_per_layer(desc: ModelDesc, layout: Layout, job: Workload, layer_act: float) -> float:
+    """Bytes a layer keeps for backward per micro-batch under the layout's activation checkpointing:
+    all of `layer_act` (none), all but its attention core's (selective), its input (full)."""
+    dims = layout.dims
+    if layout.activation_checkpointing == "full":  # (with sequence parallelism, this rank's slice of it)
+        split = dims.tp if layout.sequence_parallel else 1
+        return layout.micro_batch * job.seq_len / dims.cp / split * desc.hidden * job.param_bytes
+    if layout.activation_checkpointing == "selective":
+        return layer_act - attention_core_bytes(desc, micro_batch=layout.micro_batch, seq_len=job.seq_len,
+                                                tp=dims.tp, precision=job.precision, cp=dims.cp)
+    return layer_act
+
+
 def _norm_bytes(desc: ModelDesc, h: int, w: int) -> int:
     """Per token, one norm of the layer: RMSNorm's (_rms_norm_bytes) or LayerNorm's input and
     output and its fp32 mean and rstd."""
@@ -467,6 +505,8 @@ def _states(P: float, T: float, persistent: float, layout: Layout, job: Workload
         grads = w * T if layout.grad_accum > 1 else w * T / d
     else:
         grads = w * T / d
+    if grad_accum_dtype(job.precision, z):  # bf16 gradients accumulated in fp32 (runtime_facts)
+        grads = {1: w * T + 4 * T, 2: (w + 4) * T / d, 3: 4 * T / d}[z]
     if z == 0:
         optimizer = {"fp32": ADAM_STATE_BYTES * T, "bf16": (MASTER_BYTES + ADAM_STATE_BYTES) * T / d,
                      "fp16": (MASTER_BYTES + ADAM_STATE_BYTES) * T}[job.precision]
@@ -520,7 +560,10 @@ def _buffers(desc: ModelDesc, shape: StageShape, layout: Layout, job: Workload, 
     total = 0.0
     if z == 0 and d > 1:
         total += min(STAGE0_ALLREDUCE_BUCKET, T) * w
-    if z in (1, 2):
+    if z == 1 and grad_accum_dtype(job.precision, z) and not layout.offload_optimizer:
+        # BF16_Optimizer: its fp32 gradients (counted in grads) all-reduced in 5e8-element flat buckets
+        total += min(STAGE0_ALLREDUCE_BUCKET, T) * 4 if d > 1 else 0.0
+    elif z in (1, 2):
         total += min(knobs.reduce_bucket, T) * w + min(knobs.allgather_bucket, T) * w + 4 * T / d
     if z == 3:
         total += knobs.reduce_bucket * w + zero3_gathered(desc, shape, layout) * w + 4 * T / d
@@ -537,6 +580,10 @@ def _buffers(desc: ModelDesc, shape: StageShape, layout: Layout, job: Workload, 
                                   precision=job.precision, cp=layout.dims.cp)
     if layout.activation_checkpointing == "full" and shape.layers:
         total += layer_act  # one layer recomputed at a time
+    if layout.activation_checkpointing == "selective" and shape.layers:  # one core: its output, lse (scores)
+        bs, q = layout.micro_batch * job.seq_len / layout.dims.cp, desc.heads * desc.head_dim / layout.dims.tp
+        total += bs * q * w + attention_core_bytes(desc, micro_batch=layout.micro_batch, seq_len=job.seq_len,
+                                                   tp=layout.dims.tp, precision=job.precision, cp=layout.dims.cp)
     return total
 
 
@@ -547,9 +594,7 @@ def stage_memories(desc: ModelDesc, layout: Layout, job: Workload, *, distinct: 
     dims = layout.dims
     layer_act = layer_activation_bytes(desc, micro_batch=layout.micro_batch, seq_len=job.seq_len, tp=dims.tp,
                                        precision=job.precision, cp=dims.cp, sequence_parallel=layout.sequence_parallel)
-    split = dims.tp if layout.sequence_parallel else 1  # (a layer's input: this rank's slice of the sequence)
-    kept_per_layer = (layout.micro_batch * job.seq_len / dims.cp / split * desc.hidden * job.param_bytes
-                      if layout.activation_checkpointing == "full" else layer_act)
+    kept = kept_per_layer(desc, layout, job, layer_act)
     memories = []
     chunk = loss_chunk(desc, layout, job)
     stages = (_distinct_stages if distinct else _all_stages)(desc, dims.tp, dims.pp, layout.knobs.persistence_threshold)
@@ -561,7 +606,7 @@ def stage_memories(desc: ModelDesc, layout: Layout, job: Workload, *, distinct: 
         train = trained(desc, shape, job)
         states = _model_states(desc, shape, layout, job, train)
         hpz = states.pop("hpz_secondary")
-        memories.append(Memory(**states, activations=in_flight * (shape.layers * kept_per_layer + edge),
+        memories.append(Memory(**states, activations=in_flight * (shape.layers * kept + edge),
                                buffers=_buffers(desc, shape, layout, job, layer_act, train), stage=index,
                                parts={"params_elements": shape.params, "layers": shape.layers,
                                       "trainable_elements": train.elements, "hpz_secondary": hpz,

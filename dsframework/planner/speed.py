@@ -41,6 +41,7 @@ from dsframework.runtime_facts import STAGE0_ALLREDUCE_BUCKET
 # softmax) moves bytes at `hbm_bandwidth` x HBM_EFFICIENCY. Without sequence parallelism (dsf's
 # tensor parallelism today) the norms and residual adds run whole on every tensor rank.
 RECOMPUTE_FACTOR = 4 / 3  # full checkpointing runs the forward twice: 4 passes instead of 3
+SELECTIVE_RECOMPUTE_FACTOR = 4 / 3  # selective: the attention core's forward twice, the rest once
 HBM_EFFICIENCY = 0.8  # elementwise kernels' achieved / datasheet HBM bandwidth (STREAM-like copies: 80-90%)
 ATTENTION_EFFICIENCY = 0.7  # flash attention's FLOP/s (forward + backward) over a large GEMM's: FlashAttention-2
 #                             reaches 50-73% of A100 peak forward and backward (Dao 2023, Fig. 4-6)
@@ -63,6 +64,7 @@ CPU_ADAM_PARAMS_PER_S = 1.0e9  # DeepSpeedCPUAdam, parameters updated per second
 OPS_PER_LAYER = 90  # operator calls of one decoder layer's forward + backward, one micro-batch
 OPS_PER_STEP = 200  # the engine's per-step calls: clipping, optimizer, schedule, bookkeeping
 ZERO3_OPS_PER_FETCH = 20  # ZeRO-3's hook bookkeeping around each parameter fetch or release
+SELECTIVE_OPS_PER_LAYER = 3  # selective recompute's extra calls a layer: the core's forward, checkpoint's hooks
 ULYSSES_OPS_PER_LAYER = 40  # Ulysses' rearranges, contiguous copies and all-to-all calls, one layer
 ZERO3_OPS_PER_MODULE_PASS = 150  # ZeRO-3's Python hooks on every module, forward and backward
 # (DeepSpeed's parameter coordinator; what makes ZeRO-3 slow for small models)
@@ -169,13 +171,15 @@ def _compute(desc: ModelDesc, layout: Layout, job: Workload, cluster: Cluster) -
     unsplit = desc.unsplit_flops_per_token() if dims.tp > 1 else 0.0  # matrices each tensor rank runs whole
     matmul = (desc.flops_per_token(job.seq_len) - attention - unsplit) / dims.tp + unsplit
     recompute = RECOMPUTE_FACTOR if layout.activation_checkpointing == "full" else 1.0
+    # selective recomputes the attention core's forward (Q K^T and A V: 4 b s^2 h a layer) once more
+    core_again = SELECTIVE_RECOMPUTE_FACTOR if layout.activation_checkpointing == "selective" else 1.0
     peak = cluster.flops(job.precision) * cluster.matmul_efficiency
     local_tokens = layout.micro_batch * job.seq_len / dims.cp
     matmul_s = matmul / (peak * shape_efficiency(desc, local_tokens, dims.tp, cluster, job))
     flash = not (cluster.is_cpu or desc.eager_attention)  # eager: the whole QK^T and AV, as batched GEMMs
     causal, kernel = (CAUSAL_ATTENTION_WORK, ATTENTION_EFFICIENCY) if flash else (1.0, 1.0)
     attention_s = attention / dims.tp * causal / (peak * kernel)
-    return recompute * (matmul_s + attention_s) * tokens_per_rank / dims.pp
+    return recompute * (matmul_s + core_again * attention_s) * tokens_per_rank / dims.pp
 
 
 def layer_gemms(desc: ModelDesc, tp: int) -> list[tuple[float, float]]:
@@ -347,7 +351,8 @@ def _overhead(desc: ModelDesc, layout: Layout, cluster: Cluster, step: _Step, co
     """Fixed costs: every operator call of every layer and micro-batch; under ZeRO-3 each layer's
     non-persistent tensors are fetched (a small all-gather and its hooks) forward and backward."""
     dims, layers, micro_batches = layout.dims, step.busiest.layers, step.micro_batches
-    passes = 1 + (layout.activation_checkpointing == "full") / 3
+    selective = layout.activation_checkpointing == "selective"  # the core again, and checkpoint's own calls
+    passes = 1 + (layout.activation_checkpointing == "full") / 3 + selective * SELECTIVE_OPS_PER_LAYER / OPS_PER_LAYER
     calls = OPS_PER_LAYER * passes * layers * micro_batches + OPS_PER_STEP
     overhead = calls * cluster.op_overhead_s
     if dims.zero_stage == 3:  # hooks on every module with parameters (+ the layer itself)

@@ -36,7 +36,7 @@ from dsframework.train.compiling import (
 )
 from dsframework.train.guards import NonFiniteWatch, StopRequest
 from dsframework.train.hang import HangWatch
-from dsframework.train.setup import Session
+from dsframework.train.setup import Session, tf32_in_use
 from dsframework.train.step import StepBreakdown
 from dsframework.train.world import mean_over_ranks
 from dsframework.train.throughput import FlopsMeter
@@ -216,7 +216,7 @@ def train_watched(session: Session, sampler: BlockSampler, consumed: int, watch:
 
 
 def print_summary(run: RunConfig, session: Session, meter: FlopsMeter) -> None:
-    """Rank 0's two lines on what is about to train: parameters, layout, batch, data, peak, loss."""
+    """Rank 0's two lines on what is about to train: parameters, layout, batch, data, peak, loss, tf32."""
     dims, batch, train_blocks = session.dims, session.batch, session.train_blocks
     experts = describe_experts(session.model_config, ep=dims.ep)
     print(f"dsf: {session.num_parameters:,} parameters" + (f" ({experts})" if experts else "")
@@ -225,8 +225,8 @@ def print_summary(run: RunConfig, session: Session, meter: FlopsMeter) -> None:
           f" = {batch.global_batch} | {len(train_blocks):,} train / {len(session.eval_blocks):,} eval "
           f"blocks of {run.data.seq_len} tokens | peak {meter.peak_per_rank / 1e12:.3g} TFLOP/s per rank "
           f"({meter.peak_source}) | compile {str(run.train.compile).lower()} | loss "
-          + (f"in chunks of {session.loss_chunk_tokens} tokens" if session.loss_chunk_tokens else "whole logits"),
-          flush=True)
+          + (f"in chunks of {session.loss_chunk_tokens} tokens" if session.loss_chunk_tokens else "whole logits")
+          + f" | tf32 {'on' if tf32_in_use() else 'off'}", flush=True)
 
     print("dsf: data " + describe_store(train_blocks) + f" | store {train_blocks.directory}", flush=True)
 

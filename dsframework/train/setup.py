@@ -63,6 +63,7 @@ from dsframework.models.loss import check_chunked_loss_layout, use_chunked_loss
 from dsframework.models.tensor_parallel import (TensorParallelCausalLM, heads_are_split, sequence_parallel_problem,
                                                 shard_model, use_sequence_parallel)
 from dsframework.parallel.context import ContextParallelGrid, use_ulysses_attention
+from dsframework.models.recompute import core_attention, use_selective_recompute
 from dsframework.models.pipeline import (
     build_pipeline_module,
     check_model_parallelism,
@@ -194,6 +195,7 @@ def preflight(run: RunConfig, *, resume: bool, overwrite: bool,
     resuming = check_output_dir(run, resume=resume, overwrite=overwrite)
     check_writable(run)
     check_chunked_loss_layout(run.train.chunked_loss, pp=run.parallel.pp)
+    use_tf32(run.train.tf32)
     use_inductor_cache()  # (before DeepSpeed imports inductor; train.compile=auto may compile later)
     if run.train.precision == "fp16" and not accelerator().is_fp16_supported():
         raise UserError("train.precision", "fp16", f"is not supported on this device ({accelerator().device_name()})",
@@ -208,6 +210,38 @@ def preflight(run: RunConfig, *, resume: bool, overwrite: bool,
     if int(os.environ.get("RANK", "0")) == 0 and Path(run.output_dir).is_dir():  # every check passed: one run
         hold_output_dir(run.output_dir)  # per output directory from here, held to exit (a new one: at its first write)
     return resuming, source
+
+
+def use_tf32(setting: bool | str) -> bool:
+    """Whether this rank's fp32 matmuls and cuDNN convolutions run in TensorFloat-32 (train.tf32),
+    set here for the process: auto turns it on for a CUDA device of compute capability >= 8
+    (Ampere, Hopper, Blackwell), true on any CUDA device, false turns it off (torch's full fp32);
+    true without a CUDA device is the user's error. Through torch's legacy switches only
+    (set_float32_matmul_precision, cudnn.allow_tf32): torch >= 2.9 raises when code reads one API
+    after another set the other, and inductor reads the new one, which the legacy one also sets.
+
+        use_tf32("auto")   # True on an H100; False on the CPU (nothing changed there)"""
+    import torch
+
+    cuda = accelerator().device_name() == "cuda" and torch.cuda.is_available()
+    if setting is True and not cuda:
+        raise UserError("train.tf32", True, f"needs a CUDA device; this one is {accelerator().device_name()}",
+                        "set train.tf32=auto (on where the GPU has it) or false")
+    on = bool(setting) if setting != "auto" else cuda and torch.cuda.get_device_capability() >= (8, 0)
+    if on or setting is False:
+        torch.set_float32_matmul_precision("high" if on else "highest")
+        torch.backends.cudnn.allow_tf32 = on
+    return on
+
+
+def tf32_in_use() -> bool:
+    """Whether fp32 CUDA matmuls run in TF32 now (what use_tf32 set): for the run's summary line. Read
+    through the new API where torch has it (the legacy getter raises once anything set the new one)."""
+    import torch
+
+    matmul = torch.backends.cuda.matmul
+    precision = getattr(matmul, "fp32_precision", None) or torch.get_float32_matmul_precision()
+    return precision in ("tf32", "high", "medium") and accelerator().device_name() == "cuda"
 
 
 def checked_adam(run: RunConfig) -> AdamChoice:
@@ -351,9 +385,11 @@ def wrap_for_layout(run: RunConfig, model: Any, world: World, batch: Batch) -> A
     dims, checkpointing = world.dims, run.parallel.activation_checkpointing == "full"
     if world.sequence_parallel:
         use_sequence_parallel(model, group=world.layout_grid.get_slice_parallel_group(), regather=not checkpointing)
+    if dims.tp_enabled:  # the attention core's own stream, before selective recompute wraps it
+        tensor_parallel_streams(run, model, world)
+    if run.parallel.activation_checkpointing == "selective":  # inside each layer: every layout runs it
+        use_selective_recompute(model)
     if dims.pp_enabled:
-        if dims.tp_enabled:
-            tensor_parallel_streams(run, model, world)
         # Each stage's LayerSpecs reference the modules this rank materialised (the others are meta).
         model = build_pipeline_module(model, num_stages=dims.pp, partition_method=run.parallel.partition_method,
                                       activation_checkpoint_interval=int(checkpointing), topology=world.topology)
@@ -369,9 +405,7 @@ def wrap_for_layout(run: RunConfig, model: Any, world: World, batch: Batch) -> A
         model = TensorParallelCausalLM(model, group=world.layout_grid.get_slice_parallel_group())
     if dims.cp_enabled:  # (build_grid's ContextParallelGrid)
         use_ulysses_attention(model, cast(ContextParallelGrid, world.layout_grid), micro_batch=batch.micro_batch,
-                              seq_len=run.data.seq_len, tp=dims.tp)
-    if dims.tp_enabled:  # (after Ulysses, whose attention it wraps)
-        tensor_parallel_streams(run, model, world)
+                              seq_len=run.data.seq_len, tp=dims.tp, core=core_attention(model))
     return model
 
 

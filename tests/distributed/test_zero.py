@@ -29,6 +29,7 @@ STAGES = {
     "zero2_offload": ["parallel.zero_stage=2", "parallel.offload_optimizer=cpu"],
     "zero3_offload": ["parallel.zero_stage=3", "parallel.offload_optimizer=cpu"],
     "zero3_checkpointing": ["parallel.zero_stage=3", "parallel.activation_checkpointing=full"],
+    "zero1_selective": ["parallel.zero_stage=1", "parallel.activation_checkpointing=selective"],
 }
 ACCUM = ["parallel.zero_stage=1", "train.micro_batch=2", "train.grad_accum=2"]  # test_gradient_accumulation_is_exact
 
@@ -64,6 +65,12 @@ def test_stages_agree_with_each_other(stage_runs, name):
 @pytest.mark.parametrize("name", list(STAGES))
 def test_stage_matches_single_process_reference(stage_runs, name):
     assert_close(stage_runs[name], stage_runs["reference"], rtol=1e-4, what=f"{name} vs reference")
+
+
+def test_selective_recompute_gives_the_same_losses(stage_runs):
+    """parallel.activation_checkpointing=selective recomputes each attention core in the backward
+    (what it keeps less: tests/unit/test_planner.py's saved-tensor counter): the same losses as none."""
+    assert_close(stage_runs["zero1_selective"], stage_runs["zero1"], rtol=1e-6, what="selective vs none")
 
 
 def test_gradient_accumulation_is_exact(stage_runs):

@@ -316,6 +316,10 @@ CASES = [
     train_case("train-dp-not-world-over-tp-pp", OUT + "parallel: {dp: 2}\n",
                expect=("parallel.dp", "2", "world 1"), files=NOT_A_RUN),
     # This CPU has no fp16 (DeepSpeed's CPU accelerator says so; its own check is a traceback per rank).
+    # train.tf32=true needs CUDA (auto is off here): named in pre-flight, before the rendezvous.
+    train_case("train-tf32-without-cuda", OUT + "train: {tf32: true}\n",
+               expect=("train.tf32=True", "needs a CUDA device", "train.tf32=auto"), files=NOT_A_RUN,
+               skipif="cuda_is_here()"),
     train_case("train-fp16-on-a-cpu-without-it", OUT + "train: {precision: fp16}\n",
                expect=("train.precision", "fp16", "not supported", "bf16"), files=NOT_A_RUN,
                skipif="cpu_has_fp16()"),
@@ -501,6 +505,12 @@ CASES = [
     # --- the command line itself ------------------------------------------------------------------
     Case("unknown-subcommand", ("trian", "run.yaml"), expect=("trian",), process=END_TO_END),
 ]
+
+
+def cuda_is_here() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def cpu_has_fp16() -> bool:

@@ -23,7 +23,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 from dsframework.train.compiling import COMPILE_S, EXPECTED_GAIN, auto_compile
 from dsframework.errors import UserError
 from dsframework.models.loss import check_chunked_loss_layout, chunked_causal_lm_loss, use_chunked_loss
-from dsframework.runtime_facts import LOSS_CHUNK_LOGITS, loss_chunk_tokens, loss_is_chunked
+from dsframework.runtime_facts import LOSS_CHUNK_LOGITS, loss_chunk_tokens, loss_chunking, loss_is_chunked
 
 VOCAB = 32000
 
@@ -193,9 +193,15 @@ def test_peak_memory_of_a_step_is_lower_at_a_32k_vocabulary():
 
 
 def test_chunk_size_and_when_auto_chunks():
-    assert loss_chunk_tokens(128256) == LOSS_CHUNK_LOGITS // 128256 == 523  # 256 MiB of fp32 logits
-    assert loss_chunk_tokens(512) == LOSS_CHUNK_LOGITS // 512 and loss_chunk_tokens(10**9) == 64
-    assert loss_chunk_tokens(32000, chunk_tokens=100) == 100
+    # 256 MiB of fp32 logits is 523 tokens at 128k: rounded down to a multiple of 512
+    assert LOSS_CHUNK_LOGITS // 128256 == 523 and loss_chunk_tokens(128256) == 512
+    assert loss_chunk_tokens(32000) == 2048 and LOSS_CHUNK_LOGITS // 32000 == 2097  # 4 x 512, not 2097
+    assert loss_chunk_tokens(512) == LOSS_CHUNK_LOGITS // 512 and loss_chunk_tokens(10**9) == 512  # at least 512
+    assert all(loss_chunk_tokens(rows) % 512 == 0 for rows in (1000, 50257, 151936, 256000))
+    assert loss_chunk_tokens(32000, chunk_tokens=100) == 100  # the user's own size, as given
+    # never more tokens than the micro-batch has: 300 tokens are one chunk of 300
+    assert loss_chunking(True, vocab=128256, tp=1, pp=1, cp=1, micro_batch=1, seq_len=300) == 300
+    assert loss_chunking("auto", vocab=128256, tp=1, pp=1, cp=1, micro_batch=4, seq_len=2048) == 512
     assert loss_is_chunked("auto", tokens=4 * 2048, vocab_rows=128256)  # llama-1b's micro-batch: 16 chunks
     assert not loss_is_chunked("auto", tokens=16 * 64, vocab_rows=512)  # the tiny model: whole logits
     assert loss_is_chunked(True, tokens=8, vocab_rows=512) and not loss_is_chunked(False, tokens=10**6, vocab_rows=10**5)

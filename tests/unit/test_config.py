@@ -246,7 +246,7 @@ ROUND_TRIP_CASES = {
         "train.global_batch=64", "train.optimizer=adam", "train.lr=3e-4", "train.betas=[0.8, 0.999]",
         "train.eps=1.0e-12", "train.weight_decay=0.1", "train.grad_clip=0", "train.lr_schedule=linear",
         "train.warmup_steps=1000", "train.min_lr_ratio=0", "train.precision=bf16", "train.seed=0",
-        "train.compile=true", "train.chunked_loss=false", "train.loss_chunk_tokens=300",
+        "train.compile=true", "train.chunked_loss=false", "train.loss_chunk_tokens=300", "train.tf32=false",
         "parallel.zero_stage=3", "parallel.offload_optimizer=nvme", "parallel.offload_param=cpu",
         "parallel.zero_knobs.persistence_threshold=5000", "parallel.zero_knobs.prefetch_bucket=20000000",
         "parallel.zero_knobs.max_live_parameters=40000000", "parallel.zero_knobs.reduce_bucket=3000000",

@@ -73,6 +73,9 @@ def test_every_combination_passes_deepspeed_config(stage, opt, param, precision)
         assert ("offload_param" in ds["zero_optimization"]) == (param != "none")
         assert ds.get("bf16", {}).get("enabled", False) == (precision == "bf16")
         assert ds.get("fp16", {}).get("enabled", False) == (precision == "fp16")
+        # bf16 accumulates gradients in fp32 where DeepSpeed takes it (ZeRO 1-3; stage 0 refuses it)
+        fp32_accum = precision == "bf16" and stage >= 1
+        assert ds.get("data_types") == ({"grad_accum_dtype": "fp32"} if fp32_accum else None)
         validate_ds_config(ds, dp_size=dp)
 
 

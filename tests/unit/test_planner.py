@@ -2,8 +2,10 @@
 the search rules, and `dsf plan` (table, JSON schema, files for dsf train, errors)."""
 from __future__ import annotations
 
+import copy
 import json
 import shlex
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,10 +17,12 @@ from dsframework.config import ModelSpec, load_run_config
 from dsframework.layout import ParallelDims
 from dsframework.models.build import build_model, resolve_model
 from dsframework.models.hf import causal_lm_class
+from dsframework.models.recompute import use_selective_recompute
 from dsframework.planner.cluster import GiB, cluster_preset, load_cluster
-from dsframework.planner.memory import Workload, Layout, memory_per_rank, stage_shapes
+from dsframework.planner.memory import Workload, Layout, attention_core_bytes, memory_per_rank, stage_shapes
 from dsframework.planner.model import describe_model
 from dsframework.planner.search import enumerate_layouts, search
+from dsframework.planner.speed import step_time
 from tests.saved_tensors import saved_bytes
 
 
@@ -88,7 +92,7 @@ def _saved_bytes(model, input_ids) -> int:
     return saved_bytes(model, lambda: model(input_ids=input_ids, labels=input_ids))[0]
 
 
-@pytest.mark.parametrize("checkpointing", ["none", "full"])
+@pytest.mark.parametrize("checkpointing", ["none", "selective", "full"])
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2"])
 def test_activation_bytes_match_what_autograd_saves(one_thread, name, checkpointing):
     source = resolve_model(ModelSpec(name=name))
@@ -96,12 +100,51 @@ def test_activation_bytes_match_what_autograd_saves(one_thread, name, checkpoint
     model = build_model(source, source.config, seed=1).train()
     if checkpointing == "full":  # what dsf train does with activation_checkpointing=full
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if checkpointing == "selective":  # ... and with selective
+        use_selective_recompute(model)
     desc = describe_model(model.config, name=name)
     for micro_batch, seq_len in [(1, 32), (2, 64), (4, 128), (1, 256)]:
         measured = _saved_bytes(model, torch.randint(0, 97, (micro_batch, seq_len)))
         predicted = memory_per_rank(desc, Layout(ParallelDims(world=1), micro_batch=micro_batch, activation_checkpointing=checkpointing),
                                     Workload(seq_len=seq_len, global_batch=micro_batch, precision="fp32")).activations
         assert abs(predicted - measured) <= 0.15 * measured, (micro_batch, seq_len, predicted, measured)
+
+
+def test_selective_recompute_keeps_less_than_none_the_same_loss_and_the_planner_counts_the_difference(one_thread):
+    """The saved-tensor counter: with selective recompute a layer no longer keeps its attention
+    core's saved tensors (sdpa's log-sum-exp), exactly what the planner's attention_core_bytes counts;
+    the loss and the gradients are the same."""
+    source = resolve_model(ModelSpec(name="tiny-llama"))
+    source.config.vocab_size = 97
+    plain = build_model(source, source.config, seed=1).train()
+    selective = build_model(source, copy.deepcopy(source.config), seed=1).train()
+    assert use_selective_recompute(selective) == "dsf_selective_sdpa" and plain.config._attn_implementation == "sdpa"
+    desc = describe_model(plain.config, name="tiny-llama")
+    ids = torch.randint(0, 97, (2, 64))
+    kept_none, loss_none = saved_bytes(plain, lambda: plain(input_ids=ids, labels=ids).loss)
+    kept_selective, loss_selective = saved_bytes(selective, lambda: selective(input_ids=ids, labels=ids).loss)
+    core = attention_core_bytes(desc, micro_batch=2, seq_len=64, tp=1, precision="fp32")
+    assert kept_selective < kept_none and kept_none - kept_selective == desc.layers * core
+    loss_none.backward()
+    loss_selective.backward()
+    assert loss_selective.item() == loss_none.item()
+    for a, b in zip(plain.parameters(), selective.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_checkpointing_orders_memory_none_selective_full_and_time_the_other_way(dropout):
+    desc = replace(describe_model(CONFIGS["llama-7b"], name="llama-7b"), dropout=dropout)
+    cluster, job = cluster_preset("h100-80gb", nodes=1, gpus_per_node=8), Workload(seq_len=4096, global_batch=64)
+    layouts = [Layout(ParallelDims(world=8, tp=2, zero_stage=1), micro_batch=2, grad_accum=8,
+                      activation_checkpointing=c) for c in ("none", "selective", "full")]
+    none, selective, full = (memory_per_rank(desc, lay, job).activations for lay in layouts)
+    assert none > selective > full
+    # Korthikanti: selective frees the attention core's saved tensors, the s x s term with dropout
+    core = attention_core_bytes(desc, micro_batch=2, seq_len=4096, tp=2, precision="bf16")
+    assert none - selective == pytest.approx(desc.layers * core) and (core > 4096 * 2 * 4096 or not dropout)
+    t_none, t_selective, t_full = (step_time(desc, lay, job, cluster).total for lay in layouts)
+    assert t_full > t_selective > t_none
 
 
 def test_pipeline_stages_cover_the_model_once_and_tp_splits_it():
@@ -117,9 +160,15 @@ def test_zero_stages_shrink_model_states_as_deepspeed_does():
     job = Workload(seq_len=2048, global_batch=64, precision="bf16")
     states = [memory_per_rank(desc, Layout(ParallelDims(world=8, zero_stage=z), micro_batch=1, grad_accum=8), job) for z in range(4)]
     P = desc.total_params
-    assert states[1].optimizer == pytest.approx(12 * P / 8) and states[1].grads == pytest.approx(2 * P)
-    assert states[2].grads == pytest.approx(2 * P / 8) and states[2].params == pytest.approx(2 * P)
-    assert states[3].params < 2 * P / 8 * 1.01
+    # bf16 accumulates in fp32 at ZeRO 1-3 (data_types.grad_accum_dtype): stage 1's BF16_Optimizer keeps
+    # an fp32 gradient buffer of the whole model beside the bf16 grads; stage 2 an fp32 copy of its
+    # partition; stage 3 its partition in fp32
+    assert states[1].optimizer == pytest.approx(12 * P / 8) and states[1].grads == pytest.approx((2 + 4) * P)
+    assert states[2].grads == pytest.approx((2 + 4) * P / 8) and states[2].params == pytest.approx(2 * P)
+    assert states[3].params < 2 * P / 8 * 1.01 and states[3].grads == pytest.approx(4 * P / 8)
+    fp32 = [memory_per_rank(desc, Layout(ParallelDims(world=8, zero_stage=z), micro_batch=1, grad_accum=8),
+                            replace(job, precision="fp32")) for z in (1, 2, 3)]
+    assert [s.grads for s in fp32] == pytest.approx([4 * P, 4 * P / 8, 4 * P / 8])  # fp32: one fp32 copy
     offloaded = memory_per_rank(desc, Layout(ParallelDims(world=8, zero_stage=3), offload_optimizer=True, offload_param=True), job)
     assert offloaded.optimizer == 0 and offloaded.cpu_per_rank >= (12 + 2 + 4) * P / 8 * 0.99
 

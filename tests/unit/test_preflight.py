@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from dsframework.errors import UserError
+from dsframework.train.setup import tf32_in_use, use_tf32
 from tests.unit.test_bad_input import FormsAProcessGroup, TINY_YAML, run_dsf_in_process, sets, snapshot
 
 LLAMA_7B = ("model.name=llama-7b", "parallel.zero_stage=0")
@@ -221,3 +223,17 @@ def test_resume_with_an_empty_latest_names_the_newest_complete_checkpoint(tmp_pa
                     f"complete (its manifest verifies); resume from it: echo global_step2 > {ckpt_dir / 'latest'}; "
                     "then run with --resume again"), line
     assert "--overwrite" not in line and snapshot(tmp_path / "out") == before
+
+
+def test_tf32_auto_is_off_without_cuda_and_true_is_refused():
+    """train.tf32 on this CPU: auto decides off and leaves torch's fp32 alone; true is the user's
+    error, named with the field and the fix (the CLI's one line: test_bad_input's train-tf32-without-cuda)."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device: auto may turn TF32 on")
+    before = torch.get_float32_matmul_precision()
+    assert use_tf32("auto") is False and torch.get_float32_matmul_precision() == before
+    assert use_tf32(False) is False and not tf32_in_use()
+    with pytest.raises(UserError, match=r"^train.tf32=True: needs a CUDA device; .*set train.tf32=auto"):
+        use_tf32(True)

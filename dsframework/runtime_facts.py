@@ -2,7 +2,7 @@
 
     ZERO_REDUCE_BUCKET                   # elements; dsconfig.py writes it, planner/memory.py counts it
     Knobs.of(run.parallel.zero_knobs)    # the ZeRO knobs a run writes: its own, else these defaults
-    padded_vocab(50257, tp=2)            # 50258: rows the vocab-parallel embedding holds, all ranks
+    padded_vocab(50257, tp=2)            # 50432: rows the vocab-parallel embedding holds, all ranks
     partition_balanced([5, 1, 1, 5], 2)  # [0, 2, 4]: DeepSpeed's pipeline stage boundaries
 
 Pure (no torch, no torch.distributed, no disk), so the planner imports it. Each fact has one
@@ -17,7 +17,6 @@ DeepSpeed's output on random and real weights.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
@@ -106,10 +105,18 @@ def sequence_parallel_auto(*, tp: int, cp: int, seq_len: int, experts: int = 0) 
     return tp > 1 and seq_len % (tp * cp) == 0 and not experts
 
 
+VOCAB_MULTIPLE = 128  # Megatron's make_vocab_size_divisible_by: each rank's vocab slice a multiple of 128 rows
+
+
 def padded_vocab(num_embeddings: int, *, tp: int, multiple: int | None = None) -> int:
     """Rows of the vocab-parallel embedding / head over all tensor ranks: `num_embeddings` padded
-    to a multiple of lcm(`multiple`, tp) with zero rows; each rank holds this / tp of them."""
-    step = math.lcm(multiple or 1, tp)
+    with zero rows to a multiple of `multiple` (default VOCAB_MULTIPLE) x tp at tp > 1, so each
+    rank's slice of the logits is a whole number of GEMM tiles (Megatron's rule: 50257 -> 50432 at
+    tp 2); each rank holds this / tp of them. The padding never reaches the loss, and `dsf export`
+    drops it."""
+    if tp == 1:
+        return num_embeddings
+    step = (multiple or VOCAB_MULTIPLE) * tp
     return -(-num_embeddings // step) * step
 
 

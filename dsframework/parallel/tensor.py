@@ -619,10 +619,10 @@ def _vocab_shard(weight: torch.Tensor, start: int, end: int) -> torch.Tensor:
 class VocabParallelEmbedding(nn.Module):
     """nn.Embedding with its vocabulary split over the ranks of `group` (Megatron).
 
-    The vocabulary is padded with zero rows to a multiple of lcm(`padding_to_multiple`, tp)
-    (default tp); rank r holds rows [vocab_start, vocab_end). Token ids outside a rank's range
-    give zeros there, and the all-reduce sums the one rank that holds each id. Ids must lie in
-    [0, num_embeddings), so padding rows are never selected.
+    The vocabulary is padded with zero rows to a multiple of `padding_to_multiple` (default 128)
+    x tp at tp > 1 (runtime_facts.padded_vocab); rank r holds rows [vocab_start, vocab_end). Token
+    ids outside a rank's range give zeros there, and the all-reduce sums the one rank that holds
+    each id. Ids must lie in [0, num_embeddings), so padding rows are never selected.
     forward: masked local lookup, all-reduce; backward: identity (each rank's rows get their grads).
     """
 

@@ -45,6 +45,7 @@ from dsframework.planner.cluster import cluster_preset  # noqa: E402
 from dsframework.planner.memory import Layout, Workload  # noqa: E402
 from dsframework.planner.model import ModelDesc, describe_model  # noqa: E402
 from dsframework.planner.search import Candidate, evaluate, search  # noqa: E402
+from dsframework.runtime_facts import sequence_parallel_auto  # noqa: E402
 
 GOAL = 0.15  # every comparable row within 15% of the published throughput
 RANK_GOAL = 0.9  # the published layout at >= 90% of dsf's first choice's predicted speed
@@ -93,10 +94,13 @@ def pinned(run: PublishedRun, desc: ModelDesc, job: Workload, cluster) -> tuple[
     per_replica = run.global_batch // dims.dp
     divisors = [m for m in (1, 2, 4, 8, 16, 32) if per_replica % m == 0]
     checkpointing = ("full",) if run.recompute == "full" else ("none", "full")
+    # parallel.sequence_parallel as the published run had it (dsf runs either), where auto's rule allows it
+    sequence_parallel = run.sequence_parallel and sequence_parallel_auto(tp=run.tp, cp=run.cp, seq_len=run.seq_len,
+                                                                         experts=desc.experts)
 
     def best(micros: list[int]) -> Candidate:
-        priced = [evaluate(desc, Layout(dims, micro_batch=m, grad_accum=per_replica // m,
-                                        activation_checkpointing=c), job, cluster)
+        priced = [evaluate(desc, Layout(dims, micro_batch=m, grad_accum=per_replica // m, activation_checkpointing=c,
+                                        sequence_parallel=sequence_parallel), job, cluster)
                   for m in micros for c in checkpointing]
         fitting = [c for c in priced if c.fits]
         return max(fitting, key=lambda c: c.tokens_per_s) if fitting else min(priced, key=lambda c: c.over)
@@ -104,7 +108,7 @@ def pinned(run: PublishedRun, desc: ModelDesc, job: Workload, cluster) -> tuple[
     chosen = best([run.micro_batch] if run.micro_batch else divisors)
     if chosen.fits:
         return chosen, ""
-    why = " (no sequence parallelism: each tensor rank keeps whole activations)" if run.tp > 1 else ""
+    why = ""
     if run.micro_batch:  # what dsf would run instead: the same batch in smaller micro-batches, accumulated
         smaller = best([m for m in divisors if m < run.micro_batch])
         if smaller.fits:
@@ -185,8 +189,7 @@ def readme_table(rows: list[dict]) -> str:
         unit = "TFLOP/s" if r.get("unit", "").startswith("TFLOP") else "tok/s"
         differs = ", ".join(short for key, short in SHORT if key in (r["differs"] or ""))
         if "ratio" not in r:
-            why = ("dsf refuses the layout" if r["why"].startswith("dsf refuses") else
-                   "does not fit dsf" + (" (no SP)" if not r["layout"].startswith("tp1 ") else ""))
+            why = "dsf refuses the layout" if r["why"].startswith("dsf refuses") else "does not fit dsf"
             lines.append(f"| {r['name']} | {r['gpus']} | {r['layout']} | | | | {why}; {differs or '-'} |")
             continue
         lines.append(f"| {r['name']} | {r['gpus']} | {r['layout']} | {r['published']:g} {unit} | "

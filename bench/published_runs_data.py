@@ -104,6 +104,9 @@ class PublishedRun:
     flop_formula: str  # "ptdp_eq3", "torchtitan_6N+attn", "torchtitan_6Nall+attn", "none"
     deepspeed_differs: str  # what the published system did that DeepSpeed / dsf cannot; "" if nothing
     notes: str
+    # Megatron's sequence parallelism with its tp (torchtitan's TP plans shard the norms over the
+    # sequence; the PTD-P paper predates it): dsf's row runs parallel.sequence_parallel the same way
+    sequence_parallel: bool = False
 
 
 # --- sources ----------------------------------------------------------------------------------------
@@ -264,7 +267,7 @@ def _titan(name: str, source: str, model: str, gpus: int, *, dp: int, local_batc
         global_batch=local_batch * dp, micro_batch=local_batch if pp == 1 else None, tp=tp, pp=pp, cp=cp,
         dp=dp, zero_stage_or_fsdp="fsdp", recompute=recompute, precision=precision,
         published_tflops_per_gpu=None, published_tokens_per_s_per_gpu=tps, published_mfu=mfu,
-        flop_formula=formula, deepspeed_differs=differs,
+        flop_formula=formula, deepspeed_differs=differs, sequence_parallel=tp > 1,
         notes=_differs(notes, f"local batch {local_batch}", _LLAMA_PARAMS_NOTE), **_LLAMA[model])
 
 

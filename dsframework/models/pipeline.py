@@ -305,8 +305,8 @@ class FinalNormPipe(_StagePart):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         self.stub_plan.update(inject=self.last_layer, hidden=hidden_states)
-        return _run_base(self.skeleton, self.stub_plan,
-                         inputs_embeds=_whole_length(hidden_states, cast(nn.Module, self.layer_before))).last_hidden_state
+        shape_of = _whole_length(hidden_states, cast(nn.Module, self.layer_before))
+        return _run_base(self.skeleton, self.stub_plan, inputs_embeds=shape_of).last_hidden_state
 
 
 class LMHeadPipe(nn.Module):

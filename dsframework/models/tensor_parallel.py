@@ -195,12 +195,12 @@ class TensorParallelCausalLM(nn.Module):
         """`.loss` (models/loss.py's, with `shift_labels` the targets already shifted and
         `num_items_in_batch` the count it divides by) and `.logits` (None when chunked)."""
         hidden = self.model.base_model(input_ids=input_ids, **{"use_cache": False, **kwargs}).last_hidden_state
+        if self.sequence_parallel:  # the decoder ends with this rank's slice of the sequence
+            hidden = gather_from_sequence_parallel_region(hidden, group=self.group, partial_grads=False)
         token_loss = vocab_parallel_token_loss(group=self.group, vocab_size=self.config.vocab_size)
         head = processed_head(self.model)  # this rank's vocab slice, post-processed as the model's forward does
         if labels is None and shift_labels is None:
             return TensorParallelOutput(loss=None, logits=head(hidden))
-        if self.sequence_parallel:  # the decoder ends with this rank's slice of the sequence
-            hidden = gather_from_sequence_parallel_region(hidden, group=self.group, partial_grads=False)
         if self.loss_chunk_tokens:
             return TensorParallelOutput(loss=chunked_causal_lm_loss(
                 head, hidden, labels, shifted=shift_labels, chunk_tokens=self.loss_chunk_tokens,

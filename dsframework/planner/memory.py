@@ -413,7 +413,8 @@ def loss_chunk(desc: ModelDesc, layout: Layout, job: Workload) -> int | None:
 
 
 def _edge_activation_bytes(desc: ModelDesc, shape: StageShape, *, micro_batch: int, seq_len: int, tp: int,
-                           precision: str, cp: int = 1, chunked: bool = False, sequence_parallel: bool = False) -> float:
+                           precision: str, cp: int = 1, chunked: bool = False,
+                           sequence_parallel: bool = False) -> float:
     """The first stage's token ids; the last stage's final norm and fp32 logits for the loss
     (for this rank's seq_len / cp tokens). A `chunked` loss keeps no logits: each chunk's are
     recomputed in the backward from the final norm's output, already counted here. With sequence

@@ -126,4 +126,8 @@ def test_saved_activations_fall_by_what_the_planner_counts(trained):
 
     without, with_ = measured("gpt2-dropout"), measured("gpt2-dropout-sp")
     fall, counted = without - with_, predicted(False) - predicted(True)
+    # The planner counts CUDA's dropout, which keeps a 1-byte mask; on the CPU (these ranks), dropout keeps its fp32
+    # scaled noise (4 bytes): the two residual dropouts of each layer, on half the tokens, 3 bytes more
+    tokens, tp = 2 * 32, 2
+    counted += desc.layers * 2 * desc.hidden * 3 * tokens * (1 - 1 / tp)
     assert fall > 0 and abs(fall / counted - 1) < 0.10, (without, with_, predicted(False), predicted(True))

@@ -207,7 +207,7 @@ def test_dsf_plan_table_and_json_schema():
     record = data["candidates"][0]
     assert set(record) >= {"dp", "tp", "pp", "cp", "zero_stage", "zero_hpz", "offload_optimizer", "offload_param",
                            "micro_batch",
-                           "grad_accum", "activation_checkpointing", "fits", "memory", "cpu_memory",
+                           "grad_accum", "activation_checkpointing", "sequence_parallel", "fits", "memory", "cpu_memory",
                            "step_time_s", "tokens_per_s"}
     assert set(record["memory"]) == {"params", "grads", "optimizer", "activations", "buffers", "total"}
     assert record["fits"] and record["memory"]["total"] < 80 * GiB

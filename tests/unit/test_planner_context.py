@@ -239,12 +239,14 @@ def test_dsf_plan_chooses_context_parallelism_for_llama_8b_at_128k(tmp_path):
 
 
 def test_only_context_parallel_layouts_fitting_are_explained():
-    """At 256k tokens and a micro-batch of one, no cp 1 layout fits: the plan says how close it got."""
+    """At 256k tokens, a micro-batch of one and tp 1, no cp 1 layout fits: the plan says how close it
+    got. (At tp 2-4, sequence parallelism with full recompute keeps a tp-th of each layer's input and
+    fits without cp.)"""
     from transformers import LlamaConfig
 
     desc = describe_model(LlamaConfig(**{**LLAMA_8B, "max_position_embeddings": 262144}), name="llama-8b")
     plan = search(desc, cluster_preset("h100-80gb", nodes=2, gpus_per_node=8),
-                  Workload(seq_len=262144, global_batch=16))
+                  Workload(seq_len=262144, global_batch=16), tp=1)
     assert plan.best is not None and plan.best.layout.dims.cp > 1
     assert not any(c.fits for c in plan.candidates if c.layout.dims.cp == 1)
     assert plan.dropped_families[NO_CONTEXT_PARALLEL].startswith("needs ")

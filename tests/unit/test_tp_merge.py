@@ -52,8 +52,9 @@ def test_layouts_mark_padding_and_fused_heads():
     model = dense_model("tiny-gpt2")
     config = model.config
     layouts = shard_layouts(config, 2)
-    dim, index, _ = layouts[1]["transformer.wte.weight"]
-    assert dim == 0 and index.tolist() == [*range(31, 61), -1]  # rank 1: rows 31..60 and one pad row
+    dim, index, _ = layouts[0]["transformer.wte.weight"]  # 61 rows padded to 128 x tp
+    assert dim == 0 and index.tolist() == [*range(61), *[-1] * 67]  # rank 0: rows 0..60 and 67 pad rows
+    assert layouts[1]["transformer.wte.weight"][1].tolist() == [-1] * 128  # rank 1: padding alone
     dim, rows, transposed = layouts[0]["transformer.h.0.attn.c_attn.weight"]
     hidden, half = config.n_embd, config.n_embd // 2
     assert transposed and dim == 0 and rows.tolist() == [*range(0, half), *range(hidden, hidden + half),

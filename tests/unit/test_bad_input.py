@@ -315,6 +315,13 @@ CASES = [
                expect=("parallel.pp", "2", "zero_stage 0 or 1"), files=NOT_A_RUN),
     train_case("train-dp-not-world-over-tp-pp", OUT + "parallel: {dp: 2}\n",
                expect=("parallel.dp", "2", "world 1"), files=NOT_A_RUN),
+    train_case("train-sequence-parallel-without-tp", OUT + "parallel: {sequence_parallel: true}\n",
+               expect=("parallel.sequence_parallel=True", "parallel.tp is 1", "parallel.sequence_parallel=auto"),
+               files=NOT_A_RUN),
+    train_case("train-sequence-parallel-sequence-not-split", OUT + "data: {seq_len: 30}\n"
+               "parallel: {tp: 4, sequence_parallel: true}\n",
+               expect=("parallel.sequence_parallel=True", "does not divide data.seq_len=30", "multiple of 4"),
+               files=NOT_A_RUN),
     # This CPU has no fp16 (DeepSpeed's CPU accelerator says so; its own check is a traceback per rank).
     # train.tf32=true needs CUDA (auto is off here): named in pre-flight, before the rendezvous.
     train_case("train-tf32-without-cuda", OUT + "train: {tf32: true}\n",

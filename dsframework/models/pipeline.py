@@ -83,7 +83,6 @@ from dsframework.parallel.tensor import (
     LayoutOnlyGroup,
     VocabParallelEmbedding,
     VocabParallelLMHead,
-    gather_from_sequence_parallel_region,
 )
 from dsframework.runtime_facts import partition_balanced, partition_uniform
 from dsframework.types import HFConfig
@@ -263,14 +262,6 @@ def _whole_length(hidden_states: torch.Tensor, layer: nn.Module) -> torch.Tensor
     return hidden_states[:, :1].expand(b, s * ranks, h)
 
 
-def _sequence_gathered(hidden_states: torch.Tensor, head: nn.Module) -> torch.Tensor:
-    """The whole sequence for a vocab-parallel head after sequence-parallel layers (its input
-    gradient is whole on every rank after its own all-reduce: the gather's backward keeps a slice)."""
-    if not getattr(head, "sequence_parallel", False):
-        return hidden_states
-    return gather_from_sequence_parallel_region(hidden_states, group=getattr(head, "group"), partial_grads=False)
-
-
 class DecoderLayerPipe(_StagePart):
     """Decoder layer `index`, called with the arguments the model's own forward would give it
     (found by running that forward on the stage's skeleton up to this layer)."""
@@ -321,7 +312,7 @@ class LMHeadPipe(nn.Module):
         object.__setattr__(self, "post", post.obj)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(_sequence_gathered(hidden_states, self.lm_head))
+        logits = self.lm_head(hidden_states)
         return logits if self.post is None else self.post(logits)
 
 
@@ -330,7 +321,6 @@ def tied_lm_head(embedding: EmbeddingPipe, hidden_states: torch.Tensor, post: An
     with a vocab-parallel embedding, this rank's vocab slice of them (VocabParallelLMHead); then
     the model's own post-processing `post` (models/logits.py), if any."""
     if isinstance(embedding.token_embedding, VocabParallelEmbedding):
-        hidden_states = _sequence_gathered(hidden_states, embedding.token_embedding)
         logits = VocabParallelLMHead.tied_to(embedding.token_embedding)(hidden_states)
     else:
         logits = F.linear(hidden_states, cast(torch.Tensor, embedding.token_embedding.weight))

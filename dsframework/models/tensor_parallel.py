@@ -188,15 +188,13 @@ class TensorParallelCausalLM(nn.Module):
         self.model, self.group = model, group
         self.config = model.config
         self.loss_chunk_tokens: int | None = None  # models/loss.py use_chunked_loss: the loss in chunks
-        self.sequence_parallel = getattr(model, "sequence_parallel", False)  # use_sequence_parallel's
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 shift_labels: torch.Tensor | None = None, num_items_in_batch: Any = None, **kwargs: Any):
         """`.loss` (models/loss.py's, with `shift_labels` the targets already shifted and
         `num_items_in_batch` the count it divides by) and `.logits` (None when chunked)."""
+        # (with sequence parallelism the final norm gathered the whole sequence: use_sequence_parallel)
         hidden = self.model.base_model(input_ids=input_ids, **{"use_cache": False, **kwargs}).last_hidden_state
-        if self.sequence_parallel:  # the decoder ends with this rank's slice of the sequence
-            hidden = gather_from_sequence_parallel_region(hidden, group=self.group, partial_grads=False)
         token_loss = vocab_parallel_token_loss(group=self.group, vocab_size=self.config.vocab_size)
         head = processed_head(self.model)  # this rank's vocab slice, post-processed as the model's forward does
         if labels is None and shift_labels is None:
@@ -280,7 +278,7 @@ def use_sequence_parallel(model: Any, *, group: Any, regather: bool = True) -> N
     Outside the blocks, and after a row-parallel layer inside one, each rank holds its own tokens:
     the replicated parameters there (norms, row-parallel biases) sum their gradients over the
     tensor group, and dropout draws each rank's own stream (parallel/rng.py). The head gets the
-    whole sequence back (TensorParallelCausalLM, the pipeline's last stage). Call
+    whole sequence back at the final norm's output. Call
     `sequence_parallel_problem` first."""
     plan, layers = _decoder_layers(model)
     assert layers is not None and plan.pp is not None
@@ -294,10 +292,12 @@ def use_sequence_parallel(model: Any, *, group: Any, regather: bool = True) -> N
             _gathered_block(block, group, regather=regather)
     for module in norm:
         _split_tokens_region(list(module.modules()), group=group)
+    # The whole sequence again at the final norm's output, inside the base model's forward: some
+    # reshape it there by the input's length (GPT-2's view(-1, seq_len, hidden)), which a slice
+    # would silently reinterpret as other tokens.
+    norm[-1].register_forward_hook(_gather_output(group))
     setattr(layers[0], "takes_whole_sequence", True)
     layers[0].register_forward_pre_hook(_first_layer_takes_its_slice(group), with_kwargs=True)
-    for module in (model.get_input_embeddings(), model.get_output_embeddings()):
-        setattr(module, "sequence_parallel", True)  # (the pipeline's heads gather the sequence back)
     model.sequence_parallel = True
 
 
@@ -346,6 +346,13 @@ def _on_hidden_states(change: Callable[[torch.Tensor], torch.Tensor]) -> Callabl
             return (change(args[0]), *args[1:]), kwargs
         return args, {**kwargs, "hidden_states": change(kwargs["hidden_states"])}
     return hook
+
+
+def _gather_output(group: Any) -> Callable:
+    """A forward hook: the module's output (this rank's tokens) all-gathered to the whole sequence,
+    for the head; its backward keeps this rank's slice of the gradient (the vocab-parallel head's
+    input gradient is already whole on every rank after its own all-reduce)."""
+    return lambda module, args, output: gather_from_sequence_parallel_region(output, group=group, partial_grads=False)
 
 
 def _first_layer_takes_its_slice(group: Any) -> Callable:

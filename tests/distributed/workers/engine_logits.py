@@ -57,7 +57,10 @@ def save_logits(args: list[str]) -> None:
     if holds and tensor_rank == 0 and session.dp_rank == 0:
         torch.save({"input_ids": input_ids, "logits": logits.float()}, out)
     if session.built is not None:  # what this rank materialised and read from a pretrained directory
-        stats = {"parameters": session.built.parameters, "bytes_read": session.built.bytes_read}
+        padding = sum(int((p.dense_index < 0).sum()) * p[0].numel() for p in session.engine.module.parameters()
+                      if getattr(p, "dense_index", None) is not None)  # vocab padding rows: no file holds them
+        stats = {"parameters": session.built.parameters, "bytes_read": session.built.bytes_read,
+                 "padding": padding}
         Path(f"{out}.rank{dist.get_rank()}.json").write_text(json.dumps(stats))
 
 

@@ -256,6 +256,8 @@ def sequence_parallel_problem(model: Any) -> str | None:
     plan, layers = _decoder_layers(model)
     if layers is None:
         return f"dsf finds {model.config.model_type}'s decoder layers through its pipeline plan, which it lacks"
+    if plan.pp is not None and not plan.pp.last:  # (the sequence is gathered back there)
+        return f"{model.config.model_type}'s pipeline plan names no final norm after its decoder layers"
     for index, layer in enumerate(layers):
         inside = {id(m) for block in _gathered_blocks(layer) for m in block.modules()}
         for path, module in layer.named_modules():

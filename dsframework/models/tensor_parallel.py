@@ -300,7 +300,6 @@ def use_sequence_parallel(model: Any, *, group: Any, regather: bool = True) -> N
     norm[-1].register_forward_hook(_gather_output(group))
     setattr(layers[0], "takes_whole_sequence", True)
     layers[0].register_forward_pre_hook(_first_layer_takes_its_slice(group), with_kwargs=True)
-    model.sequence_parallel = True
 
 
 def _split_tokens_region(modules: list[nn.Module], *, group: Any) -> None:
